@@ -1,0 +1,39 @@
+# `make demo` and `make test` each build .venv when needed, then run, offline.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: venv demo test lint bench catalog clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first when none is importable: a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[hf,lightning,plot,dev]"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python scripts/demo.py
+
+test: venv
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
+	$(BIN)/mypy
+
+bench: venv
+	$(BIN)/python benchmarks/latency.py
+
+catalog: venv
+	$(BIN)/python scripts/gen_catalog.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""batchfit: what a training step needs, the fastest micro-batch, and exact accumulation."""

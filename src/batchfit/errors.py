@@ -1,0 +1,11 @@
+"""The one exception type for bad user input.
+
+It subclasses ``ValueError`` so library callers can catch it as the standard error for a bad
+value; the CLI turns it into exit code 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the message says what is wrong and how to fix it."""

@@ -1,0 +1,76 @@
+"""GPUs: the catalog of devices, their memory as nvidia-smi reports it, and their abilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from batchfit import catalog
+from batchfit._names import normalise, suggest
+from batchfit._units import BYTES_IN_MIB
+from batchfit.errors import UsageError
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model. ``memory_bytes`` is the total that nvidia-smi (rocm-smi) reports."""
+
+    name: str
+    full_name: str
+    vendor: str
+    architecture: str
+    memory_bytes: int
+    compute_capability: str | None
+    bf16: bool
+    fp8: bool
+    fp16_tflops_dense: float | None
+    bf16_tflops_dense: float | None
+    bandwidth_gb_s: float | None
+
+    @property
+    def sm(self) -> tuple[int, int] | None:
+        """CUDA compute capability as ``(major, minor)``; None for AMD."""
+        cc = self.compute_capability
+        if self.vendor != "nvidia" or not cc or "." not in cc:
+            return None
+        major, minor = cc.split(".", 1)
+        return int(major), int(minor)
+
+
+@cache
+def all_gpus() -> dict[str, GpuSpec]:
+    """Every catalog GPU by name, in catalog order."""
+    gpus: dict[str, GpuSpec] = {}
+    for row in catalog.load("gpus")["gpus"]:
+        gpus[row["name"]] = GpuSpec(
+            name=row["name"],
+            full_name=row["full_name"],
+            vendor=row["vendor"],
+            architecture=row["architecture"],
+            memory_bytes=int(row["memory_mib"]) * BYTES_IN_MIB,
+            compute_capability=row.get("compute_capability"),
+            bf16=bool(row["bf16"]),
+            fp8=bool(row.get("fp8", False)),
+            fp16_tflops_dense=row.get("fp16_tflops_dense"),
+            bf16_tflops_dense=row.get("bf16_tflops_dense"),
+            bandwidth_gb_s=row.get("bandwidth_gb_s"),
+        )
+    return gpus
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """Look up a GPU by catalog name, case-insensitively (``A100-40GB`` = ``a100-40gb``).
+
+    Raises:
+        UsageError: the name is unknown; the message suggests close matches.
+    """
+    gpus = all_gpus()
+    key = normalise(name)
+    if key in gpus:
+        return gpus[key]
+    for prefix in ("nvidia-", "amd-", "tesla-", "geforce-"):
+        if key.startswith(prefix) and key[len(prefix) :] in gpus:
+            return gpus[key[len(prefix) :]]
+    raise UsageError(
+        f"unknown GPU {name!r}{suggest(key, gpus)}; `batchfit gpus` lists the catalog"
+    )

@@ -1,0 +1,486 @@
+"""What is trained: resolve MODEL to architecture facts and an exact parameter table.
+
+Catalog models resolve from shipped data without importing torch; config files outside the
+catalog are built on the meta device (``_meta.py``) to count parameters exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from batchfit import catalog
+from batchfit._names import normalise, suggest
+from batchfit._units import human_count, looks_like_count, parse_count
+from batchfit.errors import UsageError
+
+ENCODER_TYPES = frozenset(
+    {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta",
+     "albert", "camembert", "mpnet", "modernbert"}
+)
+ENCODER_DECODER_TYPES = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian"})
+LEARNED_POSITION_TYPES = frozenset(
+    {"gpt2", "bert", "roberta", "distilbert", "opt", "gpt_neo", "electra", "xlm-roberta",
+     "camembert", "albert", "bart", "mbart", "biogpt"}
+)
+RELATIVE_POSITION_TYPES = frozenset({"t5", "mt5", "umt5", "deberta", "deberta-v2"})
+RMSNORM_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "gemma", "gemma2",
+     "gemma3_text", "t5", "mt5", "umt5", "olmo2", "granite"}
+)
+# RoBERTa-style embeddings start positions at padding_idx + 1 = 2 (modeling_roberta.py).
+_POSITION_OFFSET = {"roberta": 2, "xlm-roberta": 2, "camembert": 2}
+# peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; the two marked entries are ours,
+# for model types peft has no default for.
+DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("c_attn",),
+    "bert": ("query", "value"),
+    "roberta": ("query", "value"),
+    "xlm-roberta": ("query", "value"),
+    "t5": ("q", "v"),
+    "mt5": ("q", "v"),
+    "gpt_neox": ("query_key_value",),
+    "distilbert": ("q_lin", "v_lin"),  # ours: peft has no default
+    "phi3": ("qkv_proj",),  # ours: peft has no default
+}
+_PEFT_GUESSED = frozenset({"distilbert", "phi3"})
+_LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
+
+KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters sharing a name pattern (layer index folded to ``*``) and a shape."""
+
+    pattern: str
+    shape: tuple[int, ...]
+    count: int
+    module: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def total(self) -> int:
+        return self.numel * self.count
+
+    @property
+    def leaf(self) -> str:
+        """The owning module's own name: ``q_proj`` for ``model.layers.*.self_attn.q_proj.weight``."""
+        parts = self.pattern.split(".")
+        return parts[-2] if len(parts) >= 2 else parts[0]
+
+    @property
+    def kind(self) -> str:
+        return _param_kind(self.pattern, self.module)
+
+    @property
+    def is_matrix_weight(self) -> bool:
+        return self.module in ("Linear", "Conv1D") and self.pattern.endswith("weight")
+
+
+def _param_kind(pattern: str, module: str) -> str:
+    name = pattern.lower()
+    if "norm" in module.lower() or module in ("LayerNorm", "T5LayerNorm"):
+        return "norm"
+    if module == "Embedding" or "embed" in name or name.startswith("shared.") or "wte" in name:
+        return "embedding" if "relative_attention_bias" not in name else "attention"
+    if any(k in name for k in ("lm_head", "classifier", "score", "pooler", "cls.", "vocab_")):
+        return "head"
+    if "expert" in name:
+        return "experts"
+    if any(k in name for k in ("attn", "attention", "q_lin", "k_lin", "v_lin", "out_lin")):
+        return "attention"
+    if any(k in name for k in ("mlp", "ffn", "intermediate", "output.dense", "densereludense",
+                               "fc1", "fc2", "layer.1.", "layer.2.", "moe", "gate")):
+        return "mlp"
+    return "other"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Shape facts the analytic engine needs, normalised across model types."""
+
+    model_type: str
+    family: str  # decoder | encoder | encoder-decoder
+    hidden_size: int
+    num_layers: int
+    num_decoder_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int | None  # None: rotary/relative, no hard limit
+    positional: str  # learned | rotary | relative
+    gated_mlp: bool
+    activation: str
+    norm: str  # layernorm | rmsnorm
+    tied_embeddings: bool
+    num_experts: int
+    experts_per_token: int
+    attention_dropout: float
+    hidden_dropout: float
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A resolved MODEL: its config, architecture, task and parameter table."""
+
+    name: str
+    hub_id: str | None
+    origin: str  # catalog | config | size
+    config: dict[str, Any]
+    arch: Architecture
+    task: str
+    params: tuple[ParamGroup, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def total_params(self) -> int:
+        return sum(g.total for g in self.params)
+
+    def params_by_kind(self) -> dict[str, int]:
+        out = dict.fromkeys(KIND_ORDER, 0)
+        for group in self.params:
+            out[group.kind] += group.total
+        return {k: v for k, v in out.items() if v}
+
+    def default_lora_targets(self) -> tuple[str, ...]:
+        mt = self.arch.model_type
+        return DEFAULT_LORA_TARGETS.get(mt, ("q_proj", "v_proj"))
+
+    @property
+    def lora_targets_guessed(self) -> bool:
+        """peft has no default LoRA targets for this model type; ours are a guess."""
+        return self.arch.model_type in _PEFT_GUESSED
+
+    def lora_params(self, rank: int, targets: Iterable[str] | None = None) -> int:
+        """Trainable LoRA parameters: ``rank * (in + out)`` per targeted module (peft LoraLayer).
+
+        Raises:
+            UsageError: no module matches the targets.
+        """
+        wanted = tuple(targets) if targets is not None else self.default_lora_targets()
+        total = 0
+        matched = set()
+        for group in self.params:
+            if not group.pattern.endswith("weight") or group.module not in _LORA_MODULES:
+                continue
+            path = group.pattern.rsplit(".", 1)[0]
+            for target in wanted:
+                if path == target or path.endswith("." + target):
+                    total += rank * sum(group.shape[:2]) * group.count
+                    matched.add(target)
+                    break
+        missing = [t for t in wanted if t not in matched]
+        if missing:
+            leaves = sorted({g.leaf for g in self.params if g.is_matrix_weight})
+            raise UsageError(
+                f"--lora-targets {','.join(missing)} match no linear module of {self.name}; "
+                f"its linear modules are: {', '.join(leaves)}"
+            )
+        return total
+
+    def quantizable_params(self) -> int:
+        """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head.
+
+        transformers' ``get_keys_to_not_convert`` keeps the output embedding in 16-bit. Fused
+        MoE expert tensors (transformers 5 stores each layer's experts as one 3-D parameter)
+        are counted as quantised too, as QLoRA recipes for Mixtral quantise the experts.
+        """
+        return sum(
+            g.total
+            for g in self.params
+            if (g.module == "Linear" and g.pattern.endswith("weight") and g.kind != "head")
+            or (g.kind == "experts" and len(g.shape) == 3)
+        )
+
+
+def arch_from_config(cfg: dict[str, Any]) -> Architecture:
+    """Normalise a config.json dict's field names (GPT-2, BERT, T5, OPT, Llama, ...)."""
+    mt = cfg.get("model_type", "")
+
+    def first(*keys: str, default: Any = None) -> Any:
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+        return default
+
+    hidden = int(first("hidden_size", "n_embd", "d_model", "dim"))
+    layers = int(first("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    heads = int(first("num_attention_heads", "n_head", "num_heads", "n_heads"))
+    head_dim = int(first("head_dim", "d_kv", default=hidden // heads))
+    inter = first("intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim")
+    act = str(first("hidden_act", "activation_function", "feed_forward_proj", "activation",
+                    default="gelu"))
+    if mt in ENCODER_DECODER_TYPES:
+        family = "encoder-decoder"
+    elif mt in ENCODER_TYPES:
+        family = "encoder"
+    else:
+        family = "decoder"
+    gated = mt not in LEARNED_POSITION_TYPES and family != "encoder" and not mt.startswith("t5")
+    if mt in ("t5", "mt5", "umt5"):
+        gated = act.startswith("gated-")
+        act = act.removeprefix("gated-")
+    max_pos = first("max_position_embeddings", "n_positions")
+    if mt in LEARNED_POSITION_TYPES and max_pos is not None:
+        positional = "learned"
+        max_pos = int(max_pos) - _POSITION_OFFSET.get(mt, 0)
+    elif mt in RELATIVE_POSITION_TYPES:
+        positional, max_pos = "relative", None
+    else:
+        positional = "rotary"
+        max_pos = int(max_pos) if max_pos is not None else None
+    dropout = float(first("dropout_rate", "hidden_dropout_prob", "resid_pdrop", "dropout",
+                          "hidden_dropout", default=0.0))
+    return Architecture(
+        model_type=mt,
+        family=family,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_decoder_layers=int(first("num_decoder_layers", default=layers))
+        if family == "encoder-decoder" else 0,
+        num_heads=heads,
+        num_kv_heads=int(first("num_key_value_heads", default=heads)),
+        head_dim=head_dim,
+        intermediate_size=int(inter) if inter is not None else 4 * hidden,
+        vocab_size=int(cfg["vocab_size"]),
+        max_positions=max_pos,
+        positional=positional,
+        gated_mlp=gated,
+        activation=act,
+        norm="rmsnorm" if mt in RMSNORM_TYPES else "layernorm",
+        tied_embeddings=bool(first("tie_word_embeddings", default=mt not in ("llama", "mistral"))),
+        num_experts=int(first("num_local_experts", "num_experts", default=0)),
+        experts_per_token=int(first("num_experts_per_tok", default=0)),
+        attention_dropout=float(first("attn_pdrop", "attention_probs_dropout_prob",
+                                      "attention_dropout", "dropout_rate", default=0.0)),
+        hidden_dropout=dropout,
+        sliding_window=first("sliding_window"),
+    )
+
+
+def default_task(cfg: dict[str, Any]) -> str:
+    """Task from ``architectures`` (…ForCausalLM, …ForMaskedLM, …), else from the model type."""
+    for arch_name in cfg.get("architectures") or ():
+        if arch_name.endswith(("ForCausalLM", "LMHeadModel")):
+            return "causal-lm"
+        if arch_name.endswith(("ForMaskedLM", "ForPreTraining")):
+            return "masked-lm"
+        if arch_name.endswith("ForSequenceClassification"):
+            return "classification"
+        if arch_name.endswith("ForConditionalGeneration"):
+            return "seq2seq"
+    mt = cfg.get("model_type", "")
+    if mt in ENCODER_DECODER_TYPES:
+        return "seq2seq"
+    return "masked-lm" if mt in ENCODER_TYPES else "causal-lm"
+
+
+@cache
+def _catalog_index() -> dict[str, dict[str, Any]]:
+    index: dict[str, dict[str, Any]] = {}
+    for entry in catalog.load("models")["models"]:
+        for key in (entry["name"], entry["hub_id"], *entry.get("aliases", ())):
+            index[normalise(key)] = entry
+            index[normalise(key.split("/")[-1])] = index.get(normalise(key.split("/")[-1]), entry)
+    return index
+
+
+def catalog_names() -> list[str]:
+    return [entry["name"] for entry in catalog.load("models")["models"]]
+
+
+def resolve_model(spec: str, task: str | None = None) -> ModelInfo:
+    """Resolve MODEL: a catalog name or hub id, a config.json path or folder, or a size (7B).
+
+    Example:
+        >>> info = resolve_model("gpt2")
+        >>> info.task, info.total_params
+        ('causal-lm', 124439808)
+    """
+    text = spec.strip()
+    if not text:
+        raise UsageError("MODEL is empty: give a catalog name, a config.json path, or a size")
+    entry = _catalog_index().get(normalise(text))
+    if entry is not None:
+        return _from_catalog(entry, task)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _from_config_file(path, task)
+    if looks_like_count(text):
+        return _from_size(parse_count(text), task)
+    cached = _hub_cache_config(text)
+    if cached is not None:
+        return _from_config_file(cached, task, hub_id=text)
+    raise UsageError(
+        f"unknown model {spec!r}{suggest(text, catalog_names())}: give a catalog name "
+        "(`batchfit models`), a path to a config.json or its folder, or a size such as 7B"
+    )
+
+
+def _check_task(task: str | None, cfg: dict[str, Any]) -> str:
+    chosen = task or default_task(cfg)
+    mt = cfg.get("model_type", "")
+    if chosen == "seq2seq" and mt not in ENCODER_DECODER_TYPES:
+        raise UsageError(f"--task seq2seq needs an encoder-decoder model; {mt} is not one")
+    if chosen == "causal-lm" and mt in ENCODER_TYPES:
+        raise UsageError(f"{mt} is an encoder: use --task masked-lm or classification")
+    return chosen
+
+
+def _from_catalog(entry: dict[str, Any], task: str | None) -> ModelInfo:
+    cfg = entry["config"]
+    chosen = _check_task(task, cfg)
+    rows = catalog.load("derived")["models"].get(entry["name"], {}).get(chosen)
+    if rows is None:
+        from batchfit import _meta
+
+        rows = _meta.param_table(_meta.build_on_meta(cfg, chosen))
+    return ModelInfo(
+        name=entry["name"],
+        hub_id=entry["hub_id"],
+        origin="catalog",
+        config=cfg,
+        arch=arch_from_config(cfg),
+        task=chosen,
+        params=_groups(rows),
+    )
+
+
+def _groups(rows: Iterable[list[Any]]) -> tuple[ParamGroup, ...]:
+    return tuple(ParamGroup(r[0], tuple(r[1]), int(r[2]), r[3]) for r in rows)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a config.json (or a folder holding one), with one-line errors."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path} has no config.json") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {file}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{file} is not valid JSON (line {e.lineno}): {e.msg}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise UsageError(f"{file} has no \"model_type\": is it a Hugging Face config.json?")
+    return cfg
+
+
+def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -> ModelInfo:
+    from batchfit import _meta
+
+    raw = read_config_file(path)
+    chosen = _check_task(task, raw)
+    model = _meta.build_on_meta(raw, chosen)
+    full = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
+    full["model_type"] = raw["model_type"]
+    try:
+        arch = arch_from_config(full)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read the model's shape from its config ({e})") from None
+    return ModelInfo(
+        name=hub_id or str(path),
+        hub_id=hub_id,
+        origin="config",
+        config=full,
+        arch=arch,
+        task=chosen,
+        params=_groups(_meta.param_table(model)),
+    )
+
+
+def _hub_cache_config(hub_id: str) -> Path | None:
+    """A config.json for ``org/name`` in the local Hugging Face cache, if one is there."""
+    if hub_id.count("/") != 1:
+        return None
+    root = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
+    snapshots = Path(root) / f"models--{hub_id.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+# Generic decoder for a bare size: Llama-2 proportions (hidden/layers = 128, SwiGLU with
+# intermediate = 8/3 hidden rounded to 256, 128-wide MHA heads, 32k vocabulary).
+_GENERIC_VOCAB = 32000
+
+
+def generic_decoder_config(num_params: int) -> dict[str, Any]:
+    """A Llama-style config.json of about ``num_params`` parameters."""
+    vocab = _GENERIC_VOCAB
+    # 12 h^2 per layer (4 h^2 attention + 3 h * 8h/3 MLP) + 2 V h embeddings, with L = h / 128.
+    hidden = 128
+    while 12 * (hidden + 128) ** 3 / 128 + 2 * vocab * (hidden + 128) <= num_params:
+        hidden += 128
+    inter = int(math.ceil(8 * hidden / 3 / 256) * 256)
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    layers = max(1, round((num_params - 2 * vocab * hidden) / per_layer))
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": max(1, hidden // 128),
+        "num_key_value_heads": max(1, hidden // 128),
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": 1e-5,
+    }
+
+
+def _generic_rows(cfg: dict[str, Any]) -> list[list[Any]]:
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    n = cfg["num_hidden_layers"]
+    layer = "model.layers.*."
+    return [
+        ["model.embed_tokens.weight", [v, h], 1, "Embedding"],
+        *[[f"{layer}self_attn.{p}.weight", [h, h], n, "Linear"]
+          for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
+        [f"{layer}mlp.gate_proj.weight", [f, h], n, "Linear"],
+        [f"{layer}mlp.up_proj.weight", [f, h], n, "Linear"],
+        [f"{layer}mlp.down_proj.weight", [h, f], n, "Linear"],
+        [f"{layer}input_layernorm.weight", [h], n, "LlamaRMSNorm"],
+        [f"{layer}post_attention_layernorm.weight", [h], n, "LlamaRMSNorm"],
+        ["model.norm.weight", [h], 1, "LlamaRMSNorm"],
+        ["lm_head.weight", [v, h], 1, "Linear"],
+    ]
+
+
+def _from_size(num_params: int, task: str | None) -> ModelInfo:
+    cfg = generic_decoder_config(num_params)
+    chosen = _check_task(task, cfg)
+    if chosen != "causal-lm":
+        raise UsageError("a bare size means a generic decoder: only --task causal-lm applies")
+    arch = arch_from_config(cfg)
+    info = ModelInfo(
+        name=f"generic-{human_count(num_params)}",
+        hub_id=None,
+        origin="size",
+        config=cfg,
+        arch=arch,
+        task=chosen,
+        params=_groups(_generic_rows(cfg)),
+    )
+    note = (
+        f"{human_count(num_params)} is a bare size: assuming a Llama-style decoder with "
+        f"{arch.num_layers} layers, hidden {arch.hidden_size}, vocabulary {arch.vocab_size} "
+        f"({human_count(info.total_params)} parameters); give a config.json for exact figures"
+    )
+    return ModelInfo(**{**info.__dict__, "warnings": (note,)})

@@ -1,0 +1,151 @@
+"""``TrainingSetup``: the one validated description of how a model is trained."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal, get_args
+
+from batchfit.errors import UsageError
+
+Task = Literal["causal-lm", "classification", "masked-lm", "seq2seq"]
+Precision = Literal["auto", "fp32", "amp-fp16", "amp-bf16", "bf16", "fp16"]
+Optimizer = Literal[
+    "sgd",
+    "sgd-momentum",
+    "adam",
+    "adamw",
+    "adamw-8bit",
+    "paged-adamw-8bit",
+    "adafactor",
+    "lion",
+]
+OptimizerImpl = Literal["auto", "fused", "foreach", "for-loop"]
+Method = Literal["full", "lora", "qlora"]
+Attention = Literal["auto", "eager", "sdpa", "flash"]
+Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+
+TASKS: tuple[str, ...] = get_args(Task)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImpl)
+METHODS: tuple[str, ...] = get_args(Method)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+OFFLOADS: tuple[str, ...] = get_args(Offload)
+
+# Optimizers whose update keeps Adam's two moments.
+ADAM_FAMILY = frozenset({"adam", "adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion"})
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"{name} {value!r} is not one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How a model is trained: precision, optimizer, method, memory techniques, GPUs.
+
+    Batch size and sequence length are not part of the setup: they are what the planner
+    varies. ``precision="auto"`` is resolved per device by :meth:`resolved`.
+
+    Example:
+        >>> TrainingSetup(precision="bf16", optimizer="adamw").optimizer
+        'adamw'
+        >>> TrainingSetup(method="qlora", precision="fp32")
+        Traceback (most recent call last):
+        ...
+        batchfit.errors.UsageError: --method qlora computes in 16-bit: use --precision amp-bf16, amp-fp16, bf16 or fp16, not fp32
+    """
+
+    task: Task | None = None
+    precision: Precision = "auto"
+    optimizer: Optimizer = "adamw"
+    optimizer_impl: OptimizerImpl = "auto"
+    method: Method = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None
+    grad_ckpt: bool = False
+    attention: Attention = "auto"
+    num_gpus: int = 1
+    sharding: Sharding = "none"
+    offload: Offload = "none"
+
+    def __post_init__(self) -> None:
+        if self.task is not None:
+            _check_choice("--task", self.task, TASKS)
+        _check_choice("--precision", self.precision, PRECISIONS)
+        _check_choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _check_choice("--method", self.method, METHODS)
+        _check_choice("--attention", self.attention, ATTENTIONS)
+        _check_choice("--sharding", self.sharding, SHARDINGS)
+        _check_choice("--offload", self.offload, OFFLOADS)
+        if isinstance(self.lora_targets, list):  # accept lists from Python callers
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
+            raise UsageError(f"--num-gpus must be a positive integer, got {self.num_gpus!r}")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+            raise UsageError(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
+        if self.lora_alpha <= 0:
+            raise UsageError(f"--lora-alpha must be positive, got {self.lora_alpha!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UsageError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_targets is not None and not self.lora_targets:
+            raise UsageError("--lora-targets is empty: name modules, e.g. q_proj,v_proj")
+        if self.method == "qlora" and self.precision == "fp32":
+            raise UsageError(
+                "--method qlora computes in 16-bit: use --precision amp-bf16, amp-fp16, "
+                "bf16 or fp16, not fp32"
+            )
+        if self.offload == "optimizer" and self.sharding not in ("zero1", "zero2", "zero3", "fsdp"):
+            raise UsageError(
+                "--offload optimizer needs ZeRO: add --sharding zero1, zero2, zero3 or fsdp"
+            )
+        if self.offload == "optimizer+params" and self.sharding not in ("zero3", "fsdp"):
+            raise UsageError("--offload optimizer+params needs --sharding zero3 or fsdp")
+
+    @property
+    def is_lora(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    @property
+    def shards_states(self) -> bool:
+        """Whether optimizer states are divided across GPUs."""
+        return self.sharding in ("zero1", "zero2", "zero3", "fsdp") and self.num_gpus > 1
+
+    def resolved(self, *, device: Literal["cpu", "cuda"], bf16_supported: bool) -> TrainingSetup:
+        """Return a copy with ``precision="auto"`` and ``attention="auto"`` made concrete.
+
+        Example:
+            >>> TrainingSetup().resolved(device="cpu", bf16_supported=False).precision
+            'fp32'
+            >>> TrainingSetup().resolved(device="cuda", bf16_supported=True).precision
+            'amp-bf16'
+        """
+        precision = self.precision
+        if precision == "auto":
+            if device == "cpu":
+                precision = "fp32"
+            else:
+                precision = "amp-bf16" if bf16_supported else "amp-fp16"
+        attention = self.attention
+        if attention == "auto":
+            # transformers picks SDPA; on CUDA SDPA dispatches to the flash / memory-efficient
+            # kernels, on the CPU to its own flash kernel (torch/_C SDPA backend selection).
+            attention = "sdpa"
+        return replace(self, precision=precision, attention=attention)
+
+    def describe(self) -> str:
+        """A one-line summary of the non-default choices."""
+        default = TrainingSetup()
+        parts = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value != getattr(default, field.name):
+                shown = ",".join(value) if isinstance(value, tuple) else value
+                parts.append(f"{field.name.replace('_', '-')}={shown}")
+        return " ".join(parts) or "defaults"
