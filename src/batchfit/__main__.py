@@ -1,0 +1,3 @@
+from batchfit.cli import main
+
+main()

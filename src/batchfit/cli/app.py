@@ -1,0 +1,312 @@
+"""Commands: estimate, plan, models, gpus. Compute lives in the library; this file parses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from batchfit._units import parse_size
+from batchfit.errors import UsageError
+from batchfit.spec import (
+    ATTENTIONS,
+    METHODS,
+    OFFLOADS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDINGS,
+    TASKS,
+    TrainingSetup,
+)
+
+app = typer.Typer(
+    name="batchfit",
+    help="What a training step needs, the micro-batch that fits, and exact accumulation plans.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return "|".join(values)
+
+
+# Options shared by the commands, declared once.
+ModelArg = Annotated[str, typer.Argument(
+    help="Catalog name (gpt2, llama-3.1-8b, ...), hub id, path to a config.json or its folder, "
+         "or a bare size such as 7B.", show_default=False)]
+SeqLen = Annotated[int, typer.Option("--seq-len", "-s", help="Tokens per sample.",
+                                     show_default=False)]
+Task = Annotated[Optional[str], typer.Option(  # noqa: UP045 (typer reads the annotation)
+    help=f"{_choices(TASKS)}; default from the config's architectures.")]
+Precision = Annotated[str, typer.Option(help=f"auto|{_choices(PRECISIONS[1:])}; auto = "
+                                        "amp-bf16 on a bf16 GPU, amp-fp16 on older, fp32 on CPU.")]
+OptimizerO = Annotated[str, typer.Option("--optimizer", help=_choices(OPTIMIZERS))]
+OptimizerImplO = Annotated[str, typer.Option(
+    "--optimizer-impl", help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks.")]
+MethodO = Annotated[str, typer.Option("--method", help=_choices(METHODS))]
+LoraRank = Annotated[int, typer.Option("--lora-rank", help="LoRA rank r.")]
+LoraAlpha = Annotated[float, typer.Option("--lora-alpha", help="LoRA alpha (peft default 8).")]
+LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout.")]
+LoraTargets = Annotated[Optional[str], typer.Option(  # noqa: UP045
+    "--lora-targets", help="Comma-separated module names; default: peft's for the model type.")]
+GradCkpt = Annotated[bool, typer.Option("--grad-ckpt/--no-grad-ckpt",
+                                        help="Gradient checkpointing.")]
+AttentionO = Annotated[str, typer.Option("--attention", help=_choices(ATTENTIONS))]
+NumGpus = Annotated[int, typer.Option("--num-gpus", help="GPUs (data parallel).")]
+ShardingO = Annotated[str, typer.Option("--sharding", help=_choices(SHARDINGS))]
+OffloadO = Annotated[str, typer.Option("--offload", help=_choices(OFFLOADS))]
+JsonO = Annotated[bool, typer.Option("--json", help="Print one JSON object, nothing else.")]
+GpuO = Annotated[Optional[str], typer.Option(  # noqa: UP045
+    "--gpu", help="Catalog GPU (`batchfit gpus`): implies --device cuda.")]
+
+
+def _setup(task: str | None, precision: str, optimizer: str, optimizer_impl: str, method: str,
+           lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: str | None,
+           grad_ckpt: bool, attention: str, num_gpus: int, sharding: str,
+           offload: str) -> TrainingSetup:
+    targets = None
+    if lora_targets is not None:
+        targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    if targets is not None and method == "full":
+        raise UsageError("--lora-targets needs --method lora or qlora")
+    return TrainingSetup(
+        task=task,  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        optimizer_impl=optimizer_impl,  # type: ignore[arg-type]
+        method=method,  # type: ignore[arg-type]
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        lora_targets=targets,
+        grad_ckpt=grad_ckpt,
+        attention=attention,  # type: ignore[arg-type]
+        num_gpus=num_gpus,
+        sharding=sharding,  # type: ignore[arg-type]
+        offload=offload,  # type: ignore[arg-type]
+    )
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    import json
+
+    from batchfit._version import versions
+
+    print(json.dumps({**obj, "versions": versions()}, indent=2))
+
+
+@app.command()
+def estimate(
+    model: ModelArg,
+    micro_batch: Annotated[int, typer.Option("--micro-batch", "-b", help="Samples per GPU "
+                                             "per forward/backward.", show_default=False)],
+    seq_len: SeqLen,
+    task: Task = None,
+    precision: Precision = "auto",
+    optimizer: OptimizerO = "adamw",
+    optimizer_impl: OptimizerImplO = "auto",
+    method: MethodO = "full",
+    lora_rank: LoraRank = 8,
+    lora_alpha: LoraAlpha = 8.0,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
+    grad_ckpt: GradCkpt = False,
+    attention: AttentionO = "auto",
+    device: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--device", help="cpu|cuda (default cuda; --gpu implies cuda).")] = None,
+    gpu: GpuO = None,
+    num_gpus: NumGpus = 1,
+    sharding: ShardingO = "none",
+    offload: OffloadO = "none",
+    grad_accum: Annotated[int, typer.Option(
+        "--grad-accum", help="Accumulation steps: above 1, gradients live through forward.")] = 1,
+    engine: Annotated[str, typer.Option(help="analytic|trace")] = "analytic",
+    as_json: JsonO = False,
+) -> None:
+    """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
+    from batchfit.cli import render
+    from batchfit.hardware import get_gpu
+    from batchfit.memory.estimate import estimate as run_estimate
+    from batchfit.models import resolve_model
+
+    setup = _setup(task, precision, optimizer, optimizer_impl, method, lora_rank, lora_alpha,
+                   lora_dropout, lora_targets, grad_ckpt, attention, num_gpus, sharding, offload)
+    if device not in (None, "cpu", "cuda"):
+        raise UsageError(f"--device {device!r} is not one of: cpu, cuda")
+    if gpu is not None and device == "cpu":
+        raise UsageError("--gpu and --device cpu contradict each other: drop one")
+    if engine not in ("analytic", "trace"):
+        raise UsageError(f"--engine {engine!r} is not one of: analytic, trace")
+    if grad_accum < 1:
+        raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
+    gpu_spec = get_gpu(gpu) if gpu else None
+    info = resolve_model(model, setup.task)
+    result = run_estimate(info, setup, micro_batch_size=micro_batch, seq_len=seq_len,
+                          device="cpu" if device == "cpu" else "cuda", gpu=gpu_spec,
+                          engine=engine, grad_accum_steps=grad_accum)  # type: ignore[arg-type]
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        render.estimate(result, info, gpu_spec)
+
+
+@app.command()
+def plan(
+    model: ModelArg,
+    gpu: Annotated[str, typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`).",
+                                     show_default=False)],
+    seq_len: SeqLen,
+    global_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--global-batch", help="Target global batch in samples.")] = None,
+    global_batch_tokens: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--global-batch-tokens", help="Target global batch in tokens.")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--micro-batch", "-b", help="Fix the micro-batch instead of the largest that fits.")
+    ] = None,
+    base_lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        "--base-lr", help="Learning rate tuned at --base-batch.")] = None,
+    base_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--base-batch", help="Batch --base-lr was tuned at (same unit as the target).")] = None,
+    headroom: Annotated[str, typer.Option(
+        "--headroom", help="Free memory to keep on the GPU, e.g. 1GiB.")] = "0.5GiB",
+    task: Task = None,
+    precision: Precision = "auto",
+    optimizer: OptimizerO = "adamw",
+    optimizer_impl: OptimizerImplO = "auto",
+    method: MethodO = "full",
+    lora_rank: LoraRank = 8,
+    lora_alpha: LoraAlpha = 8.0,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
+    grad_ckpt: GradCkpt = False,
+    attention: AttentionO = "auto",
+    num_gpus: NumGpus = 1,
+    sharding: ShardingO = "none",
+    offload: OffloadO = "none",
+    export_kind: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--export", help="hf|deepspeed|accelerate|lightning")] = None,
+    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        "--out", help="File for --export (default: print it).")] = None,
+    as_json: JsonO = False,
+) -> None:
+    """Plan micro-batch x accumulation x GPUs that hit a global batch exactly, and what fits."""
+    from batchfit.cli import render
+    from batchfit.export import EXPORT_KINDS, export, render as render_export
+    from batchfit.hardware import get_gpu
+    from batchfit.memory.estimate import check_workload
+    from batchfit.models import resolve_model
+    from batchfit.plan import make_plan
+
+    setup = _setup(task, precision, optimizer, optimizer_impl, method, lora_rank, lora_alpha,
+                   lora_dropout, lora_targets, grad_ckpt, attention, num_gpus, sharding, offload)
+    if export_kind is not None and export_kind not in EXPORT_KINDS:
+        raise UsageError(f"--export {export_kind!r} is not one of: {', '.join(EXPORT_KINDS)}")
+    if out is not None and export_kind is None:
+        raise UsageError("--out needs --export KIND")
+    gpu_spec = get_gpu(gpu)
+    info = resolve_model(model, setup.task)
+    check_workload(info, micro_batch or 1, seq_len)
+    result = make_plan(info, gpu_spec, setup, seq_len=seq_len, global_batch=global_batch,
+                       global_batch_tokens=global_batch_tokens, micro_batch_size=micro_batch,
+                       base_lr=base_lr, base_batch=base_batch,
+                       headroom_bytes=parse_size(headroom, what="--headroom"))
+    exports: dict[str, Any] = {}
+    export_text = None
+    if export_kind is not None:
+        data = export(result, export_kind)
+        export_text = render_export(data, export_kind)
+        if out is not None:
+            try:
+                out.write_text(export_text, encoding="utf-8")
+            except OSError as e:
+                raise UsageError(f"cannot write --out {out}: {e.strerror}") from None
+            exports[export_kind] = str(out)
+        else:
+            exports[export_kind] = data
+    if as_json:
+        _emit_json({**result.to_json(), "exports": exports})
+    else:
+        render.plan(result, info)
+        if export_kind is not None:
+            render.export_note(export_kind, out, export_text)
+
+
+@app.command()
+def models(as_json: JsonO = False) -> None:
+    """List the catalog models (config facts ship with batchfit; no download)."""
+    from batchfit.cli import render
+    from batchfit.models import catalog_names, resolve_model
+
+    infos = [resolve_model(name) for name in catalog_names()]
+    if as_json:
+        _emit_json({"models": [render.model_row(i) for i in infos]})
+    else:
+        render.models(infos)
+
+
+@app.command()
+def gpus(
+    model: Annotated[Optional[str], typer.Argument(  # noqa: UP045
+        help="With a model: the largest micro-batch that fits on each GPU.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--seq-len", "-s", help="Tokens per sample (needed with MODEL).")] = None,
+    task: Task = None,
+    precision: Precision = "auto",
+    optimizer: OptimizerO = "adamw",
+    optimizer_impl: OptimizerImplO = "auto",
+    method: MethodO = "full",
+    lora_rank: LoraRank = 8,
+    lora_alpha: LoraAlpha = 8.0,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
+    grad_ckpt: GradCkpt = False,
+    attention: AttentionO = "auto",
+    headroom: Annotated[str, typer.Option("--headroom", help="Free memory to keep.")] = "0.5GiB",
+    as_json: JsonO = False,
+) -> None:
+    """List the catalog GPUs; with MODEL --seq-len, what fits on each of them."""
+    from batchfit.cli import render
+    from batchfit.hardware import all_gpus
+
+    gpu_list = list(all_gpus().values())
+    if model is None:
+        if seq_len is not None:
+            raise UsageError("--seq-len needs a MODEL: batchfit gpus MODEL --seq-len S")
+        if as_json:
+            _emit_json({"gpus": [render.gpu_row(g) for g in gpu_list]})
+        else:
+            render.gpus(gpu_list)
+        return
+    if seq_len is None:
+        raise UsageError("batchfit gpus MODEL needs --seq-len")
+    from batchfit.plan import fit_table
+    from batchfit.memory.estimate import check_workload
+    from batchfit.models import resolve_model
+
+    setup = _setup(task, precision, optimizer, optimizer_impl, method, lora_rank, lora_alpha,
+                   lora_dropout, lora_targets, grad_ckpt, attention, 1, "none", "none")
+    info = resolve_model(model, setup.task)
+    check_workload(info, 1, seq_len)
+    rows = fit_table(info, setup, gpu_list, seq_len=seq_len,
+                     headroom_bytes=parse_size(headroom, what="--headroom"))
+    if as_json:
+        _emit_json({"model": info.name, "seq_len": seq_len, "gpus": [r.to_json() for r in rows]})
+    else:
+        render.fit_table(info, seq_len, rows)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Show versions and exit.")] = False,
+) -> None:
+    if version:
+        from batchfit._version import versions
+
+        print(" ".join(f"{k} {v}" for k, v in versions().items()))
+        raise typer.Exit(0)

@@ -1,0 +1,201 @@
+"""Rendering for people: rich tables on stdout, warnings on stderr. No computing here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from batchfit._units import BYTES_IN_GIB, gib, human_count
+from batchfit.hardware import GpuSpec
+from batchfit.memory.types import COMPONENTS, MemoryEstimate
+from batchfit.models import ModelInfo
+from batchfit.plan import FitRow, Plan
+
+out = Console(highlight=False, soft_wrap=False)
+err = Console(stderr=True, highlight=False)
+
+
+def _warn(warnings: tuple[str, ...] | list[str]) -> None:
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / BYTES_IN_GIB:,.2f}"
+
+
+def _breakdown(est: MemoryEstimate, title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_lines=False)
+    table.add_column("component")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    table.add_column("how it is counted", overflow="fold")
+    for comp in COMPONENTS:
+        first = True
+        for line in (ln for ln in est.lines if ln.component == comp):
+            table.add_row(comp if first else "", line.label, _gib(line.num_bytes), line.formula)
+            first = False
+    table.add_section()
+    for comp in COMPONENTS:
+        table.add_row(f"[bold]{comp}[/]", f"at the peak ({est.peak_phase})",
+                      _gib(est.components[comp]), "")
+    table.add_section()
+    table.add_row("[bold]peak allocated[/]", "", f"[bold]{_gib(est.peak_bytes)}[/]",
+                  "comparable to torch.cuda.max_memory_allocated"
+                  if est.device != "cpu" else "bytes held by tensors")
+    if est.device != "cpu":
+        table.add_row("reserved", "", _gib(est.reserved_bytes), "caching allocator")
+        table.add_row("[bold]device total[/]", "", f"[bold]{_gib(est.device_total_bytes)}[/]",
+                      "what nvidia-smi shows: + CUDA context, NCCL")
+    if est.host_bytes:
+        table.add_row("host RAM", "", _gib(est.host_bytes), "offloaded state, per GPU process")
+    return table
+
+
+def estimate(est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None) -> None:
+    setup = est.setup
+    out.print(
+        f"[bold]{info.name}[/] ({human_count(est.total_params)} params, "
+        f"{human_count(est.trainable_params)} trainable, {info.task}) on [bold]{est.device}[/]: "
+        f"micro-batch {est.micro_batch_size} x seq {est.seq_len}, {setup.precision}, "
+        f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
+        f"{', grad-ckpt' if setup.grad_ckpt else ''}"
+        f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
+    )
+    out.print(_breakdown(est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} "
+                              f"({est.engine} engine)"))
+    if gpu is not None:
+        free = gpu.memory_bytes - est.device_total_bytes
+        verdict = "[green]fits[/]" if free >= 0 else "[red]does not fit[/]"
+        out.print(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {verdict} "
+                  f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))})")
+    _warn(est.warnings)
+
+
+def plan(p: Plan, info: ModelInfo) -> None:
+    est = p.estimate
+    out.print(f"[bold]{info.name}[/] on {p.num_gpus} x [bold]{p.gpu}[/], seq {p.seq_len}")
+    out.print(
+        f"  micro-batch [bold]{p.micro_batch_size}[/] x accumulation "
+        f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
+        f"[bold]{p.global_batch_size:,}[/] samples = {p.tokens_per_step:,} tokens per step"
+    )
+    out.print(f"  largest micro-batch that fits: {p.max_micro_batch}"
+              + (" (the chosen one divides the global batch)"
+                 if p.max_micro_batch != p.micro_batch_size else ""))
+    if p.learning_rate is not None:
+        out.print(f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({p.lr_rule}; valid below "
+                  "the critical batch size)")
+    if p.techniques:
+        named = ", ".join(f"{t.name} [{'green' if t.kind == 'exact' else 'yellow'}]"
+                          f"({t.kind})[/]" for t in p.techniques)
+        out.print(f"  to fit: {named}")
+    else:
+        out.print("  to fit: nothing extra needed")
+    free = p.headroom_bytes
+    out.print(f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
+              f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
+              f"asked for {gib(p.headroom_wanted_bytes)})")
+    out.print(_breakdown(est, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
+    if p.alternatives:
+        table = Table(title="Alternatives (exact rungs first)", title_justify="left")
+        table.add_column("techniques")
+        table.add_column("kind")
+        table.add_column("largest micro-batch", justify="right")
+        table.add_column("GiB at that size", justify="right")
+        for alt in p.alternatives:
+            kinds = {t.kind for t in alt.techniques}
+            table.add_row(" + ".join(t.name for t in alt.techniques),
+                          "changes-training" if "changes-training" in kinds else "exact",
+                          str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
+                          _gib(alt.device_total_bytes))
+        out.print(table)
+    _warn(p.warnings)
+
+
+def export_note(kind: str, path: Path | None, text: str | None) -> None:
+    if path is not None:
+        out.print(f"wrote {kind} export to {path}")
+    elif text is not None:
+        out.print(f"[bold]{kind} export[/]:")
+        out.print(text, markup=False)
+
+
+def model_row(info: ModelInfo) -> dict[str, Any]:
+    a = info.arch
+    return {
+        "name": info.name,
+        "hub_id": info.hub_id,
+        "model_type": a.model_type,
+        "task": info.task,
+        "params": info.total_params,
+        "layers": a.num_layers,
+        "hidden_size": a.hidden_size,
+        "heads": a.num_heads,
+        "kv_heads": a.num_kv_heads,
+        "vocab_size": a.vocab_size,
+        "max_positions": a.max_positions,
+    }
+
+
+def models(infos: list[ModelInfo]) -> None:
+    table = Table(title="Catalog models (offline configs)", title_justify="left")
+    for col in ("name", "hub id", "type", "params", "layers", "hidden", "heads/kv", "vocab",
+                "positions"):
+        table.add_column(col, justify="right" if col in ("params", "layers", "hidden",
+                                                          "vocab", "positions") else "left")
+    for i in infos:
+        a = i.arch
+        table.add_row(i.name, i.hub_id or "", a.model_type, human_count(i.total_params),
+                      str(a.num_layers), str(a.hidden_size), f"{a.num_heads}/{a.num_kv_heads}",
+                      f"{a.vocab_size:,}", str(a.max_positions or "-"))
+    out.print(table)
+
+
+def gpu_row(g: GpuSpec) -> dict[str, Any]:
+    return {
+        "name": g.name,
+        "full_name": g.full_name,
+        "vendor": g.vendor,
+        "architecture": g.architecture,
+        "memory_bytes": g.memory_bytes,
+        "compute_capability": g.compute_capability,
+        "bf16": g.bf16,
+        "fp8": g.fp8,
+        "fp16_tflops_dense": g.fp16_tflops_dense,
+        "bf16_tflops_dense": g.bf16_tflops_dense,
+        "bandwidth_gb_s": g.bandwidth_gb_s,
+    }
+
+
+def gpus(gpu_list: list[GpuSpec]) -> None:
+    table = Table(title="Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)",
+                  title_justify="left")
+    for col in ("name", "GPU", "arch", "GiB", "CC", "bf16", "fp8", "fp16 TFLOPS", "GB/s"):
+        table.add_column(col, justify="right" if col in ("GiB", "fp16 TFLOPS", "GB/s")
+                         else "left")
+    for g in gpu_list:
+        table.add_row(g.name, g.full_name, g.architecture, _gib(g.memory_bytes),
+                      g.compute_capability or "", "yes" if g.bf16 else "no",
+                      "yes" if g.fp8 else "no", f"{g.fp16_tflops_dense or 0:g}",
+                      f"{g.bandwidth_gb_s or 0:g}")
+    out.print(table)
+
+
+def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
+    table = Table(title=f"{info.name}, seq {seq_len}: largest micro-batch per GPU "
+                        "(analytic engine)", title_justify="left")
+    for col in ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "what it takes"):
+        table.add_column(col, justify="right" if col in ("GiB", "largest micro-batch",
+                                                          "GiB used") else "left")
+    for r in rows:
+        needs = ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "")
+                          for t in r.techniques) or "-"
+        table.add_row(r.gpu.name, _gib(r.gpu.memory_bytes), r.precision,
+                      str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
+                      _gib(r.device_total_bytes), needs)
+    out.print(table)
+    out.print("* changes what is learned; the others are exact")

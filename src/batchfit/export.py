@@ -1,0 +1,206 @@
+"""Turn a plan into configs people paste: HF TrainingArguments, DeepSpeed, accelerate, Lightning."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from batchfit.plan import Plan
+from batchfit.spec import TrainingSetup
+
+ExportKind = Literal["hf", "deepspeed", "accelerate", "lightning"]
+EXPORT_KINDS: tuple[str, ...] = ("hf", "deepspeed", "accelerate", "lightning")
+
+# TrainingArguments(optim=...) names (transformers.training_args.OptimizerNames).
+_HF_OPTIM = {
+    "sgd": "sgd",
+    "sgd-momentum": "sgd",
+    "adam": "adamw_torch",
+    "adamw": "adamw_torch",
+    "adamw-8bit": "adamw_bnb_8bit",
+    "paged-adamw-8bit": "paged_adamw_8bit",
+    "adafactor": "adafactor",
+    "lion": "lion_32bit",
+}
+
+
+_PEFT_TASK = {"causal-lm": "CAUSAL_LM", "classification": "SEQ_CLS", "masked-lm": "FEATURE_EXTRACTION",
+              "seq2seq": "SEQ_2_SEQ_LM"}
+
+
+def _zero_stage(setup: TrainingSetup) -> int:
+    return {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(setup.sharding, 0)
+
+
+def _peft_settings(plan: Plan) -> dict[str, Any]:
+    setup = plan.setup
+    out: dict[str, Any] = {}
+    if setup.is_lora:
+        out["lora_config"] = {
+            "r": setup.lora_rank,
+            "lora_alpha": setup.lora_alpha,
+            "lora_dropout": setup.lora_dropout,
+            "target_modules": list(plan.lora_targets),
+            "task_type": _PEFT_TASK[plan.task],
+        }
+    if setup.method == "qlora":
+        out["bnb_config"] = {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "float16" if setup.precision.endswith("fp16")
+            else "bfloat16",
+        }
+    if setup.precision in ("bf16", "fp16") or setup.is_lora and setup.precision != "fp32":
+        out["from_pretrained_kwargs"] = {
+            "torch_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16"}
+    return out
+
+
+def hf_training_arguments(plan: Plan) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.TrainingArguments``."""
+    setup = plan.setup
+    kwargs: dict[str, Any] = {
+        "output_dir": "out",
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "optim": _HF_OPTIM[setup.optimizer],
+        "gradient_checkpointing": setup.grad_ckpt,
+        "bf16": setup.precision in ("amp-bf16", "bf16"),
+        "fp16": setup.precision in ("amp-fp16", "fp16"),
+    }
+    if setup.optimizer == "sgd-momentum":
+        kwargs["optim_args"] = "momentum=0.9"
+    if setup.optimizer == "adam":
+        kwargs["weight_decay"] = 0.0
+    if plan.learning_rate is not None:
+        kwargs["learning_rate"] = plan.learning_rate
+    if setup.sharding in ("zero1", "zero2", "zero3"):
+        kwargs["deepspeed"] = "ds_config.json"
+    elif setup.sharding == "fsdp":
+        kwargs["fsdp"] = "full_shard auto_wrap" + (
+            " offload" if setup.offload != "none" else "")
+    return kwargs
+
+
+def deepspeed_config(plan: Plan) -> dict[str, Any]:
+    """A DeepSpeed config; ``train_batch_size`` = micro x accumulation x world size."""
+    setup = plan.setup
+    zero: dict[str, Any] = {"stage": _zero_stage(setup)}
+    if setup.offload in ("optimizer", "optimizer+params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if setup.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "zero_optimization": zero,
+        "bf16": {"enabled": setup.precision in ("amp-bf16", "bf16")},
+        "fp16": {"enabled": setup.precision in ("amp-fp16", "fp16"), "loss_scale": 0},
+        "gradient_clipping": 1.0,
+    }
+    if setup.optimizer in ("adam", "adamw"):
+        params: dict[str, Any] = {"weight_decay": 0.0 if setup.optimizer == "adam" else 0.01}
+        if plan.learning_rate is not None:
+            params["lr"] = plan.learning_rate
+        config["optimizer"] = {"type": "AdamW" if setup.optimizer == "adamw" else "Adam",
+                               "params": params}
+    return config
+
+
+def accelerate_config(plan: Plan) -> dict[str, Any]:
+    """An accelerate config (the YAML ``accelerate config`` writes), as a dict."""
+    setup = plan.setup
+    mixed = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16", "fp16": "fp16"}.get(
+        setup.precision, "no")
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "machine_rank": 0,
+        "num_machines": 1,
+        "num_processes": plan.num_gpus,
+        "mixed_precision": mixed,
+        "use_cpu": False,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "gpu_ids": "all",
+    }
+    if setup.sharding in ("zero1", "zero2", "zero3"):
+        config["distributed_type"] = "DEEPSPEED"
+        config["deepspeed_config"] = {
+            "gradient_accumulation_steps": plan.grad_accum_steps,
+            "gradient_clipping": 1.0,
+            "zero_stage": _zero_stage(setup),
+            "offload_optimizer_device": "cpu" if setup.offload != "none" else "none",
+            "offload_param_device": "cpu" if setup.offload == "optimizer+params" else "none",
+            "zero3_init_flag": setup.sharding == "zero3",
+        }
+    elif setup.sharding == "fsdp":
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_sharding_strategy": "FULL_SHARD",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_offload_params": setup.offload != "none",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_activation_checkpointing": setup.grad_ckpt,
+        }
+    else:
+        config["distributed_type"] = "MULTI_GPU" if plan.num_gpus > 1 else "NO"
+    return config
+
+
+def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.pytorch.Trainer``."""
+    setup = plan.setup
+    precision = {"fp32": "32-true", "amp-bf16": "bf16-mixed", "amp-fp16": "16-mixed",
+                 "bf16": "bf16-true", "fp16": "16-mixed"}[setup.precision]
+    if setup.sharding in ("zero1", "zero2", "zero3"):
+        strategy = f"deepspeed_stage_{_zero_stage(setup)}" + (
+            "_offload" if setup.offload != "none" else "")
+    elif setup.sharding == "fsdp":
+        strategy = "fsdp"
+    else:
+        strategy = "ddp" if plan.num_gpus > 1 else "auto"
+    return {
+        "accelerator": "gpu",
+        "devices": plan.num_gpus,
+        "strategy": strategy,
+        "precision": precision,
+        "accumulate_grad_batches": plan.grad_accum_steps,
+    }
+
+
+def export(plan: Plan, kind: str) -> dict[str, Any]:
+    """The export of ``kind`` as a JSON-able dict (accelerate's is written as YAML).
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.plan import make_plan
+        >>> p = make_plan(resolve_model("gpt2"), get_gpu("a100-40gb"), TrainingSetup(),
+        ...               seq_len=1024, global_batch=64, micro_batch_size=16)
+        >>> export(p, "deepspeed")["gradient_accumulation_steps"]
+        4
+    """
+    extra = _peft_settings(plan)
+    if kind == "hf":
+        return {"training_arguments": hf_training_arguments(plan), **extra}
+    if kind == "deepspeed":
+        return deepspeed_config(plan)
+    if kind == "accelerate":
+        return accelerate_config(plan)
+    if kind == "lightning":
+        return {"trainer": lightning_trainer_kwargs(plan),
+                "dataloader": {"batch_size": plan.micro_batch_size}, **extra}
+    raise ValueError(f"unknown export kind {kind!r}")
+
+
+def render(data: dict[str, Any], kind: str) -> str:
+    """Text of an export file: YAML for accelerate, JSON otherwise."""
+    if kind == "accelerate":
+        import yaml
+
+        return str(yaml.safe_dump(data, sort_keys=False))
+    return json.dumps(data, indent=2) + "\n"

@@ -1,0 +1,1 @@
+"""Memory estimation engines: ``analytic`` (formulas) and, later, ``trace`` (fake-tensor run)."""

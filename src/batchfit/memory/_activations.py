@@ -1,0 +1,166 @@
+"""Activation bytes per token: what autograd saves for backward, layer by layer.
+
+The model follows the HF implementations op by op (what each op's backward needs), after
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", whose
+GPT layer saves ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit with dropout. HF layers differ from the
+paper's: RMSNorm upcasts to fp32, SwiGLU saves four ``f``-wide tensors, GQA saves smaller K/V,
+SDPA (flash / memory-efficient / CPU flash) saves the output and an fp32 log-sum-exp instead of
+the ``s x s`` scores. Terms are bytes per token; the caller multiplies by ``b * s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchfit.models import Architecture
+
+# Leaf names of each linear role, per model type (peft matches targets by these names).
+ROLE_LEAVES: dict[str, dict[str, tuple[str, ...]]] = {
+    "gpt2": {"qkv": ("c_attn",), "o": ("c_proj",), "up": ("c_fc",), "down": ("c_proj",)},
+    "bert": {"qkv": ("query", "key", "value"), "o": ("dense",), "up": ("dense",),
+             "down": ("dense",)},
+    "distilbert": {"qkv": ("q_lin", "k_lin", "v_lin"), "o": ("out_lin",), "up": ("lin1",),
+                   "down": ("lin2",)},
+    "t5": {"qkv": ("q", "k", "v"), "o": ("o",), "up": ("wi", "wi_0", "wi_1"), "down": ("wo",)},
+    "opt": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("out_proj",), "up": ("fc1",),
+            "down": ("fc2",)},
+    "phi3": {"qkv": ("qkv_proj",), "o": ("o_proj",), "up": ("gate_up_proj",),
+             "down": ("down_proj",)},
+    "gpt_neox": {"qkv": ("query_key_value",), "o": ("dense",), "up": ("dense_h_to_4h",),
+                 "down": ("dense_4h_to_h",)},
+    "llama": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+              "up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
+}
+for _alias, _base in (("roberta", "bert"), ("xlm-roberta", "bert"), ("camembert", "bert"),
+                      ("electra", "bert"), ("mt5", "t5"), ("umt5", "t5")):
+    ROLE_LEAVES[_alias] = ROLE_LEAVES[_base]
+ROLES = ("qkv", "o", "up", "down")
+# Python-level GELU (NewGELUActivation: 0.5*x*(1+tanh(c*(x+0.044715*x^3)))) saves x, tanh(.),
+# 0.5*x and 1+tanh(.) for backward; F.gelu saves only its input.
+_PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_pytorch"})
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Element sizes of one precision setup."""
+
+    compute_bytes: int  # linear outputs: 2 under autocast or pure 16-bit, 4 in fp32
+    stream_bytes: int  # the residual stream: fp32 under autocast (fp32 weights), else the dtype
+    amp: bool
+
+    @classmethod
+    def of(cls, precision: str) -> Regime:
+        if precision == "fp32":
+            return cls(4, 4, False)
+        if precision.startswith("amp-"):
+            return cls(2, 4, True)
+        return cls(2, 2, False)
+
+
+def role_leaves(model_type: str) -> dict[str, tuple[str, ...]]:
+    return ROLE_LEAVES.get(model_type, ROLE_LEAVES["llama"])
+
+
+def trainable_roles(model_type: str, lora_targets: tuple[str, ...] | None) -> dict[str, bool]:
+    """Which linears save their input: all when fully trained, LoRA-targeted ones otherwise.
+
+    A frozen linear's backward needs only its weight, not its input (aten linear backward).
+    """
+    if lora_targets is None:
+        return dict.fromkeys(ROLES, True)
+    leaves = role_leaves(model_type)
+    wanted = set(lora_targets)
+    return {role: bool(wanted & set(leaves[role])) for role in ROLES}
+
+
+def _norm(arch: Architecture, rg: Regime) -> tuple[str, float]:
+    h = arch.hidden_size
+    if arch.norm == "rmsnorm":
+        # HF RMSNorm: x.to(fp32) saved by pow/mul, x*rsqrt(var) cast back saved by weight*.
+        return "rmsnorm: fp32 input + normalised", 4 * h + rg.stream_bytes * h
+    # nn.LayerNorm saves its input (plus per-row mean/rstd).
+    return "layernorm input", rg.stream_bytes * h + 8
+
+
+def _attention(arch: Architecture, rg: Regime, impl: str, seq_len: int, roles: dict[str, bool],
+               kv_tokens_ratio: float = 1.0) -> list[tuple[str, float]]:
+    e, h, a = rg.compute_bytes, arch.hidden_size, arch.num_heads
+    qd = a * arch.head_dim
+    kvd = arch.num_kv_heads * arch.head_dim
+    terms: list[tuple[str, float]] = []
+    name, size = _norm(arch, rg)
+    terms.append((name, size))
+    if roles["qkv"]:
+        terms.append(("q/k/v projection input", e * h))
+    # SDPA / eager both keep q, k, v (after rotary); GQA with enable_gqa keeps K/V un-repeated.
+    terms.append(("q, k, v", e * (qd + 2 * kvd * kv_tokens_ratio)))
+    if impl in ("sdpa", "flash"):
+        terms.append(("attention output + fp32 log-sum-exp", e * qd + 4 * a))
+    else:
+        probs = 4 + (e if e != 4 else 0)  # fp32 softmax, then its cast to the compute dtype
+        if arch.attention_dropout > 0:
+            probs += 1 + e  # dropout mask (bool) and the dropped-out probabilities
+        if arch.model_type == "gemma2":
+            probs += 2 * e  # logit soft-capping: tanh output and scaled scores
+        terms.append((f"eager scores: {probs:g} B x heads x seq", probs * a * seq_len))
+        if roles["o"]:
+            terms.append(("attention context (contiguous copy)", e * qd))
+    if arch.hidden_dropout > 0:
+        terms.append(("dropout mask after attention", h))
+    if arch.model_type == "gemma2":
+        name, size = _norm(arch, rg)
+        terms.append(("post-attention " + name, size))
+    return terms
+
+
+def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[str, float]]:
+    e, h, f = rg.compute_bytes, arch.hidden_size, arch.intermediate_size
+    terms: list[tuple[str, float]] = []
+    name, size = _norm(arch, rg)
+    terms.append((name, size))
+    routed = max(arch.experts_per_token, 1)
+    if roles["up"]:
+        terms.append(("MLP input", e * h * routed))
+    if arch.gated_mlp:
+        # gate output (saved by act), act(gate) and up output (saved by the product).
+        inner, label = 3, "gate, act(gate), up"
+    elif arch.activation in _PYTHON_GELUS:
+        inner, label = 4, "GELU (python): x, tanh, x/2, 1+tanh"
+    elif arch.activation == "relu":
+        inner, label = 1, "relu output"
+        if arch.model_type in ("t5", "mt5", "umt5") and arch.hidden_dropout > 0:
+            inner, label = 1 + 1 / e, "relu output + dropout mask"
+    else:
+        inner, label = 1, "activation input"
+    terms.append((label, inner * e * arch.intermediate_size * routed))
+    if roles["down"]:
+        terms.append(("down-projection input", e * f * routed))
+    if arch.num_experts:
+        terms.append(("expert gather / scatter", 2 * e * h * routed + 4 * arch.num_experts))
+    if arch.hidden_dropout > 0:
+        terms.append(("dropout mask after MLP", h))
+    if arch.model_type == "gemma2":
+        name, size = _norm(arch, rg)
+        terms.append(("post-MLP " + name, size))
+    return terms
+
+
+def layer_terms(arch: Architecture, rg: Regime, impl: str, seq_len: int,
+                roles: dict[str, bool], cross_attention: bool = False) -> list[tuple[str, float]]:
+    """Bytes per token one transformer layer keeps for backward, as labelled terms."""
+    terms = _attention(arch, rg, impl, seq_len, roles)
+    if cross_attention:
+        terms += [("cross-attention " + k, v)
+                  for k, v in _attention(arch, rg, impl, seq_len, roles)]
+    return terms + _mlp(arch, rg, roles)
+
+
+def loss_terms(vocab: int, rg: Regime) -> tuple[float, float]:
+    """Bytes per token held by logits and the loss, and the extra during the loss's backward.
+
+    transformers' ForCausalLMLoss upcasts logits (``logits.float()``); cross-entropy's
+    log_softmax keeps its fp32 output; its backward adds the incoming and outgoing gradients
+    (both fp32, ``b*s*V`` each) while the logits are still referenced by the model output.
+    """
+    held = rg.compute_bytes * vocab + 4 * vocab
+    return held, 8 * vocab

@@ -1,0 +1,77 @@
+"""``MemoryEstimate``: the value every engine returns; printing is the CLI's job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchfit.spec import TrainingSetup
+
+COMPONENTS = ("weights", "gradients", "optimizer_state", "activations", "other")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One row of the accounting: a component's part, its bytes, and the formula with numbers."""
+
+    component: str
+    label: str
+    num_bytes: int
+    formula: str
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one training step needs on one GPU (or the CPU), in bytes.
+
+    ``components`` are taken at the moment of the peak, so they add up to ``peak_bytes``.
+    ``reserved_bytes`` adds what the caching allocator keeps; ``device_total_bytes`` adds the
+    CUDA context and communication buffers (what nvidia-smi shows). ``host_bytes`` is CPU RAM
+    that offload needs, per GPU process.
+    """
+
+    model: str
+    engine: str
+    device: str
+    micro_batch_size: int
+    seq_len: int
+    setup: TrainingSetup
+    components: dict[str, int]
+    peak_bytes: int
+    reserved_bytes: int
+    device_total_bytes: int
+    total_params: int
+    trainable_params: int
+    peak_phase: str
+    host_bytes: int = 0
+    lines: tuple[Line, ...] = ()
+    warnings: tuple[str, ...] = ()
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON contract of DESIGN.md (keys may be added, never renamed)."""
+        return {
+            "model": self.model,
+            "engine": self.engine,
+            "device": self.device,
+            "micro_batch_size": self.micro_batch_size,
+            "seq_len": self.seq_len,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "components": dict(self.components),
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "peak_phase": self.peak_phase,
+            "host_bytes": self.host_bytes,
+            "setup": {
+                k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in self.setup.__dict__.items()
+            },
+            "breakdown": [
+                {"component": ln.component, "label": ln.label, "bytes": ln.num_bytes,
+                 "formula": ln.formula}
+                for ln in self.lines
+            ],
+            "warnings": list(self.warnings),
+        }
