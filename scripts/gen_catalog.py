@@ -54,8 +54,10 @@ def render(data: dict[str, Any]) -> str:
         task_items = list(tasks.items())
         for j, (task, rows) in enumerate(task_items):
             lines.append(f"      {json.dumps(task)}: [")
-            lines += [f"        {json.dumps(r)}{',' if k < len(rows) - 1 else ''}"
-                      for k, r in enumerate(rows)]
+            lines += [
+                f"        {json.dumps(r)}{',' if k < len(rows) - 1 else ''}"
+                for k, r in enumerate(rows)
+            ]
             lines.append(f"      ]{',' if j < len(task_items) - 1 else ''}")
         lines.append(f"    }}{',' if i < len(model_items) - 1 else ''}")
     lines += ["  }", "}", ""]

@@ -24,8 +24,12 @@ _HF_OPTIM = {
 }
 
 
-_PEFT_TASK = {"causal-lm": "CAUSAL_LM", "classification": "SEQ_CLS", "masked-lm": "FEATURE_EXTRACTION",
-              "seq2seq": "SEQ_2_SEQ_LM"}
+_PEFT_TASK = {
+    "causal-lm": "CAUSAL_LM",
+    "classification": "SEQ_CLS",
+    "masked-lm": "FEATURE_EXTRACTION",
+    "seq2seq": "SEQ_2_SEQ_LM",
+}
 
 
 def _zero_stage(setup: TrainingSetup) -> int:
@@ -48,12 +52,12 @@ def _peft_settings(plan: Plan) -> dict[str, Any]:
             "load_in_4bit": True,
             "bnb_4bit_quant_type": "nf4",
             "bnb_4bit_use_double_quant": True,
-            "bnb_4bit_compute_dtype": "float16" if setup.precision.endswith("fp16")
-            else "bfloat16",
+            "bnb_4bit_compute_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16",
         }
-    if setup.precision in ("bf16", "fp16") or setup.is_lora and setup.precision != "fp32":
+    if setup.precision in ("bf16", "fp16") or (setup.is_lora and setup.precision != "fp32"):
         out["from_pretrained_kwargs"] = {
-            "torch_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16"}
+            "torch_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16"
+        }
     return out
 
 
@@ -78,8 +82,7 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     if setup.sharding in ("zero1", "zero2", "zero3"):
         kwargs["deepspeed"] = "ds_config.json"
     elif setup.sharding == "fsdp":
-        kwargs["fsdp"] = "full_shard auto_wrap" + (
-            " offload" if setup.offload != "none" else "")
+        kwargs["fsdp"] = "full_shard auto_wrap" + (" offload" if setup.offload != "none" else "")
     return kwargs
 
 
@@ -104,8 +107,10 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         params: dict[str, Any] = {"weight_decay": 0.0 if setup.optimizer == "adam" else 0.01}
         if plan.learning_rate is not None:
             params["lr"] = plan.learning_rate
-        config["optimizer"] = {"type": "AdamW" if setup.optimizer == "adamw" else "Adam",
-                               "params": params}
+        config["optimizer"] = {
+            "type": "AdamW" if setup.optimizer == "adamw" else "Adam",
+            "params": params,
+        }
     return config
 
 
@@ -113,7 +118,8 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
     """An accelerate config (the YAML ``accelerate config`` writes), as a dict."""
     setup = plan.setup
     mixed = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16", "fp16": "fp16"}.get(
-        setup.precision, "no")
+        setup.precision, "no"
+    )
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -154,11 +160,17 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
 def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
     """Keyword arguments for ``lightning.pytorch.Trainer``."""
     setup = plan.setup
-    precision = {"fp32": "32-true", "amp-bf16": "bf16-mixed", "amp-fp16": "16-mixed",
-                 "bf16": "bf16-true", "fp16": "16-mixed"}[setup.precision]
+    precision = {
+        "fp32": "32-true",
+        "amp-bf16": "bf16-mixed",
+        "amp-fp16": "16-mixed",
+        "bf16": "bf16-true",
+        "fp16": "16-mixed",
+    }[setup.precision]
     if setup.sharding in ("zero1", "zero2", "zero3"):
         strategy = f"deepspeed_stage_{_zero_stage(setup)}" + (
-            "_offload" if setup.offload != "none" else "")
+            "_offload" if setup.offload != "none" else ""
+        )
     elif setup.sharding == "fsdp":
         strategy = "fsdp"
     else:
@@ -192,8 +204,11 @@ def export(plan: Plan, kind: str) -> dict[str, Any]:
     if kind == "accelerate":
         return accelerate_config(plan)
     if kind == "lightning":
-        return {"trainer": lightning_trainer_kwargs(plan),
-                "dataloader": {"batch_size": plan.micro_batch_size}, **extra}
+        return {
+            "trainer": lightning_trainer_kwargs(plan),
+            "dataloader": {"batch_size": plan.micro_batch_size},
+            **extra,
+        }
     raise ValueError(f"unknown export kind {kind!r}")
 
 

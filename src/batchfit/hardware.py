@@ -71,6 +71,4 @@ def get_gpu(name: str) -> GpuSpec:
     for prefix in ("nvidia-", "amd-", "tesla-", "geforce-"):
         if key.startswith(prefix) and key[len(prefix) :] in gpus:
             return gpus[key[len(prefix) :]]
-    raise UsageError(
-        f"unknown GPU {name!r}{suggest(key, gpus)}; `batchfit gpus` lists the catalog"
-    )
+    raise UsageError(f"unknown GPU {name!r}{suggest(key, gpus)}; `batchfit gpus` lists the catalog")

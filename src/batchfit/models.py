@@ -21,18 +21,57 @@ from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
 
 ENCODER_TYPES = frozenset(
-    {"bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta",
-     "albert", "camembert", "mpnet", "modernbert"}
+    {
+        "bert",
+        "roberta",
+        "distilbert",
+        "deberta",
+        "deberta-v2",
+        "electra",
+        "xlm-roberta",
+        "albert",
+        "camembert",
+        "mpnet",
+        "modernbert",
+    }
 )
 ENCODER_DECODER_TYPES = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian"})
 LEARNED_POSITION_TYPES = frozenset(
-    {"gpt2", "bert", "roberta", "distilbert", "opt", "gpt_neo", "electra", "xlm-roberta",
-     "camembert", "albert", "bart", "mbart", "biogpt"}
+    {
+        "gpt2",
+        "bert",
+        "roberta",
+        "distilbert",
+        "opt",
+        "gpt_neo",
+        "electra",
+        "xlm-roberta",
+        "camembert",
+        "albert",
+        "bart",
+        "mbart",
+        "biogpt",
+    }
 )
 RELATIVE_POSITION_TYPES = frozenset({"t5", "mt5", "umt5", "deberta", "deberta-v2"})
 RMSNORM_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "phi3", "gemma", "gemma2",
-     "gemma3_text", "t5", "mt5", "umt5", "olmo2", "granite"}
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "phi3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "t5",
+        "mt5",
+        "umt5",
+        "olmo2",
+        "granite",
+    }
 )
 # RoBERTa-style embeddings start positions at padding_idx + 1 = 2 (modeling_roberta.py).
 _POSITION_OFFSET = {"roberta": 2, "xlm-roberta": 2, "camembert": 2}
@@ -74,7 +113,7 @@ class ParamGroup:
 
     @property
     def leaf(self) -> str:
-        """The owning module's own name: ``q_proj`` for ``model.layers.*.self_attn.q_proj.weight``."""
+        """The owning module's name: ``q_proj`` for ``model.layers.*.self_attn.q_proj.weight``."""
         parts = self.pattern.split(".")
         return parts[-2] if len(parts) >= 2 else parts[0]
 
@@ -99,8 +138,22 @@ def _param_kind(pattern: str, module: str) -> str:
         return "experts"
     if any(k in name for k in ("attn", "attention", "q_lin", "k_lin", "v_lin", "out_lin")):
         return "attention"
-    if any(k in name for k in ("mlp", "ffn", "intermediate", "output.dense", "densereludense",
-                               "fc1", "fc2", "layer.1.", "layer.2.", "moe", "gate")):
+    if any(
+        k in name
+        for k in (
+            "mlp",
+            "ffn",
+            "intermediate",
+            "output.dense",
+            "densereludense",
+            "fc1",
+            "fc2",
+            "layer.1.",
+            "layer.2.",
+            "moe",
+            "gate",
+        )
+    ):
         return "mlp"
     return "other"
 
@@ -220,9 +273,14 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
     layers = int(first("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
     heads = int(first("num_attention_heads", "n_head", "num_heads", "n_heads"))
     head_dim = int(first("head_dim", "d_kv", default=hidden // heads))
-    inter = first("intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim")
-    act = str(first("hidden_act", "activation_function", "feed_forward_proj", "activation",
-                    default="gelu"))
+    inter = first(
+        "intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim"
+    )
+    act = str(
+        first(
+            "hidden_act", "activation_function", "feed_forward_proj", "activation", default="gelu"
+        )
+    )
     if mt in ENCODER_DECODER_TYPES:
         family = "encoder-decoder"
     elif mt in ENCODER_TYPES:
@@ -242,15 +300,24 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
     else:
         positional = "rotary"
         max_pos = int(max_pos) if max_pos is not None else None
-    dropout = float(first("dropout_rate", "hidden_dropout_prob", "resid_pdrop", "dropout",
-                          "hidden_dropout", default=0.0))
+    dropout = float(
+        first(
+            "dropout_rate",
+            "hidden_dropout_prob",
+            "resid_pdrop",
+            "dropout",
+            "hidden_dropout",
+            default=0.0,
+        )
+    )
     return Architecture(
         model_type=mt,
         family=family,
         hidden_size=hidden,
         num_layers=layers,
         num_decoder_layers=int(first("num_decoder_layers", default=layers))
-        if family == "encoder-decoder" else 0,
+        if family == "encoder-decoder"
+        else 0,
         num_heads=heads,
         num_kv_heads=int(first("num_key_value_heads", default=heads)),
         head_dim=head_dim,
@@ -264,8 +331,15 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
         tied_embeddings=bool(first("tie_word_embeddings", default=mt not in ("llama", "mistral"))),
         num_experts=int(first("num_local_experts", "num_experts", default=0)),
         experts_per_token=int(first("num_experts_per_tok", default=0)),
-        attention_dropout=float(first("attn_pdrop", "attention_probs_dropout_prob",
-                                      "attention_dropout", "dropout_rate", default=0.0)),
+        attention_dropout=float(
+            first(
+                "attn_pdrop",
+                "attention_probs_dropout_prob",
+                "attention_dropout",
+                "dropout_rate",
+                default=0.0,
+            )
+        ),
         hidden_dropout=dropout,
         sliding_window=first("sliding_window"),
     )
@@ -375,7 +449,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise UsageError(f"{file} is not valid JSON (line {e.lineno}): {e.msg}") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise UsageError(f"{file} has no \"model_type\": is it a Hugging Face config.json?")
+        raise UsageError(f'{file} has no "model_type": is it a Hugging Face config.json?')
     return cfg
 
 
@@ -451,8 +525,10 @@ def _generic_rows(cfg: dict[str, Any]) -> list[list[Any]]:
     layer = "model.layers.*."
     return [
         ["model.embed_tokens.weight", [v, h], 1, "Embedding"],
-        *[[f"{layer}self_attn.{p}.weight", [h, h], n, "Linear"]
-          for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
+        *[
+            [f"{layer}self_attn.{p}.weight", [h, h], n, "Linear"]
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ],
         [f"{layer}mlp.gate_proj.weight", [f, h], n, "Linear"],
         [f"{layer}mlp.up_proj.weight", [f, h], n, "Linear"],
         [f"{layer}mlp.down_proj.weight", [h, f], n, "Linear"],

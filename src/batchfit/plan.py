@@ -87,13 +87,14 @@ class Plan:
             "max_micro_batch": self.max_micro_batch,
             "learning_rate": self.learning_rate,
             "lr_rule": self.lr_rule,
-            "techniques": [{"name": t.name, "kind": t.kind, "why": t.why}
-                           for t in self.techniques],
+            "techniques": [{"name": t.name, "kind": t.kind, "why": t.why} for t in self.techniques],
             "alternatives": [
-                {"techniques": [t.name for t in a.techniques],
-                 "kinds": [t.kind for t in a.techniques],
-                 "max_micro_batch": a.max_micro_batch,
-                 "device_total_bytes": a.device_total_bytes}
+                {
+                    "techniques": [t.name for t in a.techniques],
+                    "kinds": [t.kind for t in a.techniques],
+                    "max_micro_batch": a.max_micro_batch,
+                    "device_total_bytes": a.device_total_bytes,
+                }
                 for a in self.alternatives
             ],
             "components": dict(est.components),
@@ -104,8 +105,9 @@ class Plan:
         }
 
 
-def scale_learning_rate(base_lr: float, base_batch: int, global_batch: int,
-                        optimizer: str) -> tuple[float, str]:
+def scale_learning_rate(
+    base_lr: float, base_batch: int, global_batch: int, optimizer: str
+) -> tuple[float, str]:
     """Scale a learning rate tuned at ``base_batch`` to ``global_batch``.
 
     Linear for SGD (Goyal et al. 2017), square root for Adam-family optimizers (Malladi et al.
@@ -123,14 +125,17 @@ def scale_learning_rate(base_lr: float, base_batch: int, global_batch: int,
     if optimizer in ADAM_FAMILY:
         return base_lr * math.sqrt(ratio), (
             f"square-root scaling for {optimizer} (Malladi et al. 2022): "
-            f"{base_lr:g} x sqrt({global_batch}/{base_batch})")
+            f"{base_lr:g} x sqrt({global_batch}/{base_batch})"
+        )
     return base_lr * ratio, (
         f"linear scaling for {optimizer} (Goyal et al. 2017): "
-        f"{base_lr:g} x {global_batch}/{base_batch}")
+        f"{base_lr:g} x {global_batch}/{base_batch}"
+    )
 
 
-def samples_from_target(global_batch: int | None, global_batch_tokens: int | None,
-                        seq_len: int, num_gpus: int) -> int:
+def samples_from_target(
+    global_batch: int | None, global_batch_tokens: int | None, seq_len: int, num_gpus: int
+) -> int:
     """The global batch in samples; exact or a UsageError naming the nearest reachable ones."""
     if (global_batch is None) == (global_batch_tokens is None):
         raise UsageError("give exactly one of --global-batch (samples) or --global-batch-tokens")
@@ -140,7 +145,8 @@ def samples_from_target(global_batch: int | None, global_batch_tokens: int | Non
         if global_batch % num_gpus:
             raise UsageError(
                 f"--global-batch {global_batch} cannot be split evenly over {num_gpus} GPUs; "
-                f"nearest reachable: {_nearest(global_batch, num_gpus)}")
+                f"nearest reachable: {_nearest(global_batch, num_gpus)}"
+            )
         return global_batch
     assert global_batch_tokens is not None  # exactly one was given (checked above)
     if global_batch_tokens < 1:
@@ -149,7 +155,8 @@ def samples_from_target(global_batch: int | None, global_batch_tokens: int | Non
     if global_batch_tokens % unit:
         raise UsageError(
             f"--global-batch-tokens {global_batch_tokens} is not a multiple of seq-len x GPUs "
-            f"= {unit}; nearest reachable: {_nearest(global_batch_tokens, unit)} tokens")
+            f"= {unit}; nearest reachable: {_nearest(global_batch_tokens, unit)} tokens"
+        )
     return global_batch_tokens // seq_len
 
 
@@ -159,15 +166,35 @@ def _nearest(value: int, unit: int) -> str:
     return " or ".join(f"{v:,}" for v in options)
 
 
-def _fits(model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, micro: int, seq_len: int,
-          accum: int, headroom: int) -> tuple[bool, MemoryEstimate]:
-    est = estimate(model, setup, micro_batch_size=micro, seq_len=seq_len, device="cuda",
-                   gpu=gpu, grad_accum_steps=accum)
+def _fits(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    micro: int,
+    seq_len: int,
+    accum: int,
+    headroom: int,
+) -> tuple[bool, MemoryEstimate]:
+    est = estimate(
+        model,
+        setup,
+        micro_batch_size=micro,
+        seq_len=seq_len,
+        device="cuda",
+        gpu=gpu,
+        grad_accum_steps=accum,
+    )
     return gpu.memory_bytes - est.device_total_bytes >= headroom, est
 
 
-def max_micro_batch(model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, seq_len: int,
-                    per_gpu_batch: int | None, headroom: int) -> int:
+def max_micro_batch(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int | None,
+    headroom: int,
+) -> int:
     """Largest micro-batch that fits (0 if even 1 does not), searching up to ``per_gpu_batch``.
 
     Memory grows with the micro-batch, so doubling then bisecting finds the boundary.
@@ -201,17 +228,29 @@ def ladder(setup: TrainingSetup, gpu: GpuSpec) -> list[tuple[Technique, ...]]:
         for stage in ("zero1", "zero2", "zero3"):
             rungs.append((*base, Technique(stage, "exact", f"shard across {setup.num_gpus} GPUs")))
     if setup.offload == "none" and setup.method != "qlora":
-        rungs.append((*base, Technique("zero2", "exact", "ZeRO-Offload needs ZeRO"),
-                      Technique("offload-optimizer", "exact", "optimizer state in CPU RAM")))
-        rungs.append((*base, Technique("zero3", "exact", "parameter offload needs ZeRO-3"),
-                      Technique("offload-optimizer+params", "exact",
-                                "optimizer state and weights in CPU RAM")))
+        rungs.append(
+            (
+                *base,
+                Technique("zero2", "exact", "ZeRO-Offload needs ZeRO"),
+                Technique("offload-optimizer", "exact", "optimizer state in CPU RAM"),
+            )
+        )
+        rungs.append(
+            (
+                *base,
+                Technique("zero3", "exact", "parameter offload needs ZeRO-3"),
+                Technique(
+                    "offload-optimizer+params", "exact", "optimizer state and weights in CPU RAM"
+                ),
+            )
+        )
     changing = []
     if setup.optimizer in ("adam", "adamw"):
         changing.append(Technique("adamw-8bit", "changes-training", "8-bit optimizer states"))
     if setup.precision not in ("bf16",) and gpu.bf16 and setup.method == "full":
-        changing.append(Technique("pure-bf16", "changes-training",
-                                  "bf16 weights and states, no fp32 master"))
+        changing.append(
+            Technique("pure-bf16", "changes-training", "bf16 weights and states, no fp32 master")
+        )
     for tech in changing:
         rungs.append((*base, tech))
     if len(changing) == 2:
@@ -219,8 +258,9 @@ def ladder(setup: TrainingSetup, gpu: GpuSpec) -> list[tuple[Technique, ...]]:
     if setup.method == "full":
         rungs.append((*base, Technique("lora", "changes-training", "train low-rank adapters")))
     if setup.method != "qlora" and setup.precision != "fp32":
-        rungs.append((*base, Technique("qlora", "changes-training",
-                                       "4-bit frozen base + adapters")))
+        rungs.append(
+            (*base, Technique("qlora", "changes-training", "4-bit frozen base + adapters"))
+        )
     return rungs
 
 
@@ -232,7 +272,7 @@ def apply(setup: TrainingSetup, techniques: tuple[Technique, ...]) -> TrainingSe
         if name == "gradient-checkpointing":
             out = replace(out, grad_ckpt=True)
         elif name in ("zero1", "zero2", "zero3"):
-            out = replace(out, sharding=name)
+            out = replace(out, sharding=name)  # type: ignore[arg-type]
         elif name == "offload-optimizer":
             out = replace(out, offload="optimizer")
         elif name == "offload-optimizer+params":
@@ -245,8 +285,13 @@ def apply(setup: TrainingSetup, techniques: tuple[Technique, ...]) -> TrainingSe
             out = replace(out, method="lora")
         elif name == "qlora":
             precision = out.precision if out.precision != "auto" else "amp-bf16"
-            out = replace(out, method="qlora", precision=precision, sharding="none"
-                          if out.sharding in ("zero3", "fsdp") else out.sharding, offload="none")
+            out = replace(
+                out,
+                method="qlora",
+                precision=precision,
+                sharding="none" if out.sharding in ("zero3", "fsdp") else out.sharding,
+                offload="none",
+            )
     return out
 
 
@@ -287,43 +332,64 @@ def make_plan(
         if per_gpu % micro_batch_size:
             raise UsageError(
                 f"--micro-batch {micro_batch_size} does not divide the {per_gpu} samples each "
-                f"GPU takes per step; try {_divisors_near(per_gpu, micro_batch_size)}")
+                f"GPU takes per step; try {_divisors_near(per_gpu, micro_batch_size)}"
+            )
 
     base_max = max_micro_batch(model, setup, gpu, seq_len, per_gpu, headroom_bytes)
-    chosen_setup, techniques, best = setup, (), base_max
+    chosen_setup, best = setup, base_max
+    techniques: tuple[Technique, ...] = ()
     alternatives: list[Alternative] = []
     needs_ladder = base_max == 0 or (micro_batch_size is not None and micro_batch_size > base_max)
     for combo in ladder(setup, gpu):
         alt_setup = apply(setup, combo)
         alt_max = max_micro_batch(model, alt_setup, gpu, seq_len, per_gpu, headroom_bytes)
-        _, alt_est = _fits(model, alt_setup, gpu, max(alt_max, 1), seq_len,
-                           max(per_gpu // max(alt_max, 1), 1), headroom_bytes)
+        _, alt_est = _fits(
+            model,
+            alt_setup,
+            gpu,
+            max(alt_max, 1),
+            seq_len,
+            max(per_gpu // max(alt_max, 1), 1),
+            headroom_bytes,
+        )
         alternatives.append(Alternative(combo, alt_setup, alt_max, alt_est.device_total_bytes))
         wanted = micro_batch_size or 1
         if needs_ladder and not techniques and alt_max >= wanted:
             chosen_setup, techniques, best = alt_setup, combo, alt_max
     if best == 0 or (micro_batch_size is not None and micro_batch_size > best):
-        warnings.append("nothing on the ladder fits: the plan below does not fit "
-                        f"{gpu.name}; more GPUs or a shorter sequence are needed")
+        warnings.append(
+            "nothing on the ladder fits: the plan below does not fit "
+            f"{gpu.name}; more GPUs or a shorter sequence are needed"
+        )
     micro = micro_batch_size or _largest_divisor_at_most(per_gpu, max(best, 1))
     accum = per_gpu // micro
     _, est = _fits(model, chosen_setup, gpu, micro, seq_len, accum, headroom_bytes)
 
     lr, rule = None, None
     if (base_lr is None) != (base_batch is None):
-        raise UsageError("give --base-lr and --base-batch together (the LR was tuned at that batch)")
+        raise UsageError(
+            "give --base-lr and --base-batch together (the LR was tuned at that batch)"
+        )
     if base_lr is not None and base_batch is not None:
         lr, rule = scale_learning_rate(base_lr, base_batch, target, chosen_setup.optimizer)
     if accum > MAX_QUIET_ACCUM:
-        warnings.append(f"{accum} accumulation steps: each optimizer step runs {accum} "
-                        "forward/backward passes; more GPUs would shorten it")
+        warnings.append(
+            f"{accum} accumulation steps: each optimizer step runs {accum} "
+            "forward/backward passes; more GPUs would shorten it"
+        )
     if chosen_setup.resolved(device="cuda", bf16_supported=gpu.bf16).precision in (
-            "fp16", "amp-fp16"):
-        warnings.append("fp16 needs a GradScaler (loss scaling); bf16 does not"
-                        + ("" if gpu.bf16 else f" but {gpu.name} has no bf16"))
+        "fp16",
+        "amp-fp16",
+    ):
+        warnings.append(
+            "fp16 needs a GradScaler (loss scaling); bf16 does not"
+            + ("" if gpu.bf16 else f" but {gpu.name} has no bf16")
+        )
     if any("batchnorm" in g.module.lower() for g in model.params) and micro < 16:
-        warnings.append(f"BatchNorm statistics come from each micro-batch of {micro}, not the "
-                        "global batch: accumulation does not make them exact")
+        warnings.append(
+            f"BatchNorm statistics come from each micro-batch of {micro}, not the "
+            "global batch: accumulation does not make them exact"
+        )
     if micro > best and best > 0:
         warnings.append(f"--micro-batch {micro} does not fit; {best} is the largest that does")
     return Plan(
@@ -347,7 +413,8 @@ def make_plan(
         alternatives=tuple(alternatives),
         warnings=tuple(dict.fromkeys((*est.warnings, *warnings))),
         lora_targets=(chosen_setup.lora_targets or model.default_lora_targets())
-        if chosen_setup.is_lora else (),
+        if chosen_setup.is_lora
+        else (),
     )
 
 
@@ -386,15 +453,22 @@ class FitRow:
         }
 
 
-def fit_table(model: ModelInfo, setup: TrainingSetup, gpus: list[GpuSpec], *, seq_len: int,
-              headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> list[FitRow]:
+def fit_table(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpus: list[GpuSpec],
+    *,
+    seq_len: int,
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+) -> list[FitRow]:
     """For every GPU: the largest micro-batch that fits, else the first ladder rung that does.
 
     The seed guides' "batch size by model & GPU" tables, computed.
     """
     rows = []
     for gpu in gpus:
-        chosen, techniques = setup, ()
+        chosen = setup
+        techniques: tuple[Technique, ...] = ()
         best = max_micro_batch(model, setup, gpu, seq_len, None, headroom_bytes)
         if best == 0:
             for combo in ladder(setup, gpu):

@@ -53,10 +53,10 @@ class TrainingSetup:
     Example:
         >>> TrainingSetup(precision="bf16", optimizer="adamw").optimizer
         'adamw'
-        >>> TrainingSetup(method="qlora", precision="fp32")
+        >>> TrainingSetup(method="qlora", precision="fp32")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        batchfit.errors.UsageError: --method qlora computes in 16-bit: use --precision amp-bf16, amp-fp16, bf16 or fp16, not fp32
+        batchfit.errors.UsageError: --method qlora computes in 16-bit: ...
     """
 
     task: Task | None = None
@@ -128,10 +128,7 @@ class TrainingSetup:
         """
         precision = self.precision
         if precision == "auto":
-            if device == "cpu":
-                precision = "fp32"
-            else:
-                precision = "amp-bf16" if bf16_supported else "amp-fp16"
+            precision = "fp32" if device == "cpu" else "amp-bf16" if bf16_supported else "amp-fp16"
         attention = self.attention
         if attention == "auto":
             # transformers picks SDPA; on CUDA SDPA dispatches to the flash / memory-efficient

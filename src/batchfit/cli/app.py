@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -37,39 +37,75 @@ def _choices(values: tuple[str, ...]) -> str:
 
 
 # Options shared by the commands, declared once.
-ModelArg = Annotated[str, typer.Argument(
-    help="Catalog name (gpt2, llama-3.1-8b, ...), hub id, path to a config.json or its folder, "
-         "or a bare size such as 7B.", show_default=False)]
-SeqLen = Annotated[int, typer.Option("--seq-len", "-s", help="Tokens per sample.",
-                                     show_default=False)]
-Task = Annotated[Optional[str], typer.Option(  # noqa: UP045 (typer reads the annotation)
-    help=f"{_choices(TASKS)}; default from the config's architectures.")]
-Precision = Annotated[str, typer.Option(help=f"auto|{_choices(PRECISIONS[1:])}; auto = "
-                                        "amp-bf16 on a bf16 GPU, amp-fp16 on older, fp32 on CPU.")]
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="Catalog name (gpt2, llama-3.1-8b, ...), hub id, path to a config.json or its folder, "
+        "or a bare size such as 7B.",
+        show_default=False,
+    ),
+]
+SeqLen = Annotated[
+    int, typer.Option("--seq-len", "-s", help="Tokens per sample.", show_default=False)
+]
+Task = Annotated[
+    str | None,
+    typer.Option(help=f"{_choices(TASKS)}; default from the config's architectures."),
+]
+Precision = Annotated[
+    str,
+    typer.Option(
+        help=f"auto|{_choices(PRECISIONS[1:])}; auto = "
+        "amp-bf16 on a bf16 GPU, amp-fp16 on older, fp32 on CPU."
+    ),
+]
 OptimizerO = Annotated[str, typer.Option("--optimizer", help=_choices(OPTIMIZERS))]
-OptimizerImplO = Annotated[str, typer.Option(
-    "--optimizer-impl", help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks.")]
+OptimizerImplO = Annotated[
+    str,
+    typer.Option(
+        "--optimizer-impl", help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks."
+    ),
+]
 MethodO = Annotated[str, typer.Option("--method", help=_choices(METHODS))]
 LoraRank = Annotated[int, typer.Option("--lora-rank", help="LoRA rank r.")]
 LoraAlpha = Annotated[float, typer.Option("--lora-alpha", help="LoRA alpha (peft default 8).")]
 LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout.")]
-LoraTargets = Annotated[Optional[str], typer.Option(  # noqa: UP045
-    "--lora-targets", help="Comma-separated module names; default: peft's for the model type.")]
-GradCkpt = Annotated[bool, typer.Option("--grad-ckpt/--no-grad-ckpt",
-                                        help="Gradient checkpointing.")]
+LoraTargets = Annotated[
+    str | None,
+    typer.Option(
+        "--lora-targets", help="Comma-separated module names; default: peft's for the model type."
+    ),
+]
+GradCkpt = Annotated[
+    bool, typer.Option("--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing.")
+]
 AttentionO = Annotated[str, typer.Option("--attention", help=_choices(ATTENTIONS))]
 NumGpus = Annotated[int, typer.Option("--num-gpus", help="GPUs (data parallel).")]
 ShardingO = Annotated[str, typer.Option("--sharding", help=_choices(SHARDINGS))]
 OffloadO = Annotated[str, typer.Option("--offload", help=_choices(OFFLOADS))]
 JsonO = Annotated[bool, typer.Option("--json", help="Print one JSON object, nothing else.")]
-GpuO = Annotated[Optional[str], typer.Option(  # noqa: UP045
-    "--gpu", help="Catalog GPU (`batchfit gpus`): implies --device cuda.")]
+GpuO = Annotated[
+    str | None,
+    typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`): implies --device cuda."),
+]
 
 
-def _setup(task: str | None, precision: str, optimizer: str, optimizer_impl: str, method: str,
-           lora_rank: int, lora_alpha: float, lora_dropout: float, lora_targets: str | None,
-           grad_ckpt: bool, attention: str, num_gpus: int, sharding: str,
-           offload: str) -> TrainingSetup:
+def _setup(
+    task: str | None,
+    precision: str,
+    optimizer: str,
+    optimizer_impl: str,
+    method: str,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float,
+    lora_targets: str | None,
+    grad_ckpt: bool,
+    attention: str,
+    num_gpus: int,
+    sharding: str,
+    offload: str,
+) -> TrainingSetup:
     targets = None
     if lora_targets is not None:
         targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
@@ -104,8 +140,12 @@ def _emit_json(obj: dict[str, Any]) -> None:
 @app.command()
 def estimate(
     model: ModelArg,
-    micro_batch: Annotated[int, typer.Option("--micro-batch", "-b", help="Samples per GPU "
-                                             "per forward/backward.", show_default=False)],
+    micro_batch: Annotated[
+        int,
+        typer.Option(
+            "--micro-batch", "-b", help="Samples per GPU per forward/backward.", show_default=False
+        ),
+    ],
     seq_len: SeqLen,
     task: Task = None,
     precision: Precision = "auto",
@@ -118,14 +158,20 @@ def estimate(
     lora_targets: LoraTargets = None,
     grad_ckpt: GradCkpt = False,
     attention: AttentionO = "auto",
-    device: Annotated[Optional[str], typer.Option(  # noqa: UP045
-        "--device", help="cpu|cuda (default cuda; --gpu implies cuda).")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option("--device", help="cpu|cuda (default cuda; --gpu implies cuda)."),
+    ] = None,
     gpu: GpuO = None,
     num_gpus: NumGpus = 1,
     sharding: ShardingO = "none",
     offload: OffloadO = "none",
-    grad_accum: Annotated[int, typer.Option(
-        "--grad-accum", help="Accumulation steps: above 1, gradients live through forward.")] = 1,
+    grad_accum: Annotated[
+        int,
+        typer.Option(
+            "--grad-accum", help="Accumulation steps: above 1, gradients live through forward."
+        ),
+    ] = 1,
     engine: Annotated[str, typer.Option(help="analytic|trace")] = "analytic",
     as_json: JsonO = False,
 ) -> None:
@@ -135,8 +181,22 @@ def estimate(
     from batchfit.memory.estimate import estimate as run_estimate
     from batchfit.models import resolve_model
 
-    setup = _setup(task, precision, optimizer, optimizer_impl, method, lora_rank, lora_alpha,
-                   lora_dropout, lora_targets, grad_ckpt, attention, num_gpus, sharding, offload)
+    setup = _setup(
+        task,
+        precision,
+        optimizer,
+        optimizer_impl,
+        method,
+        lora_rank,
+        lora_alpha,
+        lora_dropout,
+        lora_targets,
+        grad_ckpt,
+        attention,
+        num_gpus,
+        sharding,
+        offload,
+    )
     if device not in (None, "cpu", "cuda"):
         raise UsageError(f"--device {device!r} is not one of: cpu, cuda")
     if gpu is not None and device == "cpu":
@@ -147,9 +207,16 @@ def estimate(
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
     gpu_spec = get_gpu(gpu) if gpu else None
     info = resolve_model(model, setup.task)
-    result = run_estimate(info, setup, micro_batch_size=micro_batch, seq_len=seq_len,
-                          device="cpu" if device == "cpu" else "cuda", gpu=gpu_spec,
-                          engine=engine, grad_accum_steps=grad_accum)  # type: ignore[arg-type]
+    result = run_estimate(
+        info,
+        setup,
+        micro_batch_size=micro_batch,
+        seq_len=seq_len,
+        device="cpu" if device == "cpu" else "cuda",
+        gpu=gpu_spec,
+        engine=engine,  # type: ignore[arg-type]
+        grad_accum_steps=grad_accum,
+    )
     if as_json:
         _emit_json(result.to_json())
     else:
@@ -159,22 +226,37 @@ def estimate(
 @app.command()
 def plan(
     model: ModelArg,
-    gpu: Annotated[str, typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`).",
-                                     show_default=False)],
+    gpu: Annotated[
+        str, typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`).", show_default=False)
+    ],
     seq_len: SeqLen,
-    global_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        "--global-batch", help="Target global batch in samples.")] = None,
-    global_batch_tokens: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        "--global-batch-tokens", help="Target global batch in tokens.")] = None,
-    micro_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        "--micro-batch", "-b", help="Fix the micro-batch instead of the largest that fits.")
+    global_batch: Annotated[
+        int | None,
+        typer.Option("--global-batch", help="Target global batch in samples."),
     ] = None,
-    base_lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        "--base-lr", help="Learning rate tuned at --base-batch.")] = None,
-    base_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        "--base-batch", help="Batch --base-lr was tuned at (same unit as the target).")] = None,
-    headroom: Annotated[str, typer.Option(
-        "--headroom", help="Free memory to keep on the GPU, e.g. 1GiB.")] = "0.5GiB",
+    global_batch_tokens: Annotated[
+        int | None,
+        typer.Option("--global-batch-tokens", help="Target global batch in tokens."),
+    ] = None,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--micro-batch", "-b", help="Fix the micro-batch instead of the largest that fits."
+        ),
+    ] = None,
+    base_lr: Annotated[
+        float | None,
+        typer.Option("--base-lr", help="Learning rate tuned at --base-batch."),
+    ] = None,
+    base_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--base-batch", help="Batch --base-lr was tuned at (same unit as the target)."
+        ),
+    ] = None,
+    headroom: Annotated[
+        str, typer.Option("--headroom", help="Free memory to keep on the GPU, e.g. 1GiB.")
+    ] = "0.5GiB",
     task: Task = None,
     precision: Precision = "auto",
     optimizer: OptimizerO = "adamw",
@@ -189,22 +271,41 @@ def plan(
     num_gpus: NumGpus = 1,
     sharding: ShardingO = "none",
     offload: OffloadO = "none",
-    export_kind: Annotated[Optional[str], typer.Option(  # noqa: UP045
-        "--export", help="hf|deepspeed|accelerate|lightning")] = None,
-    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        "--out", help="File for --export (default: print it).")] = None,
+    export_kind: Annotated[
+        str | None,
+        typer.Option("--export", help="hf|deepspeed|accelerate|lightning"),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="File for --export (default: print it)."),
+    ] = None,
     as_json: JsonO = False,
 ) -> None:
     """Plan micro-batch x accumulation x GPUs that hit a global batch exactly, and what fits."""
     from batchfit.cli import render
-    from batchfit.export import EXPORT_KINDS, export, render as render_export
+    from batchfit.export import EXPORT_KINDS, export
+    from batchfit.export import render as render_export
     from batchfit.hardware import get_gpu
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
     from batchfit.plan import make_plan
 
-    setup = _setup(task, precision, optimizer, optimizer_impl, method, lora_rank, lora_alpha,
-                   lora_dropout, lora_targets, grad_ckpt, attention, num_gpus, sharding, offload)
+    setup = _setup(
+        task,
+        precision,
+        optimizer,
+        optimizer_impl,
+        method,
+        lora_rank,
+        lora_alpha,
+        lora_dropout,
+        lora_targets,
+        grad_ckpt,
+        attention,
+        num_gpus,
+        sharding,
+        offload,
+    )
     if export_kind is not None and export_kind not in EXPORT_KINDS:
         raise UsageError(f"--export {export_kind!r} is not one of: {', '.join(EXPORT_KINDS)}")
     if out is not None and export_kind is None:
@@ -212,10 +313,18 @@ def plan(
     gpu_spec = get_gpu(gpu)
     info = resolve_model(model, setup.task)
     check_workload(info, micro_batch or 1, seq_len)
-    result = make_plan(info, gpu_spec, setup, seq_len=seq_len, global_batch=global_batch,
-                       global_batch_tokens=global_batch_tokens, micro_batch_size=micro_batch,
-                       base_lr=base_lr, base_batch=base_batch,
-                       headroom_bytes=parse_size(headroom, what="--headroom"))
+    result = make_plan(
+        info,
+        gpu_spec,
+        setup,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        global_batch_tokens=global_batch_tokens,
+        micro_batch_size=micro_batch,
+        base_lr=base_lr,
+        base_batch=base_batch,
+        headroom_bytes=parse_size(headroom, what="--headroom"),
+    )
     exports: dict[str, Any] = {}
     export_text = None
     if export_kind is not None:
@@ -252,10 +361,14 @@ def models(as_json: JsonO = False) -> None:
 
 @app.command()
 def gpus(
-    model: Annotated[Optional[str], typer.Argument(  # noqa: UP045
-        help="With a model: the largest micro-batch that fits on each GPU.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        "--seq-len", "-s", help="Tokens per sample (needed with MODEL).")] = None,
+    model: Annotated[
+        str | None,
+        typer.Argument(help="With a model: the largest micro-batch that fits on each GPU."),
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option("--seq-len", "-s", help="Tokens per sample (needed with MODEL)."),
+    ] = None,
     task: Task = None,
     precision: Precision = "auto",
     optimizer: OptimizerO = "adamw",
@@ -285,16 +398,35 @@ def gpus(
         return
     if seq_len is None:
         raise UsageError("batchfit gpus MODEL needs --seq-len")
-    from batchfit.plan import fit_table
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
+    from batchfit.plan import fit_table
 
-    setup = _setup(task, precision, optimizer, optimizer_impl, method, lora_rank, lora_alpha,
-                   lora_dropout, lora_targets, grad_ckpt, attention, 1, "none", "none")
+    setup = _setup(
+        task,
+        precision,
+        optimizer,
+        optimizer_impl,
+        method,
+        lora_rank,
+        lora_alpha,
+        lora_dropout,
+        lora_targets,
+        grad_ckpt,
+        attention,
+        1,
+        "none",
+        "none",
+    )
     info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
-    rows = fit_table(info, setup, gpu_list, seq_len=seq_len,
-                     headroom_bytes=parse_size(headroom, what="--headroom"))
+    rows = fit_table(
+        info,
+        setup,
+        gpu_list,
+        seq_len=seq_len,
+        headroom_bytes=parse_size(headroom, what="--headroom"),
+    )
     if as_json:
         _emit_json({"model": info.name, "seq_len": seq_len, "gpus": [r.to_json() for r in rows]})
     else:

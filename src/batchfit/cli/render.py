@@ -14,8 +14,9 @@ from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan import FitRow, Plan
 
-out = Console(highlight=False, soft_wrap=False)
-err = Console(stderr=True, highlight=False)
+# soft_wrap: sentences are never cut into lines (tables still fit the terminal width).
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _warn(warnings: tuple[str, ...] | list[str]) -> None:
@@ -40,16 +41,26 @@ def _breakdown(est: MemoryEstimate, title: str) -> Table:
             first = False
     table.add_section()
     for comp in COMPONENTS:
-        table.add_row(f"[bold]{comp}[/]", f"at the peak ({est.peak_phase})",
-                      _gib(est.components[comp]), "")
+        table.add_row(
+            f"[bold]{comp}[/]", f"at the peak ({est.peak_phase})", _gib(est.components[comp]), ""
+        )
     table.add_section()
-    table.add_row("[bold]peak allocated[/]", "", f"[bold]{_gib(est.peak_bytes)}[/]",
-                  "comparable to torch.cuda.max_memory_allocated"
-                  if est.device != "cpu" else "bytes held by tensors")
+    table.add_row(
+        "[bold]peak allocated[/]",
+        "",
+        f"[bold]{_gib(est.peak_bytes)}[/]",
+        "comparable to torch.cuda.max_memory_allocated"
+        if est.device != "cpu"
+        else "bytes held by tensors",
+    )
     if est.device != "cpu":
         table.add_row("reserved", "", _gib(est.reserved_bytes), "caching allocator")
-        table.add_row("[bold]device total[/]", "", f"[bold]{_gib(est.device_total_bytes)}[/]",
-                      "what nvidia-smi shows: + CUDA context, NCCL")
+        table.add_row(
+            "[bold]device total[/]",
+            "",
+            f"[bold]{_gib(est.device_total_bytes)}[/]",
+            "what nvidia-smi shows: + CUDA context, NCCL",
+        )
     if est.host_bytes:
         table.add_row("host RAM", "", _gib(est.host_bytes), "offloaded state, per GPU process")
     return table
@@ -65,13 +76,18 @@ def estimate(est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None) -> None:
         f"{', grad-ckpt' if setup.grad_ckpt else ''}"
         f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
     )
-    out.print(_breakdown(est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} "
-                              f"({est.engine} engine)"))
+    out.print(
+        _breakdown(
+            est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} ({est.engine} engine)"
+        )
+    )
     if gpu is not None:
         free = gpu.memory_bytes - est.device_total_bytes
         verdict = "[green]fits[/]" if free >= 0 else "[red]does not fit[/]"
-        out.print(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {verdict} "
-                  f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))})")
+        out.print(
+            f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {verdict} "
+            f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))})"
+        )
     _warn(est.warnings)
 
 
@@ -83,22 +99,33 @@ def plan(p: Plan, info: ModelInfo) -> None:
         f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
         f"[bold]{p.global_batch_size:,}[/] samples = {p.tokens_per_step:,} tokens per step"
     )
-    out.print(f"  largest micro-batch that fits: {p.max_micro_batch}"
-              + (" (the chosen one divides the global batch)"
-                 if p.max_micro_batch != p.micro_batch_size else ""))
+    out.print(
+        f"  largest micro-batch that fits: {p.max_micro_batch}"
+        + (
+            " (the chosen one divides the global batch)"
+            if p.max_micro_batch != p.micro_batch_size
+            else ""
+        )
+    )
     if p.learning_rate is not None:
-        out.print(f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({p.lr_rule}; valid below "
-                  "the critical batch size)")
+        out.print(
+            f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({p.lr_rule}; valid below "
+            "the critical batch size)"
+        )
     if p.techniques:
-        named = ", ".join(f"{t.name} [{'green' if t.kind == 'exact' else 'yellow'}]"
-                          f"({t.kind})[/]" for t in p.techniques)
+        named = ", ".join(
+            f"{t.name} [{'green' if t.kind == 'exact' else 'yellow'}]({t.kind})[/]"
+            for t in p.techniques
+        )
         out.print(f"  to fit: {named}")
     else:
         out.print("  to fit: nothing extra needed")
     free = p.headroom_bytes
-    out.print(f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
-              f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
-              f"asked for {gib(p.headroom_wanted_bytes)})")
+    out.print(
+        f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
+        f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
+        f"asked for {gib(p.headroom_wanted_bytes)})"
+    )
     out.print(_breakdown(est, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
     if p.alternatives:
         table = Table(title="Alternatives (exact rungs first)", title_justify="left")
@@ -108,10 +135,12 @@ def plan(p: Plan, info: ModelInfo) -> None:
         table.add_column("GiB at that size", justify="right")
         for alt in p.alternatives:
             kinds = {t.kind for t in alt.techniques}
-            table.add_row(" + ".join(t.name for t in alt.techniques),
-                          "changes-training" if "changes-training" in kinds else "exact",
-                          str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
-                          _gib(alt.device_total_bytes))
+            table.add_row(
+                " + ".join(t.name for t in alt.techniques),
+                "changes-training" if "changes-training" in kinds else "exact",
+                str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
+                _gib(alt.device_total_bytes),
+            )
         out.print(table)
     _warn(p.warnings)
 
@@ -143,15 +172,36 @@ def model_row(info: ModelInfo) -> dict[str, Any]:
 
 def models(infos: list[ModelInfo]) -> None:
     table = Table(title="Catalog models (offline configs)", title_justify="left")
-    for col in ("name", "hub id", "type", "params", "layers", "hidden", "heads/kv", "vocab",
-                "positions"):
-        table.add_column(col, justify="right" if col in ("params", "layers", "hidden",
-                                                          "vocab", "positions") else "left")
+    for col in (
+        "name",
+        "hub id",
+        "type",
+        "params",
+        "layers",
+        "hidden",
+        "heads/kv",
+        "vocab",
+        "positions",
+    ):
+        table.add_column(
+            col,
+            justify="right"
+            if col in ("params", "layers", "hidden", "vocab", "positions")
+            else "left",
+        )
     for i in infos:
         a = i.arch
-        table.add_row(i.name, i.hub_id or "", a.model_type, human_count(i.total_params),
-                      str(a.num_layers), str(a.hidden_size), f"{a.num_heads}/{a.num_kv_heads}",
-                      f"{a.vocab_size:,}", str(a.max_positions or "-"))
+        table.add_row(
+            i.name,
+            i.hub_id or "",
+            a.model_type,
+            human_count(i.total_params),
+            str(a.num_layers),
+            str(a.hidden_size),
+            f"{a.num_heads}/{a.num_kv_heads}",
+            f"{a.vocab_size:,}",
+            str(a.max_positions or "-"),
+        )
     out.print(table)
 
 
@@ -172,30 +222,46 @@ def gpu_row(g: GpuSpec) -> dict[str, Any]:
 
 
 def gpus(gpu_list: list[GpuSpec]) -> None:
-    table = Table(title="Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)",
-                  title_justify="left")
+    table = Table(
+        title="Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)", title_justify="left"
+    )
     for col in ("name", "GPU", "arch", "GiB", "CC", "bf16", "fp8", "fp16 TFLOPS", "GB/s"):
-        table.add_column(col, justify="right" if col in ("GiB", "fp16 TFLOPS", "GB/s")
-                         else "left")
+        table.add_column(col, justify="right" if col in ("GiB", "fp16 TFLOPS", "GB/s") else "left")
     for g in gpu_list:
-        table.add_row(g.name, g.full_name, g.architecture, _gib(g.memory_bytes),
-                      g.compute_capability or "", "yes" if g.bf16 else "no",
-                      "yes" if g.fp8 else "no", f"{g.fp16_tflops_dense or 0:g}",
-                      f"{g.bandwidth_gb_s or 0:g}")
+        table.add_row(
+            g.name,
+            g.full_name,
+            g.architecture,
+            _gib(g.memory_bytes),
+            g.compute_capability or "",
+            "yes" if g.bf16 else "no",
+            "yes" if g.fp8 else "no",
+            f"{g.fp16_tflops_dense or 0:g}",
+            f"{g.bandwidth_gb_s or 0:g}",
+        )
     out.print(table)
 
 
 def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
-    table = Table(title=f"{info.name}, seq {seq_len}: largest micro-batch per GPU "
-                        "(analytic engine)", title_justify="left")
+    table = Table(
+        title=f"{info.name}, seq {seq_len}: largest micro-batch per GPU (analytic engine)",
+        title_justify="left",
+    )
     for col in ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "what it takes"):
-        table.add_column(col, justify="right" if col in ("GiB", "largest micro-batch",
-                                                          "GiB used") else "left")
+        table.add_column(
+            col, justify="right" if col in ("GiB", "largest micro-batch", "GiB used") else "left"
+        )
     for r in rows:
-        needs = ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "")
-                          for t in r.techniques) or "-"
-        table.add_row(r.gpu.name, _gib(r.gpu.memory_bytes), r.precision,
-                      str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
-                      _gib(r.device_total_bytes), needs)
+        needs = (
+            ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques) or "-"
+        )
+        table.add_row(
+            r.gpu.name,
+            _gib(r.gpu.memory_bytes),
+            r.precision,
+            str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
+            _gib(r.device_total_bytes),
+            needs,
+        )
     out.print(table)
     out.print("* changes what is learned; the others are exact")

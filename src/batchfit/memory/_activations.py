@@ -17,22 +17,52 @@ from batchfit.models import Architecture
 # Leaf names of each linear role, per model type (peft matches targets by these names).
 ROLE_LEAVES: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt2": {"qkv": ("c_attn",), "o": ("c_proj",), "up": ("c_fc",), "down": ("c_proj",)},
-    "bert": {"qkv": ("query", "key", "value"), "o": ("dense",), "up": ("dense",),
-             "down": ("dense",)},
-    "distilbert": {"qkv": ("q_lin", "k_lin", "v_lin"), "o": ("out_lin",), "up": ("lin1",),
-                   "down": ("lin2",)},
+    "bert": {
+        "qkv": ("query", "key", "value"),
+        "o": ("dense",),
+        "up": ("dense",),
+        "down": ("dense",),
+    },
+    "distilbert": {
+        "qkv": ("q_lin", "k_lin", "v_lin"),
+        "o": ("out_lin",),
+        "up": ("lin1",),
+        "down": ("lin2",),
+    },
     "t5": {"qkv": ("q", "k", "v"), "o": ("o",), "up": ("wi", "wi_0", "wi_1"), "down": ("wo",)},
-    "opt": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("out_proj",), "up": ("fc1",),
-            "down": ("fc2",)},
-    "phi3": {"qkv": ("qkv_proj",), "o": ("o_proj",), "up": ("gate_up_proj",),
-             "down": ("down_proj",)},
-    "gpt_neox": {"qkv": ("query_key_value",), "o": ("dense",), "up": ("dense_h_to_4h",),
-                 "down": ("dense_4h_to_h",)},
-    "llama": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-              "up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
+    "opt": {
+        "qkv": ("q_proj", "k_proj", "v_proj"),
+        "o": ("out_proj",),
+        "up": ("fc1",),
+        "down": ("fc2",),
+    },
+    "phi3": {
+        "qkv": ("qkv_proj",),
+        "o": ("o_proj",),
+        "up": ("gate_up_proj",),
+        "down": ("down_proj",),
+    },
+    "gpt_neox": {
+        "qkv": ("query_key_value",),
+        "o": ("dense",),
+        "up": ("dense_h_to_4h",),
+        "down": ("dense_4h_to_h",),
+    },
+    "llama": {
+        "qkv": ("q_proj", "k_proj", "v_proj"),
+        "o": ("o_proj",),
+        "up": ("gate_proj", "up_proj"),
+        "down": ("down_proj",),
+    },
 }
-for _alias, _base in (("roberta", "bert"), ("xlm-roberta", "bert"), ("camembert", "bert"),
-                      ("electra", "bert"), ("mt5", "t5"), ("umt5", "t5")):
+for _alias, _base in (
+    ("roberta", "bert"),
+    ("xlm-roberta", "bert"),
+    ("camembert", "bert"),
+    ("electra", "bert"),
+    ("mt5", "t5"),
+    ("umt5", "t5"),
+):
     ROLE_LEAVES[_alias] = ROLE_LEAVES[_base]
 ROLES = ("qkv", "o", "up", "down")
 # Python-level GELU (NewGELUActivation: 0.5*x*(1+tanh(c*(x+0.044715*x^3)))) saves x, tanh(.),
@@ -82,8 +112,14 @@ def _norm(arch: Architecture, rg: Regime) -> tuple[str, float]:
     return "layernorm input", rg.stream_bytes * h + 8
 
 
-def _attention(arch: Architecture, rg: Regime, impl: str, seq_len: int, roles: dict[str, bool],
-               kv_tokens_ratio: float = 1.0) -> list[tuple[str, float]]:
+def _attention(
+    arch: Architecture,
+    rg: Regime,
+    impl: str,
+    seq_len: int,
+    roles: dict[str, bool],
+    kv_tokens_ratio: float = 1.0,
+) -> list[tuple[str, float]]:
     e, h, a = rg.compute_bytes, arch.hidden_size, arch.num_heads
     qd = a * arch.head_dim
     kvd = arch.num_kv_heads * arch.head_dim
@@ -123,15 +159,15 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
         terms.append(("MLP input", e * h * routed))
     if arch.gated_mlp:
         # gate output (saved by act), act(gate) and up output (saved by the product).
-        inner, label = 3, "gate, act(gate), up"
+        inner, label = 3.0, "gate, act(gate), up"
     elif arch.activation in _PYTHON_GELUS:
-        inner, label = 4, "GELU (python): x, tanh, x/2, 1+tanh"
+        inner, label = 4.0, "GELU (python): x, tanh, x/2, 1+tanh"
     elif arch.activation == "relu":
-        inner, label = 1, "relu output"
+        inner, label = 1.0, "relu output"
         if arch.model_type in ("t5", "mt5", "umt5") and arch.hidden_dropout > 0:
             inner, label = 1 + 1 / e, "relu output + dropout mask"
     else:
-        inner, label = 1, "activation input"
+        inner, label = 1.0, "activation input"
     terms.append((label, inner * e * arch.intermediate_size * routed))
     if roles["down"]:
         terms.append(("down-projection input", e * f * routed))
@@ -145,13 +181,20 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
     return terms
 
 
-def layer_terms(arch: Architecture, rg: Regime, impl: str, seq_len: int,
-                roles: dict[str, bool], cross_attention: bool = False) -> list[tuple[str, float]]:
+def layer_terms(
+    arch: Architecture,
+    rg: Regime,
+    impl: str,
+    seq_len: int,
+    roles: dict[str, bool],
+    cross_attention: bool = False,
+) -> list[tuple[str, float]]:
     """Bytes per token one transformer layer keeps for backward, as labelled terms."""
     terms = _attention(arch, rg, impl, seq_len, roles)
     if cross_attention:
-        terms += [("cross-attention " + k, v)
-                  for k, v in _attention(arch, rg, impl, seq_len, roles)]
+        terms += [
+            ("cross-attention " + k, v) for k, v in _attention(arch, rg, impl, seq_len, roles)
+        ]
     return terms + _mlp(arch, rg, roles)
 
 

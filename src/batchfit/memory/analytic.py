@@ -29,13 +29,23 @@ BNB_MIN_8BIT_SIZE = 4096
 # cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp, default
 # CUBLAS_WORKSPACE_CONFIG): 4096 KiB * 2 + 16 KiB * 8 before Hopper, 32 MiB on sm90+.
 # One handle per thread: the forward thread and autograd's backward thread.
-CUBLAS_WORKSPACE_BYTES = {"pre-hopper": 4096 * 1024 * 2 + 16 * 1024 * 8, "hopper+": 32 * BYTES_IN_MIB}
+CUBLAS_WORKSPACE_BYTES = {
+    "pre-hopper": 4096 * 1024 * 2 + 16 * 1024 * 8,
+    "hopper+": 32 * BYTES_IN_MIB,
+}
 CUBLAS_HANDLES = 2
 # CUDA context with lazy module loading (default since CUDA 11.7 / PyTorch 1.13): DESIGN.md
 # gives 250-700 MiB; we take the upper middle per generation until measured (issue 3).
 CUDA_CONTEXT_MIB = {
-    "pascal": 300, "volta": 350, "turing": 350, "ampere": 450, "ada": 450,
-    "hopper": 550, "blackwell": 600, "cdna2": 450, "cdna3": 550,
+    "pascal": 300,
+    "volta": 350,
+    "turing": 350,
+    "ampere": 450,
+    "ada": 450,
+    "hopper": 550,
+    "blackwell": 600,
+    "cdna2": 450,
+    "cdna3": 550,
 }
 # NCCL: NCCL_BUFFSIZE 4 MiB per channel and peer, both directions, up to 32 channels, plus
 # its kernels; an assumption until measured.
@@ -101,8 +111,9 @@ def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str, state_elem: in
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
-def _step_temporaries(shapes: list[tuple[tuple[int, ...], int]], setup: TrainingSetup,
-                      state_elem: int, device: Device) -> tuple[float, str]:
+def _step_temporaries(
+    shapes: list[tuple[tuple[int, ...], int]], setup: TrainingSetup, state_elem: int, device: Device
+) -> tuple[float, str]:
     """Bytes the optimizer's step allocates on top of its state, and why."""
     opt, impl = setup.optimizer, setup.optimizer_impl
     total = sum(math.prod(s) * c for s, c in shapes)
@@ -171,8 +182,10 @@ def estimate_analytic(
     if setup.is_lora:
         targets = setup.lora_targets or model.default_lora_targets()
         if setup.lora_targets is None and model.lora_targets_guessed:
-            warnings.append(f"peft has no default LoRA targets for {arch.model_type}: assumed "
-                            f"{','.join(targets)} (set --lora-targets)")
+            warnings.append(
+                f"peft has no default LoRA targets for {arch.model_type}: assumed "
+                f"{','.join(targets)} (set --lora-targets)"
+            )
         lora_n = model.lora_params(setup.lora_rank, targets)
         trainable_shapes = _lora_shapes(model, setup.lora_rank, targets)
         trainable = lora_n
@@ -181,87 +194,179 @@ def estimate_analytic(
         if setup.method == "qlora":
             q = model.quantizable_params()
             base = q * NF4_BYTES_PER_PARAM + (total - q) * 2
-            lines.append(Line("weights", "base, NF4 + double quant", int(q * NF4_BYTES_PER_PARAM),
-                              f"{q:,} params x {NF4_BYTES_PER_PARAM:.4f} B (4-bit + constants)"))
-            lines.append(Line("weights", "base, not quantised (16-bit)", (total - q) * 2,
-                              f"{total - q:,} params x 2 B (embeddings, norms, output head)"))
+            lines.append(
+                Line(
+                    "weights",
+                    "base, NF4 + double quant",
+                    int(q * NF4_BYTES_PER_PARAM),
+                    f"{q:,} params x {NF4_BYTES_PER_PARAM:.4f} B (4-bit + constants)",
+                )
+            )
+            lines.append(
+                Line(
+                    "weights",
+                    "base, not quantised (16-bit)",
+                    (total - q) * 2,
+                    f"{total - q:,} params x 2 B (embeddings, norms, output head)",
+                )
+            )
         else:
             # A frozen base needs no fp32 master: peft recipes load it in 16-bit unless fp32.
             base_b = 4 if setup.precision == "fp32" else 2
             base = total * base_b
-            lines.append(Line("weights", "frozen base", base,
-                              f"{total:,} params x {base_b} B (frozen, no master copy)"))
+            lines.append(
+                Line(
+                    "weights",
+                    "frozen base",
+                    base,
+                    f"{total:,} params x {base_b} B (frozen, no master copy)",
+                )
+            )
         weights = base + lora_n * 4
-        lines.append(Line("weights", "LoRA adapters", lora_n * 4,
-                          f"{lora_n:,} params x 4 B (fp32), r={setup.lora_rank} on "
-                          f"{','.join(targets)}"))
+        lines.append(
+            Line(
+                "weights",
+                "LoRA adapters",
+                lora_n * 4,
+                f"{lora_n:,} params x 4 B (fp32), r={setup.lora_rank} on {','.join(targets)}",
+            )
+        )
         grad_pb, state_pb = adapter_pb, adapter_pb
     else:
         roles_targets = None
         trainable = total
         trainable_shapes = [(g.shape, g.count) for g in model.params]
         weights = total * pb.weight
-        lines.append(Line("weights", "weights", weights,
-                          f"{total:,} params x {pb.weight} B ({_weight_why(setup.precision)})"))
+        lines.append(
+            Line(
+                "weights",
+                "weights",
+                weights,
+                f"{total:,} params x {pb.weight} B ({_weight_why(setup.precision)})",
+            )
+        )
         grad_pb, state_pb = pb, pb
     roles_targets = (setup.lora_targets or model.default_lora_targets()) if setup.is_lora else None
 
-    grads = trainable * grad_pb.grad
-    lines.append(Line("gradients", "gradients", grads,
-                      f"{trainable:,} trainable x {grad_pb.grad} B"))
-    states = sum(optimizer_state_bytes(s, setup.optimizer, state_pb.state_elem) * c
-                 for s, c in trainable_shapes)
-    lines.append(Line("optimizer_state", setup.optimizer, int(states),
-                      _state_formula(setup.optimizer, trainable, state_pb.state_elem)))
+    grads: float = trainable * grad_pb.grad
+    lines.append(
+        Line("gradients", "gradients", int(grads), f"{trainable:,} trainable x {grad_pb.grad} B")
+    )
+    states = sum(
+        optimizer_state_bytes(s, setup.optimizer, state_pb.state_elem) * c
+        for s, c in trainable_shapes
+    )
+    lines.append(
+        Line(
+            "optimizer_state",
+            setup.optimizer,
+            int(states),
+            _state_formula(setup.optimizer, trainable, state_pb.state_elem),
+        )
+    )
     if state_pb.master:
         states += trainable * state_pb.master
-        lines.append(Line("optimizer_state", "fp32 master weights", trainable * state_pb.master,
-                          f"{trainable:,} x 4 B (fp16 weights train against an fp32 copy)"))
+        lines.append(
+            Line(
+                "optimizer_state",
+                "fp32 master weights",
+                trainable * state_pb.master,
+                f"{trainable:,} x 4 B (fp16 weights train against an fp32 copy)",
+            )
+        )
 
     # --- sharding and offload (per GPU) ---------------------------------------------------
     host = 0.0
     if shard > 1:
         states /= shard
-        lines.append(Line("optimizer_state", f"{setup.sharding}: divided by {shard} GPUs",
-                          int(states), f"optimizer state / {shard}"))
+        lines.append(
+            Line(
+                "optimizer_state",
+                f"{setup.sharding}: divided by {shard} GPUs",
+                int(states),
+                f"optimizer state / {shard}",
+            )
+        )
         if setup.sharding in ("zero2", "zero3", "fsdp"):
             grads /= shard
-            lines.append(Line("gradients", f"{setup.sharding}: divided by {shard} GPUs",
-                              int(grads), f"gradients / {shard}"))
+            lines.append(
+                Line(
+                    "gradients",
+                    f"{setup.sharding}: divided by {shard} GPUs",
+                    int(grads),
+                    f"gradients / {shard}",
+                )
+            )
         if setup.sharding in ("zero3", "fsdp"):
             weights /= shard
-            lines.append(Line("weights", f"{setup.sharding}: divided by {shard} GPUs",
-                              int(weights), f"weights / {shard}"))
+            lines.append(
+                Line(
+                    "weights",
+                    f"{setup.sharding}: divided by {shard} GPUs",
+                    int(weights),
+                    f"weights / {shard}",
+                )
+            )
     elif setup.sharding != "none" and setup.sharding != "ddp" and n_gpus == 1:
         warnings.append(f"--sharding {setup.sharding} on one GPU divides nothing")
     if setup.offload in ("optimizer", "optimizer+params"):
         host += states
-        lines.append(Line("optimizer_state", "offloaded to CPU RAM", -int(states),
-                          f"{int(states):,} B move to host memory"))
+        lines.append(
+            Line(
+                "optimizer_state",
+                "offloaded to CPU RAM",
+                -int(states),
+                f"{int(states):,} B move to host memory",
+            )
+        )
         states = 0
     if setup.offload == "optimizer+params":
         host += weights
-        lines.append(Line("weights", "offloaded to CPU RAM", -int(weights),
-                          f"{int(weights):,} B move to host memory"))
+        lines.append(
+            Line(
+                "weights",
+                "offloaded to CPU RAM",
+                -int(weights),
+                f"{int(weights):,} B move to host memory",
+            )
+        )
         weights = 0
 
     other_fixed = 0.0
     layer_params = _largest_layer_params(model)
-    if setup.sharding in ("zero3", "fsdp") and shard > 1 or setup.offload == "optimizer+params":
+    if (setup.sharding in ("zero3", "fsdp") and shard > 1) or setup.offload == "optimizer+params":
         gathered = 2 * layer_params * rg.compute_bytes
         other_fixed += gathered
-        lines.append(Line("other", "gathered parameters (current + prefetched layer)",
-                          int(gathered), f"2 x {layer_params:,} params x {rg.compute_bytes} B"))
+        lines.append(
+            Line(
+                "other",
+                "gathered parameters (current + prefetched layer)",
+                int(gathered),
+                f"2 x {layer_params:,} params x {rg.compute_bytes} B",
+            )
+        )
     if setup.sharding == "ddp" and n_gpus > 1:
         other_fixed += grads
-        lines.append(Line("other", "DDP gradient buckets", int(grads),
-                          "a second copy of the gradients (gradient_as_bucket_view=False)"))
+        lines.append(
+            Line(
+                "other",
+                "DDP gradient buckets",
+                int(grads),
+                "a second copy of the gradients (gradient_as_bucket_view=False)",
+            )
+        )
     workspace = context = nccl = 0
     if device == "cuda":
         workspace, context, nccl = _gpu_extras(gpu, setup)
         other_fixed += workspace
-        lines.append(Line("other", "cuBLAS workspaces", workspace,
-                          f"{CUBLAS_HANDLES} handles x {workspace // CUBLAS_HANDLES:,} B"))
+        lines.append(
+            Line(
+                "other",
+                "cuBLAS workspaces",
+                workspace,
+                f"{CUBLAS_HANDLES} handles x {workspace // CUBLAS_HANDLES:,} B",
+            )
+        )
 
     # --- activations -------------------------------------------------------------------------
     tokens = micro_batch_size * seq_len
@@ -271,8 +376,7 @@ def estimate_analytic(
     stack_layers = arch.num_layers
     decoder_layer = 0.0
     if arch.family == "encoder-decoder":
-        dec_terms = act.layer_terms(arch, rg, setup.attention, seq_len, roles,
-                                    cross_attention=True)
+        dec_terms = act.layer_terms(arch, rg, setup.attention, seq_len, roles, cross_attention=True)
         decoder_layer = sum(v for _, v in dec_terms) * tokens
     layers_total = per_layer * stack_layers + decoder_layer * arch.num_decoder_layers
     head_trainable = not setup.is_lora
@@ -292,39 +396,83 @@ def estimate_analytic(
     head_grad = trainable * grad_pb.grad / max(stack_layers, 1) if not setup.is_lora else 0
 
     if setup.grad_ckpt:
-        ckpt = rg.stream_bytes * arch.hidden_size * tokens * (
-            stack_layers + arch.num_decoder_layers)
+        ckpt = (
+            rg.stream_bytes * arch.hidden_size * tokens * (stack_layers + arch.num_decoder_layers)
+        )
         one_layer = max(per_layer, decoder_layer)
         layer_copies = amp_copies / max(stack_layers + arch.num_decoder_layers, 1)
         acts_start = ckpt + final + held + bwd_extra + layer_copies
         acts_end = one_layer + layer_copies + rg.stream_bytes * arch.hidden_size * tokens
         lines += [
-            Line("activations", "checkpointed layer inputs", int(ckpt),
-                 f"{stack_layers + arch.num_decoder_layers} layers x {rg.stream_bytes} B x "
-                 f"{arch.hidden_size} x {tokens:,} tokens"),
-            Line("activations", "one layer recomputed in backward", int(one_layer),
-                 _layer_formula(per_layer_terms, tokens)),
+            Line(
+                "activations",
+                "checkpointed layer inputs",
+                int(ckpt),
+                f"{stack_layers + arch.num_decoder_layers} layers x {rg.stream_bytes} B x "
+                f"{arch.hidden_size} x {tokens:,} tokens",
+            ),
+            Line(
+                "activations",
+                "one layer recomputed in backward",
+                int(one_layer),
+                _layer_formula(per_layer_terms, tokens),
+            ),
         ]
     else:
         acts_start = layers_total + final + held + bwd_extra + amp_copies
         acts_end = 0.0
-        lines.append(Line("activations", f"{stack_layers} layers", int(per_layer * stack_layers),
-                          f"{stack_layers} x {_layer_formula(per_layer_terms, tokens)}"))
+        lines.append(
+            Line(
+                "activations",
+                f"{stack_layers} layers",
+                int(per_layer * stack_layers),
+                f"{stack_layers} x {_layer_formula(per_layer_terms, tokens)}",
+            )
+        )
         if decoder_layer:
-            lines.append(Line("activations", f"{arch.num_decoder_layers} decoder layers",
-                              int(decoder_layer * arch.num_decoder_layers),
-                              "self-attention + cross-attention + MLP per layer"))
-    lines.append(Line("activations", f"final {norm_name.split(':')[0]} + head input", int(final),
-                      f"per token {norm_size + (rg.compute_bytes * arch.hidden_size if head_trainable else 0):g} B"))
+            lines.append(
+                Line(
+                    "activations",
+                    f"{arch.num_decoder_layers} decoder layers",
+                    int(decoder_layer * arch.num_decoder_layers),
+                    "self-attention + cross-attention + MLP per layer",
+                )
+            )
+    final_per_token = final / tokens
+    lines.append(
+        Line(
+            "activations",
+            f"final {norm_name.split(':')[0]} + head input",
+            int(final),
+            f"{final_per_token:g} B/token x {tokens:,} tokens",
+        )
+    )
     if held:
-        lines.append(Line("activations", "logits + fp32 log-softmax", int(held),
-                          f"{tokens:,} tokens x {arch.vocab_size:,} vocab x "
-                          f"({rg.compute_bytes} + 4) B"))
-        lines.append(Line("activations", "loss backward (fp32 grads of logits)", int(bwd_extra),
-                          f"{tokens:,} x {arch.vocab_size:,} x 8 B, at the start of backward"))
+        lines.append(
+            Line(
+                "activations",
+                "logits + fp32 log-softmax",
+                int(held),
+                f"{tokens:,} tokens x {arch.vocab_size:,} vocab x ({rg.compute_bytes} + 4) B",
+            )
+        )
+        lines.append(
+            Line(
+                "activations",
+                "loss backward (fp32 grads of logits)",
+                int(bwd_extra),
+                f"{tokens:,} x {arch.vocab_size:,} x 8 B, at the start of backward",
+            )
+        )
     if amp_copies and not setup.grad_ckpt:
-        lines.append(Line("activations", "autocast 16-bit weight copies", int(amp_copies),
-                          "2 B per matmul weight, saved for backward"))
+        lines.append(
+            Line(
+                "activations",
+                "autocast 16-bit weight copies",
+                int(amp_copies),
+                "2 B per matmul weight, saved for backward",
+            )
+        )
 
     # --- the peak ------------------------------------------------------------------------------
     temps, temps_why = _step_temporaries(trainable_shapes, setup, state_pb.state_elem, device)
@@ -352,10 +500,22 @@ def estimate_analytic(
     if device == "cuda":
         reserved = _round_up(int(peak * (1 + FRAGMENTATION)), 2 * BYTES_IN_MIB)
         device_total = reserved + context + nccl
-        lines.append(Line("other", "allocator reserve (analytic allowance)", reserved - peak,
-                          f"{FRAGMENTATION:.0%} of peak: segment rounding and fragmentation"))
-        lines.append(Line("other", "CUDA context (outside the allocator)", context,
-                          f"{context // BYTES_IN_MIB} MiB for {gpu.architecture if gpu else 'a'} GPU"))
+        lines.append(
+            Line(
+                "other",
+                "allocator reserve (analytic allowance)",
+                reserved - peak,
+                f"{FRAGMENTATION:.0%} of peak: segment rounding and fragmentation",
+            )
+        )
+        lines.append(
+            Line(
+                "other",
+                "CUDA context (outside the allocator)",
+                context,
+                f"{context // BYTES_IN_MIB} MiB for {gpu.architecture if gpu else 'a'} GPU",
+            )
+        )
         if nccl:
             lines.append(Line("other", "NCCL buffers", nccl, "assumed 512 MiB"))
     else:
@@ -425,8 +585,9 @@ def _layer_formula(terms: list[tuple[str, float]], tokens: int) -> str:
     return f"{per_token:,.0f} B/token x {tokens:,} tokens"
 
 
-def _lora_shapes(model: ModelInfo, rank: int,
-                 targets: tuple[str, ...]) -> list[tuple[tuple[int, ...], int]]:
+def _lora_shapes(
+    model: ModelInfo, rank: int, targets: tuple[str, ...]
+) -> list[tuple[tuple[int, ...], int]]:
     """Shapes of the LoRA A (r x in) and B (out x r) matrices."""
     shapes: list[tuple[tuple[int, ...], int]] = []
     for group in model.params:

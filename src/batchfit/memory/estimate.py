@@ -30,8 +30,10 @@ def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> lis
                 f"--seq-len {seq_len} is longer than {model.name}'s {limit} learned positions: "
                 f"use --seq-len {limit} or less"
             )
-        return [f"--seq-len {seq_len} exceeds {model.name}'s {limit} trained positions: "
-                "rope scaling must extend them"]
+        return [
+            f"--seq-len {seq_len} exceeds {model.name}'s {limit} trained positions: "
+            "rope scaling must extend them"
+        ]
     return []
 
 
@@ -60,8 +62,15 @@ def estimate(
         raise UsageError("the trace engine is not built yet: use --engine analytic")
     from batchfit.memory.analytic import estimate_analytic
 
-    result = estimate_analytic(model, setup, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                               device=device, gpu=gpu, grad_accum_steps=grad_accum_steps)
+    result = estimate_analytic(
+        model,
+        setup,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        device=device,
+        gpu=gpu,
+        grad_accum_steps=grad_accum_steps,
+    )
     if warnings:
         from dataclasses import replace
 

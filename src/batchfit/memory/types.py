@@ -65,12 +65,15 @@ class MemoryEstimate:
             "peak_phase": self.peak_phase,
             "host_bytes": self.host_bytes,
             "setup": {
-                k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in self.setup.__dict__.items()
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in self.setup.__dict__.items()
             },
             "breakdown": [
-                {"component": ln.component, "label": ln.label, "bytes": ln.num_bytes,
-                 "formula": ln.formula}
+                {
+                    "component": ln.component,
+                    "label": ln.label,
+                    "bytes": ln.num_bytes,
+                    "formula": ln.formula,
+                }
                 for ln in self.lines
             ],
             "warnings": list(self.warnings),

@@ -1,0 +1,135 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit.errors import UsageError
+from batchfit.hardware import all_gpus, get_gpu
+from batchfit.models import resolve_model
+from batchfit.plan import fit_table, make_plan, scale_learning_rate
+from batchfit.spec import TrainingSetup
+
+GPT2 = resolve_model("gpt2")
+
+
+def test_contract_gpt2_rtx3060():
+    # Issue #2: 8 accumulation steps, 32768 tokens per step.
+    p = make_plan(
+        GPT2,
+        get_gpu("rtx-3060"),
+        TrainingSetup(),
+        seq_len=256,
+        global_batch_tokens=32768,
+        micro_batch_size=16,
+    )
+    assert (p.micro_batch_size, p.grad_accum_steps, p.tokens_per_step) == (16, 8, 32768)
+    assert p.headroom_bytes == p.gpu_bytes - p.estimate.device_total_bytes > 0
+    assert p.techniques == ()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    global_batch=st.integers(1, 4096),
+    num_gpus=st.sampled_from([1, 2, 4, 8]),
+    gpu=st.sampled_from(["t4", "a100-40gb", "h100-80gb"]),
+)
+def test_every_plan_is_exact(global_batch, num_gpus, gpu):
+    setup = TrainingSetup(num_gpus=num_gpus)
+    if global_batch % num_gpus:
+        with pytest.raises(UsageError, match="nearest reachable"):
+            make_plan(GPT2, get_gpu(gpu), setup, seq_len=512, global_batch=global_batch)
+        return
+    p = make_plan(GPT2, get_gpu(gpu), setup, seq_len=512, global_batch=global_batch)
+    assert p.micro_batch_size * p.grad_accum_steps * p.num_gpus == global_batch
+    assert p.micro_batch_size <= max(p.max_micro_batch, 1)
+
+
+def test_largest_fitting_micro_batch_is_chosen_when_it_divides():
+    p = make_plan(GPT2, get_gpu("a100-80gb"), TrainingSetup(), seq_len=1024, global_batch=512)
+    assert p.micro_batch_size == p.max_micro_batch or 512 % p.max_micro_batch
+    bigger = make_plan(
+        GPT2,
+        get_gpu("a100-80gb"),
+        TrainingSetup(),
+        seq_len=1024,
+        global_batch=512,
+        micro_batch_size=p.micro_batch_size * 2,
+    )
+    # Too big as is: the planner switches on the cheapest exact rung that makes it fit.
+    assert [t.name for t in bigger.techniques] == ["gradient-checkpointing"]
+    assert bigger.headroom_bytes >= bigger.headroom_wanted_bytes
+
+
+def test_tokens_not_divisible_offers_nearest():
+    with pytest.raises(UsageError, match=r"nearest reachable: 32,768 or 33,024"):
+        make_plan(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch_tokens=32800)
+
+
+def test_micro_batch_must_divide():
+    with pytest.raises(UsageError, match="does not divide"):
+        make_plan(
+            GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=48, micro_batch_size=5
+        )
+
+
+def test_learning_rate_rules():
+    assert scale_learning_rate(0.1, 256, 1024, "sgd-momentum")[0] == pytest.approx(0.4)
+    assert scale_learning_rate(2e-5, 16, 64, "adamw")[0] == pytest.approx(4e-5)
+    p = make_plan(
+        GPT2,
+        get_gpu("a100-40gb"),
+        TrainingSetup(),
+        seq_len=256,
+        global_batch_tokens=65536,
+        base_lr=6e-4,
+        base_batch=32768,
+    )
+    assert p.learning_rate == pytest.approx(6e-4 * 2**0.5)  # tokens in, tokens out
+    with pytest.raises(UsageError, match="together"):
+        make_plan(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, base_lr=1e-4)
+
+
+def test_ladder_tries_exact_rungs_first_and_marks_kinds():
+    p = make_plan(
+        resolve_model("llama-3.1-8b"),
+        get_gpu("a100-40gb"),
+        TrainingSetup(),
+        seq_len=4096,
+        global_batch_tokens=1048576,
+    )
+    kinds = [t.kind for t in p.techniques]
+    assert kinds and kinds[0] == "exact" and set(kinds) <= {"exact", "changes-training"}
+    first_changing = next(
+        i for i, a in enumerate(p.alternatives) if any(t.kind != "exact" for t in a.techniques)
+    )
+    assert all(
+        all(t.kind == "exact" for t in a.techniques) for a in p.alternatives[:first_changing]
+    )
+    assert p.headroom_bytes >= p.headroom_wanted_bytes
+    assert p.micro_batch_size * p.grad_accum_steps == 256
+
+
+def test_multi_gpu_ladder_shards_before_changing_training():
+    p = make_plan(
+        resolve_model("llama-3.1-8b"),
+        get_gpu("a100-80gb"),
+        TrainingSetup(num_gpus=8),
+        seq_len=4096,
+        global_batch_tokens=4 * 1048576,
+    )
+    assert [t.kind for t in p.techniques] == ["exact"] * len(p.techniques)
+    assert any(t.name.startswith("zero") for t in p.techniques)
+
+
+def test_fp16_gpu_warns_about_gradscaler():
+    p = make_plan(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=512, global_batch=32)
+    assert p.setup.precision == "amp-fp16"
+    assert any("GradScaler" in w for w in p.warnings)
+
+
+def test_fit_table_covers_every_gpu():
+    rows = fit_table(
+        resolve_model("bert-base-uncased"), TrainingSetup(), list(all_gpus().values()), seq_len=512
+    )
+    assert len(rows) == len(all_gpus())
+    by_name = {r.gpu.name: r for r in rows}
+    assert by_name["h200"].max_micro_batch > by_name["t4"].max_micro_batch > 0

@@ -1,0 +1,48 @@
+import dataclasses
+
+import pytest
+
+from batchfit.errors import UsageError
+from batchfit.spec import TrainingSetup
+
+
+def test_defaults_and_frozen():
+    setup = TrainingSetup()
+    assert setup.optimizer == "adamw" and setup.method == "full"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setup.optimizer = "sgd"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"precision": "fp8"}, "--precision"),
+        ({"optimizer": "adamx"}, "--optimizer"),
+        ({"method": "qlora", "precision": "fp32"}, "16-bit"),
+        ({"offload": "optimizer"}, "needs ZeRO"),
+        ({"offload": "optimizer+params", "sharding": "zero2"}, "zero3"),
+        ({"num_gpus": 0}, "--num-gpus"),
+        ({"lora_rank": 0}, "--lora-rank"),
+        ({"lora_dropout": 1.0}, "--lora-dropout"),
+        ({"lora_targets": ()}, "--lora-targets"),
+    ],
+)
+def test_contradictions_and_bad_values_raise(kwargs, needle):
+    with pytest.raises(UsageError, match=needle.replace("+", r"\+")):
+        TrainingSetup(**kwargs)
+
+
+def test_auto_precision_by_device():
+    assert TrainingSetup().resolved(device="cpu", bf16_supported=True).precision == "fp32"
+    assert TrainingSetup().resolved(device="cuda", bf16_supported=True).precision == "amp-bf16"
+    assert TrainingSetup().resolved(device="cuda", bf16_supported=False).precision == "amp-fp16"
+    assert (
+        TrainingSetup(precision="bf16").resolved(device="cpu", bf16_supported=False).precision
+        == "bf16"
+    )
+
+
+def test_lists_become_tuples():
+    setup = TrainingSetup(method="lora", lora_targets=["q_proj", "v_proj"])  # type: ignore[arg-type]
+    assert setup.lora_targets == ("q_proj", "v_proj")
+    hash(setup)
