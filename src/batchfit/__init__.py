@@ -1,1 +1,62 @@
-"""batchfit: what a training step needs, the fastest micro-batch, and exact accumulation."""
+"""batchfit: what a training step needs, the micro-batch that fits, and exact accumulation.
+
+Public names resolve lazily (PEP 562), so ``import batchfit`` stays cheap and the analytic path
+never imports torch or transformers.
+
+Example:
+    >>> import batchfit
+    >>> model = batchfit.resolve_model("gpt2")
+    >>> est = batchfit.estimate(model, batchfit.TrainingSetup(), micro_batch_size=8,
+    ...                         seq_len=512, device="cpu")
+    >>> est.components["weights"] == 4 * model.total_params
+    True
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from batchfit._version import __version__
+
+if TYPE_CHECKING:
+    from batchfit.errors import UsageError
+    from batchfit.export import export
+    from batchfit.hardware import GpuSpec, all_gpus, get_gpu
+    from batchfit.memory.estimate import estimate
+    from batchfit.memory.types import MemoryEstimate
+    from batchfit.models import ModelInfo, resolve_model
+    from batchfit.plan import Plan, fit_table, make_plan, scale_learning_rate
+    from batchfit.spec import TrainingSetup
+
+_EXPORTS = {
+    "TrainingSetup": "batchfit.spec",
+    "ModelInfo": "batchfit.models",
+    "resolve_model": "batchfit.models",
+    "GpuSpec": "batchfit.hardware",
+    "get_gpu": "batchfit.hardware",
+    "all_gpus": "batchfit.hardware",
+    "MemoryEstimate": "batchfit.memory.types",
+    "estimate": "batchfit.memory.estimate",
+    "Plan": "batchfit.plan",
+    "make_plan": "batchfit.plan",
+    "fit_table": "batchfit.plan",
+    "scale_learning_rate": "batchfit.plan",
+    "export": "batchfit.export",
+    "UsageError": "batchfit.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchfit' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

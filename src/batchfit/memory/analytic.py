@@ -393,6 +393,7 @@ def estimate_analytic(
         amp_copies = 2 * sum(g.total for g in model.params if g.is_matrix_weight)
         if arch.tied_embeddings and model.task != "classification":
             amp_copies += 2 * arch.vocab_size * arch.hidden_size
+    # The first gradients backward produces (output head / last layer): about one layer's worth.
     head_grad = trainable * grad_pb.grad / max(stack_layers, 1) if not setup.is_lora else 0
 
     if setup.grad_ckpt:

@@ -1,0 +1,37 @@
+"""`make demo`: batchfit's main job on catalog models, offline, in a few seconds."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from batchfit.cli import main  # noqa: E402
+
+
+def run(args: list[str]) -> None:
+    print(f"\n$ batchfit {' '.join(args)}", flush=True)
+    try:
+        main(args)
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+def demo() -> None:
+    run(["estimate", "llama-3.1-8b", "--micro-batch", "1", "--seq-len", "4096",
+         "--precision", "bf16", "--gpu", "h100-80gb"])
+    run(["plan", "llama-3.1-8b", "--gpu", "a100-40gb", "--global-batch-tokens", "1048576",
+         "--seq-len", "4096", "--base-lr", "3e-4", "--base-batch", "524288"])
+    out = Path(tempfile.mkdtemp(prefix="batchfit-demo-"))
+    run(["plan", "gpt2", "--gpu", "rtx-3060", "--seq-len", "256", "--global-batch-tokens",
+         "32768", "--micro-batch", "16", "--export", "deepspeed", "--out",
+         str(out / "ds_config.json")])
+    print((out / "ds_config.json").read_text())
+    run(["gpus", "bert-base-uncased", "--seq-len", "512"])
+
+
+if __name__ == "__main__":
+    demo()
