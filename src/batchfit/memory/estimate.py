@@ -58,19 +58,18 @@ def estimate(
         ('analytic', True)
     """
     warnings = check_workload(model, micro_batch_size, seq_len)
+    kwargs = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "device": device,
+              "gpu": gpu, "grad_accum_steps": grad_accum_steps}
     if engine == "trace":
-        raise UsageError("the trace engine is not built yet: use --engine analytic")
-    from batchfit.memory.analytic import estimate_analytic
+        from batchfit.memory._hf_trace import estimate_trace
 
-    result = estimate_analytic(
-        model,
-        setup,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        device=device,
-        gpu=gpu,
-        grad_accum_steps=grad_accum_steps,
-    )
+        result = estimate_trace(model, setup, **kwargs)  # type: ignore[arg-type]
+    elif engine == "analytic":
+        from batchfit.memory.analytic import estimate_analytic
+
+        result = estimate_analytic(model, setup, **kwargs)  # type: ignore[arg-type]
+    else:
+        raise UsageError(f"--engine {engine!r} is not one of: trace, analytic")
     if warnings:
         from dataclasses import replace
 

@@ -1,0 +1,213 @@
+"""Trace a Hugging Face model built from its config: setup applied, fake inputs, extrapolation."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Any, Literal
+
+import torch
+
+from batchfit._units import BYTES_IN_MIB
+from batchfit.hardware import GpuSpec
+from batchfit.memory import analytic, trace
+from batchfit.memory._optim import make_optimizer
+from batchfit.memory.types import Line, MemoryEstimate
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
+
+# Depths traced for a homogeneous stack; even, so alternating layer types (Gemma-2) pair up.
+SHALLOW, DEEP = 2, 4
+
+
+def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
+    """Why the trace cannot model this setup yet (then the analytic engine answers)."""
+    if setup.method == "qlora":
+        return "QLoRA needs bitsandbytes' 4-bit layers"
+    if model.arch.num_experts:
+        return "MoE routing has data-dependent shapes"
+    if setup.precision == "fp16":
+        return "fp16 with an fp32 master copy is DeepSpeed's optimizer wrapper"
+    if setup.sharding not in ("none", "ddp") or setup.offload != "none":
+        return f"--sharding {setup.sharding} / --offload {setup.offload}"
+    if setup.num_gpus > 1:
+        return "several GPUs"
+    return None
+
+
+def _config(model: ModelInfo, depth: int | None) -> Any:
+    from batchfit import _meta
+
+    cfg = _meta.make_config(model.config, model.task)
+    if depth is not None:
+        if model.arch.family == "encoder-decoder":
+            cfg.num_layers = depth
+            cfg.num_decoder_layers = depth
+        else:
+            cfg.num_hidden_layers = depth
+        layer_types = getattr(cfg, "layer_types", None)
+        if isinstance(layer_types, list):
+            cfg.layer_types = layer_types[:depth]
+    return cfg
+
+
+def _attn_impl(model: ModelInfo, attention: str) -> str:
+    if attention in ("sdpa", "flash"):
+        # On fake CPU tensors SDPA takes the CPU flash kernel, which keeps what CUDA's flash
+        # kernel keeps: the output and an fp32 log-sum-exp per head (DESIGN.md).
+        if model.arch.model_type in ("gemma2", "t5", "mt5"):
+            return "eager"  # soft-capping / position bias are eager-only in transformers
+        return "sdpa"
+    return "eager"
+
+
+def _build(model: ModelInfo, setup: TrainingSetup, depth: int | None) -> torch.nn.Module:
+    import transformers
+
+    from batchfit import _meta
+
+    cfg = _config(model, depth)
+    cfg._attn_implementation = _attn_impl(model, setup.attention)
+    auto = getattr(transformers, _meta._AUTO_CLASS[model.task])
+    # Build in the storage dtype (fake parameters cannot be converted by module.to()):
+    # pure 16-bit stores 16-bit weights; LoRA stores its frozen base in 16-bit unless fp32.
+    dtype = torch.float32
+    if setup.precision in ("bf16", "amp-bf16") and (setup.precision == "bf16" or setup.is_lora):
+        dtype = torch.bfloat16
+    elif setup.precision in ("fp16", "amp-fp16") and (setup.precision == "fp16" or setup.is_lora):
+        dtype = torch.float16
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        try:
+            net = auto.from_config(cfg, dtype=dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            net = auto.from_config(cfg, torch_dtype=dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    if setup.grad_ckpt:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if setup.is_lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = list(setup.lora_targets or model.default_lora_targets())
+        net = get_peft_model(net, LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha,
+                                             lora_dropout=setup.lora_dropout,
+                                             target_modules=targets))
+        if setup.grad_ckpt:
+            net.enable_input_require_grads()
+    net.train()
+    return net
+
+
+def _batch_fn(model: ModelInfo, micro: int, seq: int) -> Any:
+    vocab = model.arch.vocab_size
+
+    def make() -> dict[str, Any]:
+        ids = torch.randint(0, vocab, (micro, seq))
+        if model.task == "classification":
+            return {"input_ids": ids, "labels": torch.randint(0, 2, (micro,))}
+        return {"input_ids": ids, "labels": torch.randint(0, vocab, (micro, seq))}
+
+    return make
+
+
+def trace_once(model: ModelInfo, setup: TrainingSetup, *, micro: int, seq: int,
+               device: Literal["cpu", "cuda"], gpu: GpuSpec | None, depth: int | None,
+               grad_accum_steps: int) -> trace.TraceResult:
+    """One dry run at ``depth`` layers (None = the real depth)."""
+    emulate_cuda = device == "cuda"
+    autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
+    keep: list[torch.Tensor] = []
+
+    def cuda_workspaces(tracker: Any) -> None:
+        if emulate_cuda:
+            workspace, _, _ = analytic._gpu_extras(gpu, setup)
+            for _ in range(analytic.CUBLAS_HANDLES):
+                keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES,
+                                        dtype=torch.uint8))
+                tracker.label(keep[-1], "other")
+
+    from batchfit.memory.kernels import cuda_kernels
+
+    kernels = cuda_kernels() if emulate_cuda else contextlib.nullcontext()
+    with trace.quiet(), trace.fake_mode(), kernels:
+        net = _build(model, setup, depth)
+        params = [p for p in net.parameters() if p.requires_grad]
+        opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
+        return trace.run_steps(net, opt, _batch_fn(model, micro, seq),
+                               lambda out, _batch: out.loss, autocast_dtype=autocast,
+                               grad_accum_steps=grad_accum_steps, extra_other=cuda_workspaces)
+
+
+def estimate_trace(model: ModelInfo, setup: TrainingSetup, *, micro_batch_size: int,
+                   seq_len: int, device: Literal["cpu", "cuda"], gpu: GpuSpec | None,
+                   grad_accum_steps: int = 1, full_depth: bool = False) -> MemoryEstimate:
+    """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
+    resolved = setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True)
+    why_not = unsupported(model, resolved)
+    if why_not is not None:
+        est = analytic.estimate_analytic(model, setup, micro_batch_size=micro_batch_size,
+                                         seq_len=seq_len, device=device, gpu=gpu,
+                                         grad_accum_steps=grad_accum_steps)
+        return replace(est, warnings=(f"trace engine: {why_not} is not traced yet; "
+                                      "analytic engine used", *est.warnings))
+    depth = model.arch.num_layers
+    kw = {"micro": micro_batch_size, "seq": seq_len, "device": device, "gpu": gpu,
+          "grad_accum_steps": min(grad_accum_steps, 2)}
+    if full_depth or depth <= DEEP:
+        result = trace_once(model, resolved, depth=None, **kw)  # type: ignore[arg-type]
+        sim_source = result
+    else:
+        shallow = trace_once(model, resolved, depth=SHALLOW, **kw)  # type: ignore[arg-type]
+        deep = trace_once(model, resolved, depth=DEEP, **kw)  # type: ignore[arg-type]
+        result = trace.extrapolate(shallow, deep, SHALLOW, DEEP, depth)
+        sim_source = deep
+    peak = result.peak
+    components = dict(peak.components)
+    peak_bytes = sum(components.values())
+    lines = [Line(c, f"at the peak ({peak.phase})", v, "counted in a dry run of the real step")
+             for c, v in components.items()]
+    if device == "cuda":
+        from batchfit.memory.allocator import simulate
+
+        sim = simulate(sim_source.events)
+        ratio = sim.reserved_bytes / max(sim.peak_allocated_bytes, 1)
+        reserved = max(int(peak_bytes * ratio), peak_bytes)
+        _, context, nccl = analytic._gpu_extras(gpu, resolved)
+        device_total = reserved + context + nccl
+        lines.append(Line("other", "allocator: reserved beyond allocated", reserved - peak_bytes,
+                          "caching allocator simulation (segments, rounding, splits)"))
+        lines.append(Line("other", "CUDA context (outside the allocator)", context,
+                          f"{context // BYTES_IN_MIB} MiB"))
+    else:
+        reserved = device_total = peak_bytes
+    trainable = _trainable(model, resolved)
+    notes = []
+    if depth > DEEP and not full_depth:
+        notes.append(f"traced {SHALLOW} and {DEEP} layers, extrapolated to {depth}")
+    return MemoryEstimate(
+        model=model.name,
+        engine="trace",
+        device="cpu" if device == "cpu" else (f"cuda:{gpu.name}" if gpu else "cuda"),
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        setup=resolved,
+        components=components,
+        peak_bytes=peak_bytes,
+        reserved_bytes=reserved,
+        device_total_bytes=device_total,
+        total_params=model.total_params + (trainable if resolved.is_lora else 0),
+        trainable_params=trainable,
+        peak_phase=peak.phase,
+        lines=tuple(lines),
+        warnings=tuple(model.warnings),
+        extras={"top_modules": list(result.top_modules), "trace_seconds": result.seconds,
+                "notes": notes},
+    )
+
+
+def _trainable(model: ModelInfo, setup: TrainingSetup) -> int:
+    if setup.is_lora:
+        return model.lora_params(setup.lora_rank, setup.lora_targets)
+    return model.total_params

@@ -1,0 +1,145 @@
+"""Count what a training step allocates: storages by identity, over time, by category.
+
+A ``TorchDispatchMode`` sees every op's outputs; each new storage is numbered and a weakref
+finalizer records when it is freed (PyTorch preserves storage PyObjects, so the weakref dies
+with the storage). Works the same on fake tensors (a dry run) and on real CPU tensors, which is
+how tests check the dry run against a real step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "other")
+
+
+@dataclass
+class PhasePeak:
+    """The largest live total seen in one phase, and the event count at that moment."""
+
+    total: int = -1
+    event_index: int = 0
+
+
+@dataclass
+class Timeline:
+    """Allocation history: sizes by key, labels, phases, and each phase's peak."""
+
+    sizes: dict[int, int] = field(default_factory=dict)
+    labels: dict[int, str] = field(default_factory=dict)
+    born_in: dict[int, str] = field(default_factory=dict)
+    module_of: dict[int, str] = field(default_factory=dict)
+    phase_peaks: dict[str, PhasePeak] = field(default_factory=lambda: defaultdict(PhasePeak))
+    events: list[tuple[int, int]] = field(default_factory=list)  # (key, +bytes / -bytes)
+
+    def category(self, key: int) -> str:
+        label = self.labels.get(key)
+        if label:
+            return label
+        phase = self.born_in.get(key, "")
+        if phase in ("forward", "backward", "loss"):
+            return "activations"
+        return "other"
+
+    def live_at(self, event_index: int) -> set[int]:
+        """Keys alive after the first ``event_index`` events (replaying the log)."""
+        live: set[int] = set()
+        for key, delta in self.events[:event_index]:
+            if delta > 0:
+                live.add(key)
+            else:
+                live.discard(key)
+        return live
+
+    def components(self, live: Iterable[int]) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key in live:
+            out[self.category(key)] += self.sizes[key]
+        return out
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Dispatch mode that tracks live storage bytes and records a :class:`Timeline`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeline = Timeline()
+        self.phase = "setup"
+        self.module = ""
+        self._next_key = 0
+        self._key_of: dict[int, int] = {}  # id(storage) -> key, while alive
+        self._live: set[int] = set()
+        self._live_bytes = 0
+        self._finalizers: dict[int, Any] = {}
+        self.peak_total = 0
+
+    # --- registration ------------------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, label: str | None = None) -> int | None:
+        """Register a tensor's storage (once); returns its key."""
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse / nested: not modelled
+            return None
+        sid = id(storage)
+        key = self._key_of.get(sid)
+        if key is None:
+            key = self._next_key
+            self._next_key += 1
+            nbytes = int(storage.nbytes())
+            self._key_of[sid] = key
+            self.timeline.sizes[key] = nbytes
+            self.timeline.born_in[key] = self.phase
+            if self.module:
+                self.timeline.module_of[key] = self.module
+            self._live.add(key)
+            self._live_bytes += nbytes
+            self.timeline.events.append((key, nbytes))
+            self._finalizers[key] = weakref.finalize(storage, self._free, sid, key)
+            self._note_peak()
+        if label is not None:
+            self.timeline.labels[key] = label
+        return key
+
+    def label(self, tensor: torch.Tensor, label: str) -> None:
+        self.track(tensor, label)
+
+    def _free(self, sid: int, key: int) -> None:
+        if key not in self._live:
+            return
+        self._live.discard(key)
+        self._key_of.pop(sid, None)
+        self._finalizers.pop(key, None)
+        self._live_bytes -= self.timeline.sizes[key]
+        self.timeline.events.append((key, -self.timeline.sizes[key]))
+
+    def _note_peak(self) -> None:
+        peak = self.timeline.phase_peaks[self.phase]
+        if self._live_bytes > peak.total:
+            peak.total = self._live_bytes
+            peak.event_index = len(self.timeline.events)
+        self.peak_total = max(self.peak_total, self._live_bytes)
+
+    @property
+    def live_bytes(self) -> int:
+        return self._live_bytes
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._note_peak()
+
+    # --- dispatch ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor):
+                self.track(item)
+        return out
