@@ -17,15 +17,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_section  # noqa: E402
+from _report import write_section
 
 CASES = [
     ("python -c pass (interpreter start, for reference)", [sys.executable, "-c", "pass"]),
-    ("batchfit plan llama-3.1-8b --gpu a100-40gb --global-batch-tokens 1048576 --seq-len 4096",
-     None),
+    (
+        "batchfit plan llama-3.1-8b --gpu a100-40gb --global-batch-tokens 1048576 --seq-len 4096",
+        None,
+    ),
     ("batchfit estimate gpt2 --micro-batch 8 --seq-len 1024 --engine analytic --gpu t4", None),
-    ("batchfit estimate llama-3.1-70b --micro-batch 1 --seq-len 8192 --engine analytic "
-     "--gpu h100-80gb --num-gpus 8 --sharding zero3", None),
+    (
+        "batchfit estimate llama-3.1-70b --micro-batch 1 --seq-len 8192 --engine analytic "
+        "--gpu h100-80gb --num-gpus 8 --sharding zero3",
+        None,
+    ),
     ("batchfit gpus llama-3.1-8b --seq-len 4096 (26 GPUs x ladder)", None),
 ]
 

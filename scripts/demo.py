@@ -8,7 +8,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from batchfit.cli import main  # noqa: E402
+from batchfit.cli import main
 
 
 def run(args: list[str]) -> None:
@@ -21,14 +21,55 @@ def run(args: list[str]) -> None:
 
 
 def demo() -> None:
-    run(["estimate", "llama-3.1-8b", "--micro-batch", "1", "--seq-len", "4096",
-         "--precision", "bf16", "--gpu", "h100-80gb"])
-    run(["plan", "llama-3.1-8b", "--gpu", "a100-40gb", "--global-batch-tokens", "1048576",
-         "--seq-len", "4096", "--base-lr", "3e-4", "--base-batch", "524288"])
+    run(
+        [
+            "estimate",
+            "llama-3.1-8b",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "4096",
+            "--precision",
+            "bf16",
+            "--gpu",
+            "h100-80gb",
+        ]
+    )
+    run(
+        [
+            "plan",
+            "llama-3.1-8b",
+            "--gpu",
+            "a100-40gb",
+            "--global-batch-tokens",
+            "1048576",
+            "--seq-len",
+            "4096",
+            "--base-lr",
+            "3e-4",
+            "--base-batch",
+            "524288",
+        ]
+    )
     out = Path(tempfile.mkdtemp(prefix="batchfit-demo-"))
-    run(["plan", "gpt2", "--gpu", "rtx-3060", "--seq-len", "256", "--global-batch-tokens",
-         "32768", "--micro-batch", "16", "--export", "deepspeed", "--out",
-         str(out / "ds_config.json")])
+    run(
+        [
+            "plan",
+            "gpt2",
+            "--gpu",
+            "rtx-3060",
+            "--seq-len",
+            "256",
+            "--global-batch-tokens",
+            "32768",
+            "--micro-batch",
+            "16",
+            "--export",
+            "deepspeed",
+            "--out",
+            str(out / "ds_config.json"),
+        ]
+    )
     print((out / "ds_config.json").read_text())
     run(["gpus", "bert-base-uncased", "--seq-len", "512"])
 

@@ -46,7 +46,23 @@ _EXPORTS = {
     "UsageError": "batchfit.errors",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "GpuSpec",
+    "MemoryEstimate",
+    "ModelInfo",
+    "Plan",
+    "TrainingSetup",
+    "UsageError",
+    "__version__",
+    "all_gpus",
+    "estimate",
+    "export",
+    "fit_table",
+    "get_gpu",
+    "make_plan",
+    "resolve_model",
+    "scale_learning_rate",
+]
 
 
 def __getattr__(name: str) -> Any:

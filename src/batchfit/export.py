@@ -32,6 +32,10 @@ _PEFT_TASK = {
 }
 
 
+# Decoupled weight decay for AdamW, none for Adam (torch.optim defaults).
+_WEIGHT_DECAY = {"adam": 0.0, "adamw": 0.01}
+
+
 def _zero_stage(setup: TrainingSetup) -> int:
     return {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(setup.sharding, 0)
 
@@ -54,7 +58,8 @@ def _peft_settings(plan: Plan) -> dict[str, Any]:
             "bnb_4bit_use_double_quant": True,
             "bnb_4bit_compute_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16",
         }
-    if setup.precision in ("bf16", "fp16") or (setup.is_lora and setup.precision != "fp32"):
+    # fp16 with an fp32 master copy is DeepSpeed's job: it casts the model itself.
+    if setup.precision == "bf16" or (setup.is_lora and setup.precision not in ("fp32", "fp16")):
         out["from_pretrained_kwargs"] = {
             "torch_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16"
         }
@@ -75,11 +80,13 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     }
     if setup.optimizer == "sgd-momentum":
         kwargs["optim_args"] = "momentum=0.9"
-    if setup.optimizer == "adam":
-        kwargs["weight_decay"] = 0.0
+    # The same decay the DeepSpeed export writes: Trainer refuses configs that disagree.
+    kwargs["weight_decay"] = _WEIGHT_DECAY.get(setup.optimizer, 0.0)
     if plan.learning_rate is not None:
         kwargs["learning_rate"] = plan.learning_rate
-    if setup.sharding in ("zero1", "zero2", "zero3"):
+    # fp16 weights training against an fp32 master copy: DeepSpeed (stage 0 is enough) does it;
+    # a plain Trainer's GradScaler refuses fp16 parameters.
+    if setup.sharding in ("zero1", "zero2", "zero3") or setup.precision == "fp16":
         kwargs["deepspeed"] = "ds_config.json"
     elif setup.sharding == "fsdp":
         kwargs["fsdp"] = "full_shard auto_wrap" + (" offload" if setup.offload != "none" else "")
@@ -104,7 +111,7 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         "gradient_clipping": 1.0,
     }
     if setup.optimizer in ("adam", "adamw"):
-        params: dict[str, Any] = {"weight_decay": 0.0 if setup.optimizer == "adam" else 0.01}
+        params: dict[str, Any] = {"weight_decay": _WEIGHT_DECAY[setup.optimizer]}
         if plan.learning_rate is not None:
             params["lr"] = plan.learning_rate
         config["optimizer"] = {
@@ -168,9 +175,10 @@ def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
         "fp16": "16-mixed",
     }[setup.precision]
     if setup.sharding in ("zero1", "zero2", "zero3"):
-        strategy = f"deepspeed_stage_{_zero_stage(setup)}" + (
-            "_offload" if setup.offload != "none" else ""
-        )
+        stage = _zero_stage(setup)
+        if setup.offload != "none" and stage == 1:
+            stage = 2  # Lightning registers no stage-1 offload; stage 2 is exact and smaller
+        strategy = f"deepspeed_stage_{stage}" + ("_offload" if setup.offload != "none" else "")
     elif setup.sharding == "fsdp":
         strategy = "fsdp"
     else:
@@ -204,10 +212,17 @@ def export(plan: Plan, kind: str) -> dict[str, Any]:
     if kind == "accelerate":
         return accelerate_config(plan)
     if kind == "lightning":
+        notes = []
+        if plan.setup.sharding == "zero1" and plan.setup.offload != "none":
+            notes.append(
+                "Lightning has no ZeRO-1 offload strategy: stage 2 with offload is "
+                "used (exact, and it also shards gradients)"
+            )
         return {
             "trainer": lightning_trainer_kwargs(plan),
             "dataloader": {"batch_size": plan.micro_batch_size},
             **extra,
+            **({"notes": notes} if notes else {}),
         }
     raise ValueError(f"unknown export kind {kind!r}")
 

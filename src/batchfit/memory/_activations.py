@@ -132,6 +132,13 @@ def _attention(
     terms.append(("q, k, v", e * (qd + 2 * kvd * kv_tokens_ratio)))
     if impl in ("sdpa", "flash"):
         terms.append(("attention output + fp32 log-sum-exp", e * qd + 4 * a))
+    elif impl == "math":
+        # SDPA's math path (CPU SDPA with dropout): softmax output, a float dropout mask and
+        # the dropped probabilities, all in the compute dtype (_safe_softmax + bernoulli_).
+        probs = 3 * e if arch.attention_dropout > 0 else e
+        terms.append((f"SDPA math path: {probs:g} B x heads x seq", probs * a * seq_len))
+        if roles["o"]:
+            terms.append(("attention context (contiguous copy)", e * qd))
     else:
         probs = 4 + (e if e != 4 else 0)  # fp32 softmax, then its cast to the compute dtype
         if arch.attention_dropout > 0:
@@ -163,9 +170,11 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
     elif arch.activation in _PYTHON_GELUS:
         inner, label = 4.0, "GELU (python): x, tanh, x/2, 1+tanh"
     elif arch.activation == "relu":
-        inner, label = 1.0, "relu output"
         if arch.model_type in ("t5", "mt5", "umt5") and arch.hidden_dropout > 0:
             inner, label = 1 + 1 / e, "relu output + dropout mask"
+        else:
+            # relu saves its output, the very tensor the down projection saves.
+            inner, label = (0.0 if roles["down"] else 1.0), "relu output"
     else:
         inner, label = 1.0, "activation input"
     terms.append((label, inner * e * arch.intermediate_size * routed))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -61,6 +62,37 @@ def _attn_impl(model: ModelInfo, attention: str) -> str:
     return "eager"
 
 
+def materialize_fake(net: torch.nn.Module) -> torch.nn.Module:
+    """Swap a meta-device model's tensors for fake CPU ones (call under a FakeTensorMode).
+
+    Building on meta and converting after keeps peft and ``module.to()`` on plain meta
+    tensors (fake parameters cannot be converted in place); tied weights stay tied.
+    """
+    new_of: dict[int, torch.Tensor] = {}
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in new_of:
+            new_of[id(t)] = torch.empty(t.shape, dtype=t.dtype)
+        return new_of[id(t)]
+
+    for module in net.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in new_of:
+                    new_of[id(param)] = torch.nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype),
+                        requires_grad=param.requires_grad,
+                    )
+                module._parameters[name] = new_of[id(param)]  # type: ignore[assignment]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = fake_like(buf)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                setattr(module, name, fake_like(value))
+    return net
+
+
 def _build(model: ModelInfo, setup: TrainingSetup, depth: int | None) -> torch.nn.Module:
     import transformers
 
@@ -91,9 +123,15 @@ def _build(model: ModelInfo, setup: TrainingSetup, depth: int | None) -> torch.n
         from peft import LoraConfig, get_peft_model
 
         targets = list(setup.lora_targets or model.default_lora_targets())
-        net = get_peft_model(net, LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha,
-                                             lora_dropout=setup.lora_dropout,
-                                             target_modules=targets))
+        net = get_peft_model(
+            net,
+            LoraConfig(
+                r=setup.lora_rank,
+                lora_alpha=setup.lora_alpha,  # type: ignore[arg-type]
+                lora_dropout=setup.lora_dropout,
+                target_modules=targets,
+            ),
+        )
         if setup.grad_ckpt:
             net.enable_input_require_grads()
     net.train()
@@ -112,49 +150,126 @@ def _batch_fn(model: ModelInfo, micro: int, seq: int) -> Any:
     return make
 
 
-def trace_once(model: ModelInfo, setup: TrainingSetup, *, micro: int, seq: int,
-               device: Literal["cpu", "cuda"], gpu: GpuSpec | None, depth: int | None,
-               grad_accum_steps: int) -> trace.TraceResult:
-    """One dry run at ``depth`` layers (None = the real depth)."""
-    emulate_cuda = device == "cuda"
+@dataclass
+class StepParts:
+    """Everything one training step needs; built under fake mode for a trace, real otherwise."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    make_batch: Callable[[], dict[str, Any]]
+    autocast_dtype: torch.dtype | None
+
+    @staticmethod
+    def loss_of(out: Any, _batch: dict[str, Any]) -> torch.Tensor:
+        loss: torch.Tensor = out.loss
+        return loss
+
+
+def step_parts(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro: int,
+    seq: int,
+    emulate_cuda: bool,
+    depth: int | None = None,
+    built: torch.nn.Module | None = None,
+) -> StepParts:
+    """Model (setup applied), optimizer, batch factory and autocast dtype for one step."""
+    net = built if built is not None else _build(model, setup, depth)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
+    return StepParts(net, opt, _batch_fn(model, micro, seq), autocast)
+
+
+def trace_once(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro: int,
+    seq: int,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    depth: int | None,
+    grad_accum_steps: int,
+) -> trace.TraceResult:
+    """One dry run at ``depth`` layers (None = the real depth)."""
+    from batchfit.memory.kernels import cuda_kernels
+
+    emulate_cuda = device == "cuda"
     keep: list[torch.Tensor] = []
 
     def cuda_workspaces(tracker: Any) -> None:
         if emulate_cuda:
             workspace, _, _ = analytic._gpu_extras(gpu, setup)
             for _ in range(analytic.CUBLAS_HANDLES):
-                keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES,
-                                        dtype=torch.uint8))
+                keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
-    from batchfit.memory.kernels import cuda_kernels
-
     kernels = cuda_kernels() if emulate_cuda else contextlib.nullcontext()
-    with trace.quiet(), trace.fake_mode(), kernels:
-        net = _build(model, setup, depth)
-        params = [p for p in net.parameters() if p.requires_grad]
-        opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
-        return trace.run_steps(net, opt, _batch_fn(model, micro, seq),
-                               lambda out, _batch: out.loss, autocast_dtype=autocast,
-                               grad_accum_steps=grad_accum_steps, extra_other=cuda_workspaces)
+    with trace.quiet():
+        with torch.device("meta"):
+            net = _build(model, setup, depth)
+        with trace.fake_mode(), kernels:
+            parts = step_parts(
+                model,
+                setup,
+                micro=micro,
+                seq=seq,
+                emulate_cuda=emulate_cuda,
+                built=materialize_fake(net),
+            )
+            return trace.run_steps(
+                parts.model,
+                parts.optimizer,
+                parts.make_batch,
+                parts.loss_of,
+                autocast_dtype=parts.autocast_dtype,
+                grad_accum_steps=grad_accum_steps,
+                extra_other=cuda_workspaces,
+            )
 
 
-def estimate_trace(model: ModelInfo, setup: TrainingSetup, *, micro_batch_size: int,
-                   seq_len: int, device: Literal["cpu", "cuda"], gpu: GpuSpec | None,
-                   grad_accum_steps: int = 1, full_depth: bool = False) -> MemoryEstimate:
+def estimate_trace(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    grad_accum_steps: int = 1,
+    full_depth: bool = False,
+) -> MemoryEstimate:
     """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
     resolved = setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True)
     why_not = unsupported(model, resolved)
     if why_not is not None:
-        est = analytic.estimate_analytic(model, setup, micro_batch_size=micro_batch_size,
-                                         seq_len=seq_len, device=device, gpu=gpu,
-                                         grad_accum_steps=grad_accum_steps)
-        return replace(est, warnings=(f"trace engine: {why_not} is not traced yet; "
-                                      "analytic engine used", *est.warnings))
+        est = analytic.estimate_analytic(
+            model,
+            setup,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            device=device,
+            gpu=gpu,
+            grad_accum_steps=grad_accum_steps,
+        )
+        return replace(
+            est,
+            warnings=(
+                f"trace engine: {why_not} is not traced yet; analytic engine used",
+                *est.warnings,
+            ),
+        )
     depth = model.arch.num_layers
-    kw = {"micro": micro_batch_size, "seq": seq_len, "device": device, "gpu": gpu,
-          "grad_accum_steps": min(grad_accum_steps, 2)}
+    kw = {
+        "micro": micro_batch_size,
+        "seq": seq_len,
+        "device": device,
+        "gpu": gpu,
+        "grad_accum_steps": min(grad_accum_steps, 2),
+    }
     if full_depth or depth <= DEEP:
         result = trace_once(model, resolved, depth=None, **kw)  # type: ignore[arg-type]
         sim_source = result
@@ -166,8 +281,10 @@ def estimate_trace(model: ModelInfo, setup: TrainingSetup, *, micro_batch_size: 
     peak = result.peak
     components = dict(peak.components)
     peak_bytes = sum(components.values())
-    lines = [Line(c, f"at the peak ({peak.phase})", v, "counted in a dry run of the real step")
-             for c, v in components.items()]
+    lines = [
+        Line(c, f"at the peak ({peak.phase})", v, "counted in a dry run of the real step")
+        for c, v in components.items()
+    ]
     if device == "cuda":
         from batchfit.memory.allocator import simulate
 
@@ -176,10 +293,22 @@ def estimate_trace(model: ModelInfo, setup: TrainingSetup, *, micro_batch_size: 
         reserved = max(int(peak_bytes * ratio), peak_bytes)
         _, context, nccl = analytic._gpu_extras(gpu, resolved)
         device_total = reserved + context + nccl
-        lines.append(Line("other", "allocator: reserved beyond allocated", reserved - peak_bytes,
-                          "caching allocator simulation (segments, rounding, splits)"))
-        lines.append(Line("other", "CUDA context (outside the allocator)", context,
-                          f"{context // BYTES_IN_MIB} MiB"))
+        lines.append(
+            Line(
+                "other",
+                "allocator: reserved beyond allocated",
+                reserved - peak_bytes,
+                "caching allocator simulation (segments, rounding, splits)",
+            )
+        )
+        lines.append(
+            Line(
+                "other",
+                "CUDA context (outside the allocator)",
+                context,
+                f"{context // BYTES_IN_MIB} MiB",
+            )
+        )
     else:
         reserved = device_total = peak_bytes
     trainable = _trainable(model, resolved)
@@ -202,8 +331,11 @@ def estimate_trace(model: ModelInfo, setup: TrainingSetup, *, micro_batch_size: 
         peak_phase=peak.phase,
         lines=tuple(lines),
         warnings=tuple(model.warnings),
-        extras={"top_modules": list(result.top_modules), "trace_seconds": result.seconds,
-                "notes": notes},
+        extras={
+            "top_modules": list(result.top_modules),
+            "trace_seconds": result.seconds,
+            "notes": notes,
+        },
     )
 
 

@@ -25,7 +25,7 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -37,10 +37,8 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
                         blocks = math.ceil(n / _BNB_BLOCK)
                         state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
                         state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32,
-                                                       device=p.device)
-                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32,
-                                                       device=p.device)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
                     else:
                         state["state1"] = torch.zeros_like(p, dtype=torch.float32)
                         state["state2"] = torch.zeros_like(p, dtype=torch.float32)
@@ -50,12 +48,13 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023) as lion-pytorch writes it: one momentum, one update at a time."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-4,
-                 betas: tuple[float, float] = (0.9, 0.99)) -> None:
+    def __init__(
+        self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99)
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -70,8 +69,9 @@ class Lion(torch.optim.Optimizer):
                 exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-def make_optimizer(name: str, params: list[torch.nn.Parameter], impl: str,
-                   emulate_cuda: bool) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: list[torch.nn.Parameter], impl: str, emulate_cuda: bool
+) -> torch.optim.Optimizer:
     """The optimizer a user would create for ``--optimizer name --optimizer-impl impl``."""
     kwargs: dict[str, Any] = {}
     if name in ("sgd", "sgd-momentum", "adam", "adamw"):
@@ -94,6 +94,7 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter], impl: str,
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
-        return Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False,
-                         warmup_init=False)
+        return Adafactor(
+            params, lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False
+        )
     raise ValueError(f"unknown optimizer {name!r}")

@@ -136,8 +136,7 @@ class AllocationTracker(TorchDispatchMode):
         self._note_peak()
 
     # --- dispatch ----------------------------------------------------------------------------
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):

@@ -95,8 +95,10 @@ class CachingAllocator:
         small = rounded <= SMALL_SIZE
         if self.expandable and not small:
             # Pages are mapped while the pool grows; unmapped only by empty_cache().
-            live_large = sum(b.size for b in self._where.values()
-                             if not self._pool_of_segment[b.segment]) + rounded
+            live_large = (
+                sum(b.size for b in self._where.values() if not self._pool_of_segment[b.segment])
+                + rounded
+            )
             pages = -(-live_large // ROUND_LARGE)
             if pages > self._large_pages:
                 self.reserved += (pages - self._large_pages) * ROUND_LARGE
@@ -160,8 +162,9 @@ class CachingAllocator:
         return AllocatorStats(self.peak_allocated, self.peak_reserved, len(self._segments))
 
 
-def simulate(events: Iterable[tuple[int, int]], *, expandable_segments: bool = False
-             ) -> AllocatorStats:
+def simulate(
+    events: Iterable[tuple[int, int]], *, expandable_segments: bool = False
+) -> AllocatorStats:
     """Replay ``(handle, +bytes)`` / ``(handle, -bytes)`` events through the allocator.
 
     Example:

@@ -371,12 +371,15 @@ def estimate_analytic(
     # --- activations -------------------------------------------------------------------------
     tokens = micro_batch_size * seq_len
     roles = act.trainable_roles(arch.model_type, roles_targets)
-    per_layer_terms = act.layer_terms(arch, rg, setup.attention, seq_len, roles)
+    impl: str = setup.attention
+    if device == "cpu" and impl in ("sdpa", "flash") and arch.attention_dropout > 0:
+        impl = "math"  # CPU SDPA falls back to its math path when dropout is on (measured)
+    per_layer_terms = act.layer_terms(arch, rg, impl, seq_len, roles)
     per_layer = sum(v for _, v in per_layer_terms) * tokens
     stack_layers = arch.num_layers
     decoder_layer = 0.0
     if arch.family == "encoder-decoder":
-        dec_terms = act.layer_terms(arch, rg, setup.attention, seq_len, roles, cross_attention=True)
+        dec_terms = act.layer_terms(arch, rg, impl, seq_len, roles, cross_attention=True)
         decoder_layer = sum(v for _, v in dec_terms) * tokens
     layers_total = per_layer * stack_layers + decoder_layer * arch.num_decoder_layers
     head_trainable = not setup.is_lora

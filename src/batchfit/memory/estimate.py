@@ -58,8 +58,13 @@ def estimate(
         ('analytic', True)
     """
     warnings = check_workload(model, micro_batch_size, seq_len)
-    kwargs = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "device": device,
-              "gpu": gpu, "grad_accum_steps": grad_accum_steps}
+    kwargs = {
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "device": device,
+        "gpu": gpu,
+        "grad_accum_steps": grad_accum_steps,
+    }
     if engine == "trace":
         from batchfit.memory._hf_trace import estimate_trace
 

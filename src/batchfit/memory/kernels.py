@@ -33,7 +33,7 @@ class FlashAttentionMemory(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, _out, _lse = ctx.saved_tensors
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         softmax_d = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -41,10 +41,16 @@ class FlashAttentionMemory(torch.autograd.Function):
         return dq, dk, dv
 
 
-def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor:
+def _cuda_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     result: torch.Tensor = FlashAttentionMemory.apply(query, key, value)
     return result
 
@@ -53,8 +59,8 @@ def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def cuda_kernels() -> Iterator[None]:
     """Within the block, SDPA allocates as CUDA's flash / memory-efficient kernels do."""
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _cuda_sdpa  # type: ignore[assignment]
+    F.scaled_dot_product_attention = _cuda_sdpa
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+        F.scaled_dot_product_attention = original

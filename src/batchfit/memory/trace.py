@@ -63,6 +63,38 @@ def fake_mode() -> Iterator[Any]:
         yield mode
 
 
+def training_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    make_batch: Callable[[], dict[str, Any]],
+    loss_of: Callable[[Any, dict[str, Any]], torch.Tensor],
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    steps: int = 2,
+    grad_accum_steps: int = 1,
+    on_phase: Callable[[str], None] = lambda _phase: None,
+) -> None:
+    """The plain training loop a dry run traces and a real run measures: one code path.
+
+    ``out = model(**batch); loss.backward()`` keeps the outputs (logits) alive through backward;
+    ``zero_grad(set_to_none=True)`` after each step.
+    """
+    for _ in range(steps):
+        for _ in range(grad_accum_steps):
+            on_phase("forward")
+            batch = make_batch()
+            with _autocast(autocast_dtype):
+                out = model(**batch)
+                loss = loss_of(out, batch)
+            on_phase("backward")
+            loss.backward()
+            del out, loss, batch
+        on_phase("optimizer-step")
+        optimizer.step()
+        on_phase("zero-grad")
+        optimizer.zero_grad(set_to_none=True)
+
+
 def run_steps(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -88,8 +120,11 @@ def run_steps(
     handles = []
     for p in model.parameters():
         if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(
-                lambda param: tracker.label(param.grad, "gradients")))
+            handles.append(
+                p.register_post_accumulate_grad_hook(
+                    lambda param: tracker.label(param.grad, "gradients")
+                )
+            )
     module_names = {id(m): n for n, m in model.named_modules()}
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
@@ -97,29 +132,31 @@ def run_steps(
             tracker.module = module_names.get(id(module), "")
 
     handles.append(torch.nn.modules.module.register_module_forward_pre_hook(enter))
+
+    def on_phase(phase: str) -> None:
+        if phase == "backward":
+            tracker.module = ""
+        tracker.set_phase(phase)
+        if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        tracker.label(value, "optimizer_state")
+
     try:
         with tracker:
             if extra_other is not None:
                 extra_other(tracker)
-            for _ in range(steps):
-                for _ in range(grad_accum_steps):
-                    tracker.set_phase("forward")
-                    batch = make_batch()
-                    with _autocast(autocast_dtype):
-                        out = model(**batch)
-                        loss = loss_of(out, batch)
-                    tracker.module = ""
-                    tracker.set_phase("backward")
-                    loss.backward()
-                    del out, loss, batch
-                tracker.set_phase("optimizer-step")
-                optimizer.step()
-                for state in optimizer.state.values():
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor):
-                            tracker.label(value, "optimizer_state")
-                tracker.set_phase("zero-grad")
-                optimizer.zero_grad(set_to_none=True)
+            training_steps(
+                model,
+                optimizer,
+                make_batch,
+                loss_of,
+                autocast_dtype=autocast_dtype,
+                steps=steps,
+                grad_accum_steps=grad_accum_steps,
+                on_phase=on_phase,
+            )
     finally:
         for handle in handles:
             handle.remove()
@@ -144,8 +181,9 @@ def _result(timeline: Timeline, seconds: float) -> TraceResult:
     return TraceResult(tuple(phases), seconds, top, tuple(timeline.events))
 
 
-def extrapolate(shallow: TraceResult, deep: TraceResult, depth_shallow: int, depth_deep: int,
-                depth: int) -> TraceResult:
+def extrapolate(
+    shallow: TraceResult, deep: TraceResult, depth_shallow: int, depth_deep: int, depth: int
+) -> TraceResult:
     """Per phase and category, extend two traces of a homogeneous stack to ``depth`` layers."""
     scale = (depth - depth_shallow) / (depth_deep - depth_shallow)
     phases = []
@@ -154,11 +192,18 @@ def extrapolate(shallow: TraceResult, deep: TraceResult, depth_shallow: int, dep
         high = deep_by.get(low.phase)
         if high is None:
             continue
-        phases.append(PhaseResult(low.phase, {
-            c: max(0, round(low.components[c] + scale * (high.components[c] -
-                                                         low.components[c])))
-            for c in CATEGORIES
-        }))
+        phases.append(
+            PhaseResult(
+                low.phase,
+                {
+                    c: max(
+                        0,
+                        round(low.components[c] + scale * (high.components[c] - low.components[c])),
+                    )
+                    for c in CATEGORIES
+                },
+            )
+        )
     return TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
 
 
