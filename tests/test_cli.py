@@ -54,7 +54,8 @@ def test_plan_json_contract(capsys):
     assert set(data["versions"]) == {"batchfit", "torch", "transformers"}
 
 
-def test_estimate_json_contract(capsys):
+@pytest.mark.parametrize("engine", ["analytic", "trace"])
+def test_estimate_json_contract(capsys, engine):
     code, out, _ = run_cli(
         [
             "estimate",
@@ -68,6 +69,8 @@ def test_estimate_json_contract(capsys):
             "--gpu",
             "h100-80gb",
             "--json",
+            "--engine",
+            engine,
         ],
         capsys,
     )
@@ -90,14 +93,19 @@ def test_estimate_json_contract(capsys):
         "device",
     ):
         assert key in data
-    assert data["engine"] == "analytic" and data["device"] == "cuda:h100-80gb"
-    assert data["components"]["weights"] == 2 * data["total_params"]
+    assert data["engine"] == engine and data["device"] == "cuda:h100-80gb"
+    assert data["setup"]["task"] == "causal-lm"
+    # the trace also counts buffers (rotary inv_freq: 512 B) as weights
+    assert data["components"]["weights"] == pytest.approx(2 * data["total_params"], rel=1e-6)
 
 
 def test_human_output_shows_formulas(capsys):
-    code, out, _ = run_cli(["estimate", "gpt2", "-b", "4", "-s", "512", "--device", "cpu"], capsys)
+    args = ["estimate", "gpt2", "-b", "4", "-s", "512", "--device", "cpu", "--engine", "analytic"]
+    code, out, _ = run_cli(args, capsys)
     assert code == 0
     assert "124,439,808 params x 4 B" in out and "peak allocated" in out
+    code, out, _ = run_cli([*args[:-1], "trace", "--explain"], capsys)
+    assert code == 0 and "dry run" in out and "(top level: loss and outputs)" in out
 
 
 @pytest.mark.parametrize(

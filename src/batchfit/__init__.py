@@ -7,7 +7,7 @@ Example:
     >>> import batchfit
     >>> model = batchfit.resolve_model("gpt2")
     >>> est = batchfit.estimate(model, batchfit.TrainingSetup(), micro_batch_size=8,
-    ...                         seq_len=512, device="cpu")
+    ...                         seq_len=512, device="cpu", engine="analytic")
     >>> est.components["weights"] == 4 * model.total_params
     True
 """

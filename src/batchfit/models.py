@@ -13,12 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from batchfit import catalog
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
+from batchfit.spec import Task
 
 ENCODER_TYPES = frozenset(
     {
@@ -194,7 +195,7 @@ class ModelInfo:
     origin: str  # catalog | config | size
     config: dict[str, Any]
     arch: Architecture
-    task: str
+    task: Task
     params: tuple[ParamGroup, ...]
     warnings: tuple[str, ...] = ()
 
@@ -404,8 +405,8 @@ def resolve_model(spec: str, task: str | None = None) -> ModelInfo:
     )
 
 
-def _check_task(task: str | None, cfg: dict[str, Any]) -> str:
-    chosen = task or default_task(cfg)
+def _check_task(task: str | None, cfg: dict[str, Any]) -> Task:
+    chosen = cast(Task, task or default_task(cfg))
     mt = cfg.get("model_type", "")
     if chosen == "seq2seq" and mt not in ENCODER_DECODER_TYPES:
         raise UsageError(f"--task seq2seq needs an encoder-decoder model; {mt} is not one")

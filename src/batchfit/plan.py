@@ -183,6 +183,7 @@ def _fits(
         device="cuda",
         gpu=gpu,
         grad_accum_steps=accum,
+        engine="analytic",
     )
     return gpu.memory_bytes - est.device_total_bytes >= headroom, est
 
@@ -202,7 +203,7 @@ def max_micro_batch(
     cap = per_gpu_batch or 1 << 16
 
     def ok(m: int) -> bool:
-        accum = (per_gpu_batch // m) if per_gpu_batch else 2
+        accum = (per_gpu_batch // m) if per_gpu_batch else 1
         return _fits(model, setup, gpu, m, seq_len, max(accum, 1), headroom)[0]
 
     if not ok(1):
@@ -477,6 +478,6 @@ def fit_table(
                 if best:
                     chosen, techniques = alt, combo
                     break
-        _, est = _fits(model, chosen, gpu, max(best, 1), seq_len, 2, headroom_bytes)
+        _, est = _fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes)
         rows.append(FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques))
     return rows

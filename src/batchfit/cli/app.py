@@ -172,7 +172,19 @@ def estimate(
             "--grad-accum", help="Accumulation steps: above 1, gradients live through forward."
         ),
     ] = 1,
-    engine: Annotated[str, typer.Option(help="analytic|trace")] = "analytic",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="trace (a dry run of the real step on fake tensors) | analytic "
+            "(formulas, no torch import)"
+        ),
+    ] = "trace",
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain", help="Show the modules holding the most activation memory (trace)."
+        ),
+    ] = False,
     as_json: JsonO = False,
 ) -> None:
     """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
@@ -217,10 +229,40 @@ def estimate(
         engine=engine,  # type: ignore[arg-type]
         grad_accum_steps=grad_accum,
     )
+    if result.engine == "trace":
+        result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
     if as_json:
         _emit_json(result.to_json())
     else:
-        render.estimate(result, info, gpu_spec)
+        render.estimate(result, info, gpu_spec, explain=explain)
+
+
+def _compare_engines(
+    traced: Any, info: Any, setup: TrainingSetup, gpu: Any, grad_accum: int
+) -> Any:
+    """Say so when the formulas and the dry run disagree by more than 15%."""
+    from dataclasses import replace
+
+    from batchfit.memory.estimate import estimate as run_estimate
+
+    formulas = run_estimate(
+        info,
+        setup,
+        micro_batch_size=traced.micro_batch_size,
+        seq_len=traced.seq_len,
+        device="cpu" if traced.device == "cpu" else "cuda",
+        gpu=gpu,
+        engine="analytic",
+        grad_accum_steps=grad_accum,
+    )
+    gap = formulas.peak_bytes / traced.peak_bytes - 1
+    if abs(gap) <= 0.15:
+        return traced
+    note = (
+        f"the analytic engine differs from this trace by {gap:+.0%} "
+        f"({formulas.peak_bytes / 2**30:.2f} GiB): the trace runs the real code, trust it"
+    )
+    return replace(traced, warnings=(*traced.warnings, note))
 
 
 @app.command()

@@ -66,7 +66,9 @@ def _breakdown(est: MemoryEstimate, title: str) -> Table:
     return table
 
 
-def estimate(est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None) -> None:
+def estimate(
+    est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None, explain: bool = False
+) -> None:
     setup = est.setup
     out.print(
         f"[bold]{info.name}[/] ({human_count(est.total_params)} params, "
@@ -81,6 +83,22 @@ def estimate(est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None) -> None:
             est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} ({est.engine} engine)"
         )
     )
+    for note in est.extras.get("notes", []):
+        out.print(f"note: {note}")
+    if explain:
+        top = est.extras.get("top_modules") or []
+        if not top:
+            out.print("--explain: module attribution comes from the trace engine")
+        else:
+            table = Table(
+                title="Activation memory by module at the peak (traced layers)",
+                title_justify="left",
+            )
+            table.add_column("module")
+            table.add_column("GiB", justify="right")
+            for name, num_bytes in top:
+                table.add_row(name or "(model)", f"{num_bytes / BYTES_IN_GIB:.3f}")
+            out.print(table)
     if gpu is not None:
         free = gpu.memory_bytes - est.device_total_bytes
         verdict = "[green]fits[/]" if free >= 0 else "[red]does not fit[/]"

@@ -77,13 +77,14 @@ class Regime:
     compute_bytes: int  # linear outputs: 2 under autocast or pure 16-bit, 4 in fp32
     stream_bytes: int  # the residual stream: fp32 under autocast (fp32 weights), else the dtype
     amp: bool
+    cuda_autocast: bool = False  # CUDA's autocast runs pow / exp / softmax ... in fp32
 
     @classmethod
-    def of(cls, precision: str) -> Regime:
+    def of(cls, precision: str, device: str = "cuda") -> Regime:
         if precision == "fp32":
             return cls(4, 4, False)
         if precision.startswith("amp-"):
-            return cls(2, 4, True)
+            return cls(2, 4, True, device == "cuda")
         return cls(2, 2, False)
 
 
@@ -169,6 +170,9 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
         inner, label = 3.0, "gate, act(gate), up"
     elif arch.activation in _PYTHON_GELUS:
         inner, label = 4.0, "GELU (python): x, tanh, x/2, 1+tanh"
+        if rg.cuda_autocast:
+            # CUDA autocast upcasts pow(x, 3): tanh(.) and 1 + tanh(.) are kept in fp32.
+            inner, label = (2 + 4 + 4 + 2) / e, "GELU (python, CUDA autocast): tanh in fp32"
     elif arch.activation == "relu":
         if arch.model_type in ("t5", "mt5", "umt5") and arch.hidden_dropout > 0:
             inner, label = 1 + 1 / e, "relu output + dropout mask"
@@ -187,6 +191,30 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
     if arch.model_type == "gemma2":
         name, size = _norm(arch, rg)
         terms.append(("post-MLP " + name, size))
+    return terms
+
+
+def lora_terms(
+    arch: Architecture, targets: tuple[str, ...], rank: int, dropout: float
+) -> list[tuple[str, float]]:
+    """Bytes per token a layer's LoRA adapters keep: ``lora_B`` saves ``lora_A``'s output
+    (rank wide, fp32 adapters); with ``lora_dropout`` a dropped copy of the input (fp32, as
+    peft casts it to the adapter dtype) and its mask are kept for ``lora_A``.
+    """
+    leaves = role_leaves(arch.model_type)
+    inputs = {
+        "qkv": arch.hidden_size,
+        "o": arch.num_heads * arch.head_dim,
+        "up": arch.hidden_size,
+        "down": arch.intermediate_size,
+    }
+    terms: list[tuple[str, float]] = []
+    for role in ROLES:
+        hit = [leaf for leaf in leaves[role] if leaf in targets]
+        if not hit:
+            continue
+        per_module = 4 * rank + ((4 + 1) * inputs[role] if dropout > 0 else 0)
+        terms.append((f"LoRA on {','.join(hit)}", per_module * len(hit)))
     return terms
 
 

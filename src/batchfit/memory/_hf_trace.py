@@ -17,8 +17,19 @@ from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 
-# Depths traced for a homogeneous stack; even, so alternating layer types (Gemma-2) pair up.
-SHALLOW, DEEP = 2, 4
+# Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
+# alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
+DEPTHS = (1, 2)
+ALTERNATING_DEPTHS = (2, 4)
+
+
+def trace_depths(model: ModelInfo) -> tuple[int, int]:
+    """The two depths to trace ``model`` at before extrapolating."""
+    layer_types = model.config.get("layer_types")
+    alternating = model.arch.model_type in ("gemma2", "gemma3_text") or (
+        isinstance(layer_types, list) and len(set(layer_types)) > 1
+    )
+    return ALTERNATING_DEPTHS if alternating else DEPTHS
 
 
 def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
@@ -195,7 +206,7 @@ def trace_once(
     grad_accum_steps: int,
 ) -> trace.TraceResult:
     """One dry run at ``depth`` layers (None = the real depth)."""
-    from batchfit.memory.kernels import cuda_kernels
+    from batchfit.memory.kernels import cuda_autocast_policy, cuda_kernels
 
     emulate_cuda = device == "cuda"
     keep: list[torch.Tensor] = []
@@ -207,7 +218,10 @@ def trace_once(
                 keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
-    kernels = cuda_kernels() if emulate_cuda else contextlib.nullcontext()
+    kernels = contextlib.ExitStack()
+    if emulate_cuda:
+        kernels.enter_context(cuda_kernels())
+        kernels.enter_context(cuda_autocast_policy())
     with trace.quiet():
         with torch.device("meta"):
             net = _build(model, setup, depth)
@@ -220,7 +234,7 @@ def trace_once(
                 emulate_cuda=emulate_cuda,
                 built=materialize_fake(net),
             )
-            return trace.run_steps(
+            result = trace.run_steps(
                 parts.model,
                 parts.optimizer,
                 parts.make_batch,
@@ -229,6 +243,11 @@ def trace_once(
                 grad_accum_steps=grad_accum_steps,
                 extra_other=cuda_workspaces,
             )
+    if emulate_cuda:
+        from batchfit.memory.allocator import simulate
+
+        result = replace(result, reserved_bytes=simulate(result.events).reserved_bytes)
+    return result
 
 
 def estimate_trace(
@@ -243,7 +262,9 @@ def estimate_trace(
     full_depth: bool = False,
 ) -> MemoryEstimate:
     """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
-    resolved = setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True)
+    resolved = replace(
+        setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True), task=model.task
+    )
     why_not = unsupported(model, resolved)
     if why_not is not None:
         est = analytic.estimate_analytic(
@@ -270,14 +291,14 @@ def estimate_trace(
         "gpu": gpu,
         "grad_accum_steps": min(grad_accum_steps, 2),
     }
-    if full_depth or depth <= DEEP:
+    low, high = trace_depths(model)
+    extrapolated = not full_depth and depth > high
+    if not extrapolated:
         result = trace_once(model, resolved, depth=None, **kw)  # type: ignore[arg-type]
-        sim_source = result
     else:
-        shallow = trace_once(model, resolved, depth=SHALLOW, **kw)  # type: ignore[arg-type]
-        deep = trace_once(model, resolved, depth=DEEP, **kw)  # type: ignore[arg-type]
-        result = trace.extrapolate(shallow, deep, SHALLOW, DEEP, depth)
-        sim_source = deep
+        shallow = trace_once(model, resolved, depth=low, **kw)  # type: ignore[arg-type]
+        deep = trace_once(model, resolved, depth=high, **kw)  # type: ignore[arg-type]
+        result = trace.extrapolate(shallow, deep, low, high, depth)
     peak = result.peak
     components = dict(peak.components)
     peak_bytes = sum(components.values())
@@ -286,11 +307,7 @@ def estimate_trace(
         for c, v in components.items()
     ]
     if device == "cuda":
-        from batchfit.memory.allocator import simulate
-
-        sim = simulate(sim_source.events)
-        ratio = sim.reserved_bytes / max(sim.peak_allocated_bytes, 1)
-        reserved = max(int(peak_bytes * ratio), peak_bytes)
+        reserved = max(result.reserved_bytes, peak_bytes)
         _, context, nccl = analytic._gpu_extras(gpu, resolved)
         device_total = reserved + context + nccl
         lines.append(
@@ -313,8 +330,8 @@ def estimate_trace(
         reserved = device_total = peak_bytes
     trainable = _trainable(model, resolved)
     notes = []
-    if depth > DEEP and not full_depth:
-        notes.append(f"traced {SHALLOW} and {DEEP} layers, extrapolated to {depth}")
+    if extrapolated:
+        notes.append(f"traced {low} and {high} layers, extrapolated to {depth}")
     return MemoryEstimate(
         model=model.name,
         engine="trace",
@@ -329,6 +346,7 @@ def estimate_trace(
         total_params=model.total_params + (trainable if resolved.is_lora else 0),
         trainable_params=trainable,
         peak_phase=peak.phase,
+        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
         lines=tuple(lines),
         warnings=tuple(model.warnings),
         extras={

@@ -9,7 +9,7 @@ one recomputed layer), and ``optimizer.step()`` (gradients plus the optimizer's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from batchfit._units import BYTES_IN_MIB, human_count
@@ -166,12 +166,12 @@ def estimate_analytic(
         4.0
     """
     bf16_ok = gpu.bf16 if gpu else True
-    setup = setup.resolved(device=device, bf16_supported=bf16_ok)
+    setup = replace(setup.resolved(device=device, bf16_supported=bf16_ok), task=model.task)
     if setup.attention == "sdpa" and model.arch.model_type in ("gemma2", "t5", "mt5"):
         # Gemma-2's logit soft-capping and T5's position bias are eager-only in HF.
-        setup = _replace_attention(setup, "eager")
+        setup = replace(setup, attention="eager")
     arch, pb = model.arch, param_bytes(setup.precision)
-    rg = act.Regime.of(setup.precision)
+    rg = act.Regime.of(setup.precision, device)
     lines: list[Line] = []
     warnings: list[str] = list(model.warnings)
     total = model.total_params
@@ -307,7 +307,7 @@ def estimate_analytic(
                     f"weights / {shard}",
                 )
             )
-    elif setup.sharding != "none" and setup.sharding != "ddp" and n_gpus == 1:
+    elif setup.sharding not in ("none", "ddp") and n_gpus == 1 and setup.offload == "none":
         warnings.append(f"--sharding {setup.sharding} on one GPU divides nothing")
     if setup.offload in ("optimizer", "optimizer+params"):
         host += states
@@ -375,6 +375,8 @@ def estimate_analytic(
     if device == "cpu" and impl in ("sdpa", "flash") and arch.attention_dropout > 0:
         impl = "math"  # CPU SDPA falls back to its math path when dropout is on (measured)
     per_layer_terms = act.layer_terms(arch, rg, impl, seq_len, roles)
+    if roles_targets is not None:
+        per_layer_terms += act.lora_terms(arch, roles_targets, setup.lora_rank, setup.lora_dropout)
     per_layer = sum(v for _, v in per_layer_terms) * tokens
     stack_layers = arch.num_layers
     decoder_layer = 0.0
@@ -468,15 +470,13 @@ def estimate_analytic(
                 f"{tokens:,} x {arch.vocab_size:,} x 8 B, at the start of backward",
             )
         )
-    if amp_copies and not setup.grad_ckpt:
-        lines.append(
-            Line(
-                "activations",
-                "autocast 16-bit weight copies",
-                int(amp_copies),
-                "2 B per matmul weight, saved for backward",
-            )
-        )
+    if amp_copies:
+        shown = amp_copies
+        why = "2 B per matmul weight, saved for backward"
+        if setup.grad_ckpt:
+            shown = amp_copies / max(stack_layers + arch.num_decoder_layers, 1)
+            why = "one recomputed layer's weights at a time, 2 B each"
+        lines.append(Line("activations", "autocast 16-bit weight copies", int(shown), why))
 
     # --- the peak ------------------------------------------------------------------------------
     temps, temps_why = _step_temporaries(trainable_shapes, setup, state_pb.state_elem, device)
@@ -524,6 +524,13 @@ def estimate_analytic(
             lines.append(Line("other", "NCCL buffers", nccl, "assumed 512 MiB"))
     else:
         reserved = device_total = peak
+    if setup.attention == "flash" and device == "cuda":
+        sm = gpu.sm if gpu else (8, 0)
+        if sm is None or sm < (8, 0) or setup.precision == "fp32":
+            warnings.append(
+                "flash attention needs an sm80+ GPU and 16-bit inputs: PyTorch runs the "
+                "memory-efficient kernel here, which keeps the same output + log-sum-exp"
+            )
     if setup.precision in ("fp16", "amp-fp16") and gpu is not None and gpu.bf16:
         warnings.append(f"{gpu.name} supports bf16: amp-bf16 needs no GradScaler")
     if setup.precision in ("bf16", "amp-bf16") and gpu is not None and not gpu.bf16:
@@ -545,15 +552,10 @@ def estimate_analytic(
         trainable_params=trainable,
         peak_phase=phase,
         host_bytes=int(host),
+        activation_peak_bytes=int(acts_start),
         lines=tuple(lines),
         warnings=tuple(warnings),
     )
-
-
-def _replace_attention(setup: TrainingSetup, attention: str) -> TrainingSetup:
-    from dataclasses import replace
-
-    return replace(setup, attention=attention)  # type: ignore[arg-type]
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
@@ -38,25 +39,63 @@ def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> lis
 
 
 def estimate(
-    model: ModelInfo,
-    setup: TrainingSetup,
+    model: ModelInfo | Callable[[], Any],
+    setup: TrainingSetup | None = None,
     *,
-    micro_batch_size: int,
-    seq_len: int,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    batch_fn: Callable[[], Any] | None = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
     device: Literal["cpu", "cuda"] = "cuda",
     gpu: GpuSpec | None = None,
-    engine: Engine = "analytic",
+    engine: Engine = "trace",
     grad_accum_steps: int = 1,
 ) -> MemoryEstimate:
-    """Memory of one training step of ``model`` under ``setup``, per GPU (or on the CPU).
+    """Memory of one training step, per GPU (or on the CPU).
+
+    ``model`` is a resolved catalog/config model (:func:`batchfit.resolve_model`), with
+    ``micro_batch_size`` and ``seq_len``; or a zero-argument factory of your own
+    ``nn.Module``, with ``batch_fn`` (returns the inputs: a dict of keyword arguments, a tuple,
+    or a tensor) and ``loss_fn(out, batch)`` (default: ``out.loss`` or a scalar output). The
+    factory runs on the meta device and the step on fake tensors: no memory, no GPU.
+    ``engine="trace"`` (the default) dry-runs the real step; ``"analytic"`` uses formulas.
 
     Example:
         >>> from batchfit.models import resolve_model
         >>> est = estimate(resolve_model("gpt2"), TrainingSetup(), micro_batch_size=4,
-        ...                seq_len=256, device="cpu")
+        ...                seq_len=256, device="cpu", engine="analytic")
         >>> est.engine, est.peak_bytes > est.components["weights"]
         ('analytic', True)
+        >>> import torch
+        >>> def make_net():
+        ...     return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
+        ...                                torch.nn.Linear(4096, 1024))
+        >>> est = estimate(make_net, TrainingSetup(optimizer="adamw"), device="cpu",
+        ...                batch_fn=lambda: torch.randn(64, 1024),
+        ...                loss_fn=lambda out, batch: out.square().mean())
+        >>> est.trainable_params, est.components["optimizer_state"] >= 8 * est.trainable_params
+        (8393728, True)
     """
+    setup = setup or TrainingSetup()
+    if not isinstance(model, ModelInfo):
+        if not callable(model) or batch_fn is None:
+            raise UsageError(
+                "estimate(model_fn, setup, batch_fn=...): give a factory of your "
+                "nn.Module and a batch_fn, or a model from resolve_model()"
+            )
+        from batchfit.memory._module_trace import estimate_module
+
+        return estimate_module(
+            model,
+            setup,
+            batch_fn=batch_fn,
+            loss_fn=loss_fn,
+            device=device,
+            gpu=gpu,
+            grad_accum_steps=grad_accum_steps,
+        )
+    if micro_batch_size is None or seq_len is None:
+        raise UsageError("give micro_batch_size and seq_len for a resolved model")
     warnings = check_workload(model, micro_batch_size, seq_len)
     kwargs = {
         "micro_batch_size": micro_batch_size,

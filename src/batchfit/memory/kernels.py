@@ -64,3 +64,77 @@ def cuda_kernels() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+# Ops CUDA autocast runs in fp32 that CPU autocast leaves in the input's 16-bit dtype
+# (aten/src/ATen/autocast_mode.cpp: the CUDA `fp32` and `fp32_set_opt_dtype` lists minus the
+# CPU `fp32` list). Transformer code hits pow / rsqrt / exp (GELU, norms), softmax, layer_norm
+# and sum; outputs in fp32 then flow on in fp32, so the saved tensors double in size.
+_CUDA_ONLY_FP32 = frozenset(
+    {
+        "pow",
+        "__pow__",
+        "__rpow__",
+        "rsqrt",
+        "exp",
+        "expm1",
+        "log",
+        "log2",
+        "log10",
+        "log1p",
+        "reciprocal",
+        "acos",
+        "asin",
+        "cosh",
+        "sinh",
+        "tan",
+        "erfinv",
+        "softplus",
+        "softmax",
+        "log_softmax",
+        "layer_norm",
+        "group_norm",
+        "sum",
+        "cumsum",
+        "cumprod",
+        "prod",
+        "logsumexp",
+        "renorm",
+        "cosine_similarity",
+        "cdist",
+        "dist",
+        "norm",
+    }
+)
+
+
+def _upcast(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_upcast(v) for v in value)
+    return value
+
+
+class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
+    """Applies CUDA autocast's fp32 list on top of CPU autocast, above autograd.
+
+    Casting here (not at the dispatch level) records the cast in autograd, so what backward
+    saves is the fp32 copy, as under CUDA autocast.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if torch.is_autocast_enabled("cpu") and name in _CUDA_ONLY_FP32:
+            args = _upcast(args)
+            if name in ("softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod"):
+                kwargs = {**kwargs, "dtype": kwargs.get("dtype") or torch.float32}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy() -> Iterator[None]:
+    """Within the block, CPU autocast also upcasts what CUDA autocast runs in fp32."""
+    with _CudaAutocastPolicy():
+        yield

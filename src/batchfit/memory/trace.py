@@ -12,7 +12,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ class TraceResult:
     seconds: float
     top_modules: tuple[tuple[str, int], ...] = ()
     events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    reserved_bytes: int = 0  # from the caching allocator simulation (CUDA runs only)
 
     @property
     def peak(self) -> PhaseResult:
@@ -84,7 +85,12 @@ def training_steps(
             on_phase("forward")
             batch = make_batch()
             with _autocast(autocast_dtype):
-                out = model(**batch)
+                if isinstance(batch, dict):
+                    out = model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    out = model(*batch)
+                else:
+                    out = model(batch)
                 loss = loss_of(out, batch)
             on_phase("backward")
             loss.backward()
@@ -125,16 +131,27 @@ def run_steps(
                     lambda param: tracker.label(param.grad, "gradients")
                 )
             )
-    module_names = {id(m): n for n, m in model.named_modules()}
+    module_names = {id(m): n or "(top level: loss and outputs)" for n, m in model.named_modules()}
+
+    stack: list[str] = []
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
         if tracker.phase == "forward":
-            tracker.module = module_names.get(id(module), "")
+            stack.append(module_names.get(id(module), ""))
+            tracker.module = stack[-1]
+
+    def leave(module: torch.nn.Module, *_: Any) -> None:
+        if tracker.phase == "forward" and stack:
+            stack.pop()
+            # Work after a submodule returns (the loss after lm_head) is its parent's.
+            tracker.module = stack[-1] if stack else ""
 
     handles.append(torch.nn.modules.module.register_module_forward_pre_hook(enter))
+    handles.append(torch.nn.modules.module.register_module_forward_hook(leave))
 
     def on_phase(phase: str) -> None:
-        if phase == "backward":
+        if phase in ("forward", "backward"):
+            stack.clear()
             tracker.module = ""
         tracker.set_phase(phase)
         if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
@@ -204,7 +221,15 @@ def extrapolate(
                 },
             )
         )
-    return TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
+    # The allocator's overhead (reserved beyond the peak) is extrapolated, not reserved
+    # itself: overhead per layer is what repeats, and reserved never falls below the peak.
+    over_low = shallow.reserved_bytes - shallow.peak.total
+    over_high = deep.reserved_bytes - deep.peak.total
+    result = TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
+    if shallow.reserved_bytes or deep.reserved_bytes:
+        overhead = max(0, round(over_low + scale * (over_high - over_low)))
+        result = replace(result, reserved_bytes=result.peak.total + overhead)
+    return result
 
 
 def quiet() -> contextlib.AbstractContextManager[Any]:

@@ -44,6 +44,7 @@ class MemoryEstimate:
     trainable_params: int
     peak_phase: str
     host_bytes: int = 0
+    activation_peak_bytes: int = 0  # activations at their own peak (start of backward)
     lines: tuple[Line, ...] = ()
     warnings: tuple[str, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +65,7 @@ class MemoryEstimate:
             "trainable_params": self.trainable_params,
             "peak_phase": self.peak_phase,
             "host_bytes": self.host_bytes,
+            "activation_peak_bytes": self.activation_peak_bytes,
             "setup": {
                 k: (list(v) if isinstance(v, tuple) else v) for k, v in self.setup.__dict__.items()
             },

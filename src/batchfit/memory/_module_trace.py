@@ -1,0 +1,133 @@
+"""Trace the user's own ``nn.Module``: a factory, a batch factory and a loss, on fake tensors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Literal
+
+import torch
+
+from batchfit.hardware import GpuSpec
+from batchfit.memory import analytic, trace
+from batchfit.memory._hf_trace import materialize_fake
+from batchfit.memory._optim import make_optimizer
+from batchfit.memory.types import Line, MemoryEstimate
+from batchfit.spec import TrainingSetup
+
+ModelFn = Callable[[], torch.nn.Module]
+BatchFn = Callable[[], Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def default_loss(out: Any, _batch: Any) -> torch.Tensor:
+    """``out.loss`` (HF-style outputs) or the output itself when it is a scalar."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    raise ValueError("the model returns no scalar loss: pass loss_fn=lambda out, batch: ...")
+
+
+def _batch_shape(batch: Any) -> tuple[int, int]:
+    first = next(
+        (
+            t
+            for t in (
+                batch.values()
+                if isinstance(batch, dict)
+                else batch
+                if isinstance(batch, (tuple, list))
+                else [batch]
+            )
+            if isinstance(t, torch.Tensor)
+        ),
+        None,
+    )
+    if first is None or first.dim() == 0:
+        return 0, 0
+    return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+
+
+def estimate_module(
+    model_fn: ModelFn,
+    setup: TrainingSetup,
+    *,
+    batch_fn: BatchFn,
+    loss_fn: LossFn | None = None,
+    device: Literal["cpu", "cuda"] = "cpu",
+    gpu: GpuSpec | None = None,
+    grad_accum_steps: int = 1,
+) -> MemoryEstimate:
+    """Dry-run one training step of the module ``model_fn()`` builds, on fake tensors."""
+    if setup.is_lora or setup.grad_ckpt or setup.num_gpus > 1 or setup.sharding != "none":
+        raise ValueError(
+            "for your own module, apply LoRA / checkpointing inside model_fn; "
+            "sharding is not traced"
+        )
+    resolved = setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True)
+    store = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolved.precision, torch.float32)
+    autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(resolved.precision)
+    emulate_cuda = device == "cuda"
+    from batchfit.memory.kernels import cuda_autocast_policy, cuda_kernels
+
+    kernels = contextlib.ExitStack()
+    if emulate_cuda:
+        kernels.enter_context(cuda_kernels())
+        kernels.enter_context(cuda_autocast_policy())
+    previous = torch.get_default_dtype()
+    with trace.quiet():
+        torch.set_default_dtype(store)
+        try:
+            with torch.device("meta"):
+                net = model_fn()
+        finally:
+            torch.set_default_dtype(previous)
+        with trace.fake_mode(), kernels:
+            net = materialize_fake(net)
+            net.train()
+            params = [p for p in net.parameters() if p.requires_grad]
+            opt = make_optimizer(resolved.optimizer, params, resolved.optimizer_impl, emulate_cuda)
+            shape = _batch_shape(batch_fn())
+            result = trace.run_steps(
+                net,
+                opt,
+                batch_fn,
+                loss_fn or default_loss,
+                autocast_dtype=autocast,
+                grad_accum_steps=grad_accum_steps,
+            )
+    peak = result.peak
+    peak_bytes = peak.total
+    reserved = device_total = peak_bytes
+    if emulate_cuda:
+        from batchfit.memory.allocator import simulate
+
+        reserved = max(simulate(result.events).reserved_bytes, peak_bytes)
+        _, context, nccl = analytic._gpu_extras(gpu, resolved)
+        device_total = reserved + context + nccl
+    trainable = sum(p.numel() for p in params)
+    name = getattr(model_fn, "__qualname__", type(model_fn).__name__)
+    return MemoryEstimate(
+        model=name,
+        engine="trace",
+        device="cpu" if device == "cpu" else (f"cuda:{gpu.name}" if gpu else "cuda"),
+        micro_batch_size=shape[0],
+        seq_len=shape[1],
+        setup=replace(resolved, task=None),
+        components=dict(peak.components),
+        peak_bytes=peak_bytes,
+        reserved_bytes=reserved,
+        device_total_bytes=device_total,
+        total_params=sum(p.numel() for p in net.parameters()),
+        trainable_params=trainable,
+        peak_phase=peak.phase,
+        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
+        lines=tuple(
+            Line(c, f"at the peak ({peak.phase})", v, "dry run of your module")
+            for c, v in peak.components.items()
+        ),
+        extras={"top_modules": list(result.top_modules), "trace_seconds": result.seconds},
+    )
