@@ -101,7 +101,14 @@ def estimate(
             out.print(table)
     if gpu is not None:
         free = gpu.memory_bytes - est.device_total_bytes
+        from batchfit.plan import DEFAULT_HEADROOM_BYTES
+
         verdict = "[green]fits[/]" if free >= 0 else "[red]does not fit[/]"
+        if 0 <= free < DEFAULT_HEADROOM_BYTES:
+            verdict = (
+                "[yellow]fits, with less than the "
+                f"{gib(DEFAULT_HEADROOM_BYTES)} headroom `plan` keeps[/]"
+            )
         out.print(
             f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {verdict} "
             f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))})"
@@ -273,6 +280,8 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
         needs = (
             ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques) or "-"
         )
+        if r.precision in ("bf16", "amp-bf16") and not r.gpu.bf16:
+            needs += " (no native bf16 on this GPU)"
         table.add_row(
             r.gpu.name,
             _gib(r.gpu.memory_bytes),
