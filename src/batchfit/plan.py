@@ -174,6 +174,7 @@ def _fits(
     seq_len: int,
     accum: int,
     headroom: int,
+    engine: str = "analytic",
 ) -> tuple[bool, MemoryEstimate]:
     est = estimate(
         model,
@@ -183,7 +184,7 @@ def _fits(
         device="cuda",
         gpu=gpu,
         grad_accum_steps=accum,
-        engine="analytic",
+        engine=engine,  # type: ignore[arg-type]
     )
     return gpu.memory_bytes - est.device_total_bytes >= headroom, est
 
@@ -216,6 +217,24 @@ def max_micro_batch(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def max_micro_batch_traced(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int,
+    headroom: int,
+) -> int:
+    """Largest micro-batch by the trace engine: an affine fit over traced sizes, confirmed."""
+    from batchfit.memory.fit import fit_micro_batch
+
+    def at(m: int) -> MemoryEstimate:
+        accum = max(per_gpu_batch // m, 1)
+        return _fits(model, setup, gpu, m, seq_len, min(accum, 2), headroom, "trace")[1]
+
+    return fit_micro_batch(at, gpu.memory_bytes - headroom, limit=per_gpu_batch).micro_batch_size
 
 
 def ladder(setup: TrainingSetup, gpu: GpuSpec) -> list[tuple[Technique, ...]]:
@@ -308,6 +327,7 @@ def make_plan(
     base_lr: float | None = None,
     base_batch: int | None = None,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+    engine: str = "analytic",
 ) -> Plan:
     """Plan micro-batch, accumulation and techniques that hit the global batch exactly.
 
@@ -336,7 +356,10 @@ def make_plan(
                 f"GPU takes per step; try {_divisors_near(per_gpu, micro_batch_size)}"
             )
 
-    base_max = max_micro_batch(model, setup, gpu, seq_len, per_gpu, headroom_bytes)
+    if engine == "trace":
+        base_max = max_micro_batch_traced(model, setup, gpu, seq_len, per_gpu, headroom_bytes)
+    else:
+        base_max = max_micro_batch(model, setup, gpu, seq_len, per_gpu, headroom_bytes)
     chosen_setup, best = setup, base_max
     techniques: tuple[Technique, ...] = ()
     alternatives: list[Alternative] = []
@@ -364,7 +387,11 @@ def make_plan(
         )
     micro = micro_batch_size or _largest_divisor_at_most(per_gpu, max(best, 1))
     accum = per_gpu // micro
-    _, est = _fits(model, chosen_setup, gpu, micro, seq_len, accum, headroom_bytes)
+    if engine == "trace" and techniques:
+        best = max_micro_batch_traced(model, chosen_setup, gpu, seq_len, per_gpu, headroom_bytes)
+        micro = micro_batch_size or _largest_divisor_at_most(per_gpu, max(best, 1))
+        accum = per_gpu // micro
+    _, est = _fits(model, chosen_setup, gpu, micro, seq_len, accum, headroom_bytes, engine)
 
     lr, rule = None, None
     if (base_lr is None) != (base_batch is None):

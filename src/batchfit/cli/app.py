@@ -313,6 +313,13 @@ def plan(
     num_gpus: NumGpus = 1,
     sharding: ShardingO = "none",
     offload: OffloadO = "none",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="analytic (default: formulas, no torch import) | trace (fits the micro-batch "
+            "with dry runs; the alternatives table stays analytic)"
+        ),
+    ] = "analytic",
     export_kind: Annotated[
         str | None,
         typer.Option("--export", help="hf|deepspeed|accelerate|lightning"),
@@ -352,6 +359,8 @@ def plan(
         raise UsageError(f"--export {export_kind!r} is not one of: {', '.join(EXPORT_KINDS)}")
     if out is not None and export_kind is None:
         raise UsageError("--out needs --export KIND")
+    if engine not in ("analytic", "trace"):
+        raise UsageError(f"--engine {engine!r} is not one of: analytic, trace")
     gpu_spec = get_gpu(gpu)
     info = resolve_model(model, setup.task)
     check_workload(info, micro_batch or 1, seq_len)
@@ -366,6 +375,7 @@ def plan(
         base_lr=base_lr,
         base_batch=base_batch,
         headroom_bytes=parse_size(headroom, what="--headroom"),
+        engine=engine,
     )
     exports: dict[str, Any] = {}
     export_text = None

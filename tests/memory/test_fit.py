@@ -1,0 +1,66 @@
+import pytest
+
+from batchfit.hardware import get_gpu
+from batchfit.memory.fit import fit_micro_batch
+from batchfit.memory.types import MemoryEstimate
+from batchfit.models import resolve_model
+from batchfit.plan import make_plan
+from batchfit.spec import TrainingSetup
+
+GIB = 1 << 30
+
+
+def law(fixed_gib: float, per_sample_gib: float, step_gib: float = 0.0):
+    """A memory law: max(optimizer step (constant), backward (affine in the batch))."""
+    calls: list[int] = []
+
+    def at(b: int) -> MemoryEstimate:
+        calls.append(b)
+        total = int(max(step_gib, fixed_gib + per_sample_gib * b) * GIB)
+        return MemoryEstimate(
+            "m", "trace", "cuda", b, 1, TrainingSetup(), {}, total, total, total, 0, 0, "backward"
+        )
+
+    return at, calls
+
+
+def test_affine_law_is_solved_in_three_traces():
+    at, calls = law(10, 3)
+    result = fit_micro_batch(at, 40 * GIB)
+    assert result.micro_batch_size == 10  # 10 + 3 * 10 = 40
+    assert len(calls) == 3
+
+
+def test_constant_step_phase_hides_the_slope_then_refits():
+    # At b = 1, 2 the optimizer step dominates (flat): the first guess overshoots, the re-fit
+    # through a traced point below and above lands on the boundary.
+    at, calls = law(2, 1, step_gib=20)
+    result = fit_micro_batch(at, 30 * GIB, limit=4096)
+    assert result.micro_batch_size == 28
+    assert len(calls) <= 6
+    assert all(total <= 30 * GIB for b, total in result.traced if b == result.micro_batch_size)
+
+
+def test_nothing_fits():
+    at, _ = law(50, 1)
+    assert fit_micro_batch(at, 40 * GIB).micro_batch_size == 0
+
+
+def test_limit_caps_the_answer():
+    at, _ = law(1, 0.001)
+    assert fit_micro_batch(at, 40 * GIB, limit=64).micro_batch_size == 64
+
+
+@pytest.mark.slow
+def test_plan_with_the_trace_engine_is_exact_and_confirmed():
+    p = make_plan(
+        resolve_model("gpt2"),
+        get_gpu("t4"),
+        TrainingSetup(),
+        seq_len=512,
+        global_batch=64,
+        engine="trace",
+    )
+    assert p.micro_batch_size * p.grad_accum_steps == 64
+    assert p.estimate.engine == "trace"
+    assert p.headroom_bytes >= p.headroom_wanted_bytes
