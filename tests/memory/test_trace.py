@@ -213,3 +213,20 @@ def test_emulated_optimizers_allocate_like_the_real_ones():
     assert isinstance(
         make_optimizer("adafactor", [p], "auto", False), transformers.optimization.Adafactor
     )
+
+
+def test_cuda_autocast_policy_survives_checkpoint_recompute(tiny):
+    # Torch-function modes are off while backward recomputes a checkpointed layer; the policy
+    # is re-entered there (context_fn), else the recompute's dtypes disagree and it raises.
+    info = tiny(TINY_GPT2)
+    setup = TrainingSetup(precision="amp-fp16", grad_ckpt=True, attention="eager")
+    est = estimate(
+        info,
+        setup,
+        micro_batch_size=2,
+        seq_len=64,
+        device="cuda",
+        gpu=get_gpu("v100-16gb"),
+        engine="trace",
+    )
+    assert est.engine == "trace" and est.peak_bytes > 0

@@ -104,7 +104,9 @@ def materialize_fake(net: torch.nn.Module) -> torch.nn.Module:
     return net
 
 
-def _build(model: ModelInfo, setup: TrainingSetup, depth: int | None) -> torch.nn.Module:
+def _build(
+    model: ModelInfo, setup: TrainingSetup, depth: int | None, cuda_policy: bool = False
+) -> torch.nn.Module:
     import transformers
 
     from batchfit import _meta
@@ -129,7 +131,14 @@ def _build(model: ModelInfo, setup: TrainingSetup, depth: int | None) -> torch.n
     finally:
         torch.set_default_dtype(previous)
     if setup.grad_ckpt:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
+        if cuda_policy:
+            # Torch-function modes are not active while backward recomputes a checkpointed
+            # layer: re-enter CUDA's autocast policy there, or the recompute disagrees.
+            from batchfit.memory.kernels import cuda_autocast_policy
+
+            ckpt_kwargs["context_fn"] = lambda: (contextlib.nullcontext(), cuda_autocast_policy())
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     if setup.is_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -224,7 +233,7 @@ def trace_once(
         kernels.enter_context(cuda_autocast_policy())
     with trace.quiet():
         with torch.device("meta"):
-            net = _build(model, setup, depth)
+            net = _build(model, setup, depth, cuda_policy=emulate_cuda)
         with trace.fake_mode(), kernels:
             parts = step_parts(
                 model,
