@@ -168,7 +168,7 @@ def render(rows: list[dict[str, Any]], repeat: int) -> str:
         f"median of {repeat} runs (spread shown), peak RSS from the kernel's high-water mark "
         "minus the RSS before the model is built, after a warm-up step at a tiny size, with "
         "`MALLOC_MMAP_THRESHOLD_=65536`. trace = `--engine trace --device cpu` (a fake-tensor "
-        "dry run; stacks deeper than 4 layers traced at 2 and 4 and extrapolated), analytic = "
+        "dry run; deeper stacks traced at 1 and 2 layers and extrapolated), analytic = "
         "`--engine analytic --device cpu`. Peers: accelerate's estimate-memory rule (Adam = 4 x "
         "model size, no activations), DeepSpeed's model-states estimator (1 GPU, no offload: "
         "20 B per trainable parameter), the seed guides' 16 B/param. GiB, error vs truth in "

@@ -105,7 +105,7 @@ def test_human_output_shows_formulas(capsys):
     assert code == 0
     assert "124,439,808 params x 4 B" in out and "peak allocated" in out
     code, out, _ = run_cli([*args[:-1], "trace", "--explain"], capsys)
-    assert code == 0 and "dry run" in out and "(top level: loss and outputs)" in out
+    assert code == 0 and "trace engine" in out and "(top level: loss and outputs)" in out
 
 
 @pytest.mark.parametrize(

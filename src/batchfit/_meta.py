@@ -21,6 +21,13 @@ _AUTO_CLASS = {
 }
 
 
+def _first_sentence(error: BaseException, limit: int = 200) -> str:
+    """transformers' errors can list every model type it knows: keep the first sentence."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = text.split(". ")[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def make_config(config: dict[str, Any], task: str) -> Any:
     """A transformers config object from a config.json dict (transformers fills defaults)."""
     import transformers
@@ -30,7 +37,8 @@ def make_config(config: dict[str, Any], task: str) -> Any:
         cfg = transformers.AutoConfig.for_model(config["model_type"], **fields)
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(
-            f"transformers cannot read this config (model_type {config.get('model_type')!r}): {e}"
+            f"transformers cannot read this config (model_type {config.get('model_type')!r}): "
+            f"{_first_sentence(e)}"
         ) from e
     if task == "classification" and "num_labels" not in config and "id2label" not in config:
         cfg.num_labels = 2
@@ -51,7 +59,7 @@ def build_on_meta(config: dict[str, Any], task: str) -> Any:
         except ValueError as e:
             raise UsageError(
                 f"{config.get('model_type')!r} has no {task} model in transformers "
-                f"(pick another --task): {str(e).splitlines()[0]}"
+                f"(pick another --task): {_first_sentence(e)}"
             ) from e
 
 

@@ -13,5 +13,7 @@ def normalise(name: str) -> str:
 
 def suggest(name: str, choices: Iterable[str]) -> str:
     """``' (did you mean: a, b?)'`` or an empty string."""
-    matches = difflib.get_close_matches(normalise(name), list(choices), n=3, cutoff=0.5)
+    key, pool = normalise(name), list(choices)
+    prefixed = [c for c in pool if c.startswith(key)]  # `a100` -> a100-40gb, a100-80gb
+    matches = prefixed[:4] or difflib.get_close_matches(key, pool, n=3, cutoff=0.5)
     return f" (did you mean: {', '.join(matches)}?)" if matches else ""

@@ -213,6 +213,12 @@ def export(plan: Plan, kind: str) -> dict[str, Any]:
         return accelerate_config(plan)
     if kind == "lightning":
         notes = []
+        if plan.setup.sharding == "zero3" and plan.setup.offload == "optimizer":
+            notes.append(
+                "Lightning's deepspeed_stage_3_offload also offloads parameters (slower, less "
+                "GPU memory); for optimizer-only offload use "
+                "DeepSpeedStrategy(stage=3, offload_optimizer=True)"
+            )
         if plan.setup.sharding == "zero1" and plan.setup.offload != "none":
             notes.append(
                 "Lightning has no ZeRO-1 offload strategy: stage 2 with offload is "

@@ -474,6 +474,39 @@ def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -
         arch=arch,
         task=chosen,
         params=_groups(_meta.param_table(model)),
+        warnings=_defaults_used(raw, arch),
+    )
+
+
+# Config keys that set each shape (first match wins in arch_from_config).
+_SHAPE_KEYS = {
+    "hidden size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "attention heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "intermediate size": ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim"),
+    "vocabulary": ("vocab_size",),
+}
+
+
+def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
+    """Say which shapes a minimal config.json left to transformers' defaults."""
+    values = {
+        "hidden size": arch.hidden_size,
+        "layers": arch.num_layers,
+        "attention heads": arch.num_heads,
+        "intermediate size": arch.intermediate_size,
+        "vocabulary": arch.vocab_size,
+    }
+    missing = [
+        f"{name} {values[name]}"
+        for name, keys in _SHAPE_KEYS.items()
+        if not any(k in raw for k in keys)
+    ]
+    if not missing:
+        return ()
+    return (
+        f"config.json does not set {', '.join(missing)}: transformers' defaults for "
+        f"{raw.get('model_type')} are used",
     )
 
 

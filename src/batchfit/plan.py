@@ -85,6 +85,7 @@ class Plan:
             "headroom_bytes": self.headroom_bytes,
             "headroom_wanted_bytes": self.headroom_wanted_bytes,
             "max_micro_batch": self.max_micro_batch,
+            "fits": self.headroom_bytes >= self.headroom_wanted_bytes,
             "learning_rate": self.learning_rate,
             "lr_rule": self.lr_rule,
             "techniques": [{"name": t.name, "kind": t.kind, "why": t.why} for t in self.techniques],
@@ -284,7 +285,7 @@ def ladder(setup: TrainingSetup, gpu: GpuSpec) -> list[tuple[Technique, ...]]:
     return rungs
 
 
-def apply(setup: TrainingSetup, techniques: tuple[Technique, ...]) -> TrainingSetup:
+def apply(setup: TrainingSetup, techniques: tuple[Technique, ...], gpu: GpuSpec) -> TrainingSetup:
     """The setup with the techniques switched on."""
     out = setup
     for tech in techniques:
@@ -304,7 +305,10 @@ def apply(setup: TrainingSetup, techniques: tuple[Technique, ...]) -> TrainingSe
         elif name == "lora":
             out = replace(out, method="lora")
         elif name == "qlora":
-            precision = out.precision if out.precision != "auto" else "amp-bf16"
+            # QLoRA computes in 16-bit: bf16 where the GPU has it, fp16 otherwise.
+            precision = out.precision
+            if precision in ("auto", "fp32"):
+                precision = "amp-bf16" if gpu.bf16 else "amp-fp16"
             out = replace(
                 out,
                 method="qlora",
@@ -365,7 +369,7 @@ def make_plan(
     alternatives: list[Alternative] = []
     needs_ladder = base_max == 0 or (micro_batch_size is not None and micro_batch_size > base_max)
     for combo in ladder(setup, gpu):
-        alt_setup = apply(setup, combo)
+        alt_setup = apply(setup, combo, gpu)
         alt_max = max_micro_batch(model, alt_setup, gpu, seq_len, per_gpu, headroom_bytes)
         _, alt_est = _fits(
             model,
@@ -380,10 +384,17 @@ def make_plan(
         wanted = micro_batch_size or 1
         if needs_ladder and not techniques and alt_max >= wanted:
             chosen_setup, techniques, best = alt_setup, combo, alt_max
-    if best == 0 or (micro_batch_size is not None and micro_batch_size > best):
+    if best == 0:
         warnings.append(
-            "nothing on the ladder fits: the plan below does not fit "
-            f"{gpu.name}; more GPUs or a shorter sequence are needed"
+            f"nothing fits on {gpu.name}, with or without the techniques on the ladder: "
+            "more GPUs (--num-gpus with --sharding zero3), a shorter --seq-len or a smaller "
+            "model are needed; the figures below show by how much it misses"
+        )
+    elif micro_batch_size is not None and micro_batch_size > best:
+        warnings.append(
+            f"--micro-batch {micro_batch_size} does not fit even with the ladder's techniques; "
+            f"{best} is the largest that fits"
+            + (f" (with {', '.join(t.name for t in techniques)})" if techniques else "")
         )
     micro = micro_batch_size or _largest_divisor_at_most(per_gpu, max(best, 1))
     accum = per_gpu // micro
@@ -418,8 +429,6 @@ def make_plan(
             f"BatchNorm statistics come from each micro-batch of {micro}, not the "
             "global batch: accumulation does not make them exact"
         )
-    if micro > best and best > 0:
-        warnings.append(f"--micro-batch {micro} does not fit; {best} is the largest that does")
     return Plan(
         model=model.name,
         task=model.task,
@@ -500,7 +509,7 @@ def fit_table(
         best = max_micro_batch(model, setup, gpu, seq_len, None, headroom_bytes)
         if best == 0:
             for combo in ladder(setup, gpu):
-                alt = apply(setup, combo)
+                alt = apply(setup, combo, gpu)
                 best = max_micro_batch(model, alt, gpu, seq_len, None, headroom_bytes)
                 if best:
                     chosen, techniques = alt, combo

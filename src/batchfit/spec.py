@@ -134,7 +134,10 @@ class TrainingSetup:
             # transformers picks SDPA; on CUDA SDPA dispatches to the flash / memory-efficient
             # kernels, on the CPU to its own flash kernel (torch/_C SDPA backend selection).
             attention = "sdpa"
-        return replace(self, precision=precision, attention=attention)
+        sharding = self.sharding
+        if sharding == "none" and self.num_gpus > 1:
+            sharding = "ddp"  # several GPUs without sharding are data parallel (DDP)
+        return replace(self, precision=precision, attention=attention, sharding=sharding)
 
     def describe(self) -> str:
         """A one-line summary of the non-default choices."""

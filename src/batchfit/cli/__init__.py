@@ -16,6 +16,8 @@ def _click_exceptions() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; bad input prints one line on stderr and exits with code 2."""
+    import typer
+
     from batchfit.errors import UsageError
 
     exc = _click_exceptions()
@@ -41,9 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
         print(f"batchfit: error: {message}{hint}", file=sys.stderr)
         sys.exit(2)
-    except exc.Exit as e:
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except exc.Abort:
+    except typer.Abort:
         print("batchfit: aborted", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:

@@ -109,8 +109,12 @@ def _setup(
     targets = None
     if lora_targets is not None:
         targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
-    if targets is not None and method == "full":
-        raise UsageError("--lora-targets needs --method lora or qlora")
+    if method == "full" and (
+        targets is not None or (lora_rank, lora_alpha, lora_dropout) != (8, 8.0, 0.0)
+    ):
+        raise UsageError(
+            "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
+        )
     return TrainingSetup(
         task=task,  # type: ignore[arg-type]
         precision=precision,  # type: ignore[arg-type]
@@ -232,7 +236,12 @@ def estimate(
     if result.engine == "trace":
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
     if as_json:
-        _emit_json(result.to_json())
+        data = result.to_json()
+        if gpu_spec is not None:
+            data["gpu_bytes"] = gpu_spec.memory_bytes
+            data["headroom_bytes"] = gpu_spec.memory_bytes - result.device_total_bytes
+            data["fits"] = data["headroom_bytes"] >= 0
+        _emit_json(data)
     else:
         render.estimate(result, info, gpu_spec, explain=explain)
 
@@ -385,6 +394,12 @@ def plan(
         if out is not None:
             try:
                 out.write_text(export_text, encoding="utf-8")
+                ds_path = data.get("training_arguments", {}).get("deepspeed")
+                if isinstance(ds_path, str):
+                    # The hf export points at a DeepSpeed config: write it beside the file.
+                    ds_file = out.parent / ds_path
+                    ds_file.write_text(render_export(export(result, "deepspeed"), "deepspeed"))
+                    exports["deepspeed"] = str(ds_file)
             except OSError as e:
                 raise UsageError(f"cannot write --out {out}: {e.strerror}") from None
             exports[export_kind] = str(out)

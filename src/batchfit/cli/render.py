@@ -36,7 +36,12 @@ def _breakdown(est: MemoryEstimate, title: str) -> Table:
     table.add_column("how it is counted", overflow="fold")
     for comp in COMPONENTS:
         first = True
-        for line in (ln for ln in est.lines if ln.component == comp):
+        # Trace lines that only restate a component at the peak are shown once, below.
+        for line in (
+            ln
+            for ln in est.lines
+            if ln.component == comp and not ln.label.startswith("at the peak")
+        ):
             table.add_row(comp if first else "", line.label, _gib(line.num_bytes), line.formula)
             first = False
     table.add_section()
@@ -124,14 +129,16 @@ def plan(p: Plan, info: ModelInfo) -> None:
         f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
         f"[bold]{p.global_batch_size:,}[/] samples = {p.tokens_per_step:,} tokens per step"
     )
-    out.print(
-        f"  largest micro-batch that fits: {p.max_micro_batch}"
-        + (
-            " (the chosen one divides the global batch)"
-            if p.max_micro_batch != p.micro_batch_size
-            else ""
+    if p.max_micro_batch == 0:
+        out.print("  largest micro-batch that fits: [red]none[/]")
+    elif p.max_micro_batch > p.micro_batch_size:
+        out.print(
+            f"  largest micro-batch that fits: {p.max_micro_batch} (the chosen "
+            f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus} "
+            "samples each GPU takes per step)"
         )
-    )
+    else:
+        out.print(f"  largest micro-batch that fits: {p.max_micro_batch}")
     if p.learning_rate is not None:
         out.print(
             f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({p.lr_rule}; valid below "
@@ -143,6 +150,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
             for t in p.techniques
         )
         out.print(f"  to fit: {named}")
+    elif p.max_micro_batch == 0:
+        out.print("  to fit: [red]no technique on the ladder is enough[/] (see the warning)")
     else:
         out.print("  to fit: nothing extra needed")
     free = p.headroom_bytes
@@ -154,8 +163,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
     out.print(_breakdown(est, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
     if p.alternatives:
         table = Table(title="Alternatives (exact rungs first)", title_justify="left")
-        table.add_column("techniques")
-        table.add_column("kind")
+        table.add_column("techniques", overflow="fold")
+        table.add_column("kind", overflow="fold")
         table.add_column("largest micro-batch", justify="right")
         table.add_column("GiB at that size", justify="right")
         for alt in p.alternatives:
@@ -195,39 +204,55 @@ def model_row(info: ModelInfo) -> dict[str, Any]:
     }
 
 
-def models(infos: list[ModelInfo]) -> None:
-    table = Table(title="Catalog models (offline configs)", title_justify="left")
-    for col in (
-        "name",
-        "hub id",
-        "type",
-        "params",
-        "layers",
-        "hidden",
-        "heads/kv",
-        "vocab",
-        "positions",
-    ):
+def _plain_table(
+    title: str, columns: list[tuple[str, bool]], rows: list[list[str]], optional: str
+) -> Table:
+    """A table whose cells never wrap; on narrow terminals the ``optional`` column is left out
+    (``--json`` has everything), so names people type next are never cut."""
+    widths = [max(len(h), *(len(r[k]) for r in rows)) for k, (h, _) in enumerate(columns)]
+    keep = [
+        k
+        for k, (h, _) in enumerate(columns)
+        if h != optional or sum(widths) + 3 * len(widths) + 1 <= out.width
+    ]
+    table = Table(title=title, title_justify="left")
+    for k in keep:
+        header, right = columns[k]
         table.add_column(
-            col,
-            justify="right"
-            if col in ("params", "layers", "hidden", "vocab", "positions")
-            else "left",
+            header, justify="right" if right else "left", no_wrap=True, min_width=widths[k]
         )
-    for i in infos:
-        a = i.arch
-        table.add_row(
+    for row in rows:
+        table.add_row(*(row[k] for k in keep))
+    return table
+
+
+def models(infos: list[ModelInfo]) -> None:
+    columns = [
+        ("name", False),
+        ("hub id", False),
+        ("type", False),
+        ("params", True),
+        ("layers", True),
+        ("hidden", True),
+        ("heads/kv", False),
+        ("vocab", True),
+        ("positions", True),
+    ]
+    rows = [
+        [
             i.name,
             i.hub_id or "",
-            a.model_type,
+            i.arch.model_type,
             human_count(i.total_params),
-            str(a.num_layers),
-            str(a.hidden_size),
-            f"{a.num_heads}/{a.num_kv_heads}",
-            f"{a.vocab_size:,}",
-            str(a.max_positions or "-"),
-        )
-    out.print(table)
+            str(i.arch.num_layers),
+            str(i.arch.hidden_size),
+            f"{i.arch.num_heads}/{i.arch.num_kv_heads}",
+            f"{i.arch.vocab_size:,}",
+            str(i.arch.max_positions or "-"),
+        ]
+        for i in infos
+    ]
+    out.print(_plain_table("Catalog models (offline configs)", columns, rows, "hub id"))
 
 
 def gpu_row(g: GpuSpec) -> dict[str, Any]:
@@ -247,13 +272,19 @@ def gpu_row(g: GpuSpec) -> dict[str, Any]:
 
 
 def gpus(gpu_list: list[GpuSpec]) -> None:
-    table = Table(
-        title="Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)", title_justify="left"
-    )
-    for col in ("name", "GPU", "arch", "GiB", "CC", "bf16", "fp8", "fp16 TFLOPS", "GB/s"):
-        table.add_column(col, justify="right" if col in ("GiB", "fp16 TFLOPS", "GB/s") else "left")
-    for g in gpu_list:
-        table.add_row(
+    columns = [
+        ("name", False),
+        ("GPU", False),
+        ("arch", False),
+        ("GiB", True),
+        ("CC", False),
+        ("bf16", False),
+        ("fp8", False),
+        ("fp16 TFLOPS", True),
+        ("GB/s", True),
+    ]
+    rows = [
+        [
             g.name,
             g.full_name,
             g.architecture,
@@ -263,8 +294,11 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
             "yes" if g.fp8 else "no",
             f"{g.fp16_tflops_dense or 0:g}",
             f"{g.bandwidth_gb_s or 0:g}",
-        )
-    out.print(table)
+        ]
+        for g in gpu_list
+    ]
+    title = "Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)"
+    out.print(_plain_table(title, columns, rows, "GPU"))
 
 
 def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
@@ -274,7 +308,11 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
     )
     for col in ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "what it takes"):
         table.add_column(
-            col, justify="right" if col in ("GiB", "largest micro-batch", "GiB used") else "left"
+            col,
+            justify="right" if col in ("GiB", "largest micro-batch", "GiB used") else "left",
+            no_wrap=col == "GPU",
+            min_width=max(len(r.gpu.name) for r in rows) if col == "GPU" else None,
+            overflow="fold",
         )
     for r in rows:
         needs = (

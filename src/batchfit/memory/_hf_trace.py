@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from batchfit._units import BYTES_IN_MIB
+from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory import analytic, trace
 from batchfit.memory._optim import make_optimizer
@@ -274,24 +275,57 @@ def estimate_trace(
     resolved = replace(
         setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True), task=model.task
     )
+    formulas = analytic.estimate_analytic(
+        model,
+        setup,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        device=device,
+        gpu=gpu,
+        grad_accum_steps=grad_accum_steps,
+    )
     why_not = unsupported(model, resolved)
-    if why_not is not None:
-        est = analytic.estimate_analytic(
-            model,
-            setup,
-            micro_batch_size=micro_batch_size,
-            seq_len=seq_len,
-            device=device,
-            gpu=gpu,
-            grad_accum_steps=grad_accum_steps,
-        )
-        return replace(
-            est,
-            warnings=(
-                f"trace engine: {why_not} is not traced yet; analytic engine used",
-                *est.warnings,
-            ),
-        )
+    if resolved.is_lora:  # bad targets are the user's error, before any trace
+        model.lora_params(resolved.lora_rank, resolved.lora_targets)
+    if why_not is None:
+        try:
+            traced = _estimate_traced(
+                model,
+                resolved,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                device=device,
+                gpu=gpu,
+                grad_accum_steps=grad_accum_steps,
+                full_depth=full_depth,
+            )
+        except UsageError:
+            raise
+        except (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError) as e:
+            why_not = f"the dry run failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        else:
+            # The formulas' checks of the setup (bf16 support, kernels) apply to the trace too.
+            return replace(traced, warnings=tuple(dict.fromkeys(formulas.warnings)))
+    return replace(
+        formulas,
+        warnings=(
+            f"the trace engine cannot run this setup yet: {why_not}; the analytic engine answered",
+            *formulas.warnings,
+        ),
+    )
+
+
+def _estimate_traced(
+    model: ModelInfo,
+    resolved: TrainingSetup,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    grad_accum_steps: int,
+    full_depth: bool,
+) -> MemoryEstimate:
     depth = model.arch.num_layers
     kw = {
         "micro": micro_batch_size,

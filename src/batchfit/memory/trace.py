@@ -221,14 +221,14 @@ def extrapolate(
                 },
             )
         )
-    # The allocator's overhead (reserved beyond the peak) is extrapolated, not reserved
-    # itself: overhead per layer is what repeats, and reserved never falls below the peak.
+    # The allocator's overhead (reserved beyond the peak) comes from how a few large blocks
+    # fit into segments, not from a per-layer term: extrapolating it amplifies noise, so the
+    # larger of the two traced overheads is carried over.
     over_low = shallow.reserved_bytes - shallow.peak.total
     over_high = deep.reserved_bytes - deep.peak.total
     result = TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
     if shallow.reserved_bytes or deep.reserved_bytes:
-        overhead = max(0, round(over_low + scale * (over_high - over_low)))
-        result = replace(result, reserved_bytes=result.peak.total + overhead)
+        result = replace(result, reserved_bytes=result.peak.total + max(0, over_low, over_high))
     return result
 
 

@@ -79,4 +79,9 @@ class MemoryEstimate:
                 for ln in self.lines
             ],
             "warnings": list(self.warnings),
+            "top_modules": [
+                {"module": name, "activation_bytes": num_bytes}
+                for name, num_bytes in self.extras.get("top_modules", [])
+            ],
+            "notes": list(self.extras.get("notes", [])),
         }
