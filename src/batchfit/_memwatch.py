@@ -1,0 +1,164 @@
+"""Memory budgets and peak measurement for real trials, on CUDA and on the CPU.
+
+On CUDA a budget is the process's memory fraction of the caching allocator, and the peak is
+``max_memory_allocated``. On the CPU a budget is an OS limit on the data segment
+(``RLIMIT_DATA``), so an over-budget step really fails with the allocator's error, and the peak
+is the kernel's RSS high-water mark (reset through ``/proc/self/clear_refs`` before each trial).
+Limits and fractions are restored on exit. Under ``torch.distributed`` every decision is agreed
+between ranks: a trial fails if any rank failed, and all ranks take the same next size.
+"""
+
+from __future__ import annotations
+
+import resource
+from types import TracebackType
+from typing import Any
+
+import torch
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def live_bytes(model: torch.nn.Module | None, optimizer: Any | None) -> int:
+    """Bytes of the model's parameters, gradients and buffers and of the optimizer's state."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    if model is not None:
+        for p in model.parameters():
+            add(p)
+            add(p.grad)
+        for b in model.buffers():
+            add(b)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                add(value)
+    return total
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class MemoryWatch:
+    """Applies a memory budget for the duration of a search and measures each trial's peak."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        budget_bytes: int | None,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any | None = None,
+    ) -> None:
+        self.device = device
+        self.budget = budget_bytes
+        self.model, self.optimizer = model, optimizer
+        self.live = live_bytes(model, optimizer)
+        self.available_bytes: int | None = None
+        self._old_limit: tuple[int, int] | None = None
+        self._base = 0
+
+    # --- the budget ------------------------------------------------------------------------
+    def __enter__(self) -> MemoryWatch:
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if self.budget is not None:
+                if self.budget > total:
+                    raise ValueError(f"memory budget {self.budget} B exceeds the GPU's {total} B")
+                torch.cuda.set_per_process_memory_fraction(self.budget / total, self.device)
+            self.available_bytes = self.budget or total
+        elif self.budget is not None:
+            if self.budget <= self.live:
+                raise ValueError(
+                    f"a budget of {self.budget / 2**30:.2f} GiB is below the "
+                    f"{self.live / 2**30:.2f} GiB the model and optimizer already hold"
+                )
+            self._old_limit = resource.getrlimit(resource.RLIMIT_DATA)
+            soft = _status_bytes("VmData") + self.budget - self.live
+            hard = self._old_limit[1]
+            if hard != resource.RLIM_INFINITY:
+                soft = min(soft, hard)
+            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+            self.available_bytes = self.budget
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._old_limit is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, self._old_limit)
+        if self.device.type == "cuda" and self.budget is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    # --- measuring -------------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        self._base = _status_bytes("VmRSS")
+
+    def peak_bytes(self) -> int:
+        """The trial's peak of the training state (weights included), comparable to budgets."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return _status_bytes("VmHWM") - self._base + self.live
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def drop_gradients(self) -> None:
+        """A failed step's partial gradients must not leak into the next trial."""
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # --- agreement between ranks ---------------------------------------------------------------
+    def agree(self, ok: bool) -> bool:
+        """All ranks fail a trial if any rank ran out of memory (all-reduce MIN of a flag)."""
+        if not _distributed():
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.uint8, device=self._comm_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def agree_size(self, size: int | None) -> int | None:
+        """All ranks take the smallest proposal for the next size (0: stop)."""
+        if not _distributed():
+            return size
+        value = torch.tensor([size or 0], dtype=torch.int64, device=self._comm_device())
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+        return int(value.item()) or None
+
+    def agree_speed(self, speed: float) -> float:
+        """A step is as fast as the slowest rank."""
+        if not _distributed():
+            return speed
+        value = torch.tensor([speed], dtype=torch.float64, device=self._comm_device())
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+        return float(value.item())
+
+    def _comm_device(self) -> torch.device:
+        backend = torch.distributed.get_backend()
+        return self.device if backend == "nccl" else torch.device("cpu")
