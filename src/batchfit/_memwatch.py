@@ -63,9 +63,11 @@ class MemoryWatch:
         *,
         model: torch.nn.Module | None = None,
         optimizer: Any | None = None,
+        budget_applied: bool = False,
     ) -> None:
         self.device = device
         self.budget = budget_bytes
+        self.budget_applied = budget_applied
         self.model, self.optimizer = model, optimizer
         self.live = live_bytes(model, optimizer)
         self.available_bytes: int | None = None
@@ -81,6 +83,12 @@ class MemoryWatch:
                     raise ValueError(f"memory budget {self.budget} B exceeds the GPU's {total} B")
                 torch.cuda.set_per_process_memory_fraction(self.budget / total, self.device)
             self.available_bytes = self.budget or total
+        elif self.budget is not None and self.budget_applied:
+            # The caller set the OS limit before the model was built. RLIMIT_DATA counts address
+            # space, not resident memory: the room a step may grow into is what is left under the
+            # limit now; trials measure growth, so the fit compares like with like.
+            soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
+            self.available_bytes = soft - _status_bytes("VmData") + self.live
         elif self.budget is not None:
             if self.budget <= self.live:
                 raise ValueError(

@@ -152,6 +152,7 @@ def find_batch_size(
     model: torch.nn.Module | None = None,
     optimizer: Any | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    budget_applied: bool = False,
 ) -> SearchResult:
     """Find the fastest micro-batch that trains on ``device``, in a few real steps.
 
@@ -170,6 +171,8 @@ def find_batch_size(
         steps_per_trial: real steps per size; the first is not timed.
         model, optimizer: put back exactly as they were when the search returns.
         on_trial: called after each trial (progress bars).
+        budget_applied: the caller already set the OS limit on the CPU (the CLI's child process
+            does, before the model is built); ``memory_budget`` then only aims the search.
 
     Returns:
         A :class:`SearchResult` whose choice and maximum both ran for real.
@@ -201,7 +204,9 @@ def find_batch_size(
         raise ValueError("on the CPU give memory_budget (an OS limit is set) or a high bound")
     begin = time.perf_counter()
     state = _State(model, optimizer)
-    watch = MemoryWatch(dev, memory_budget, model=model, optimizer=optimizer)
+    watch = MemoryWatch(
+        dev, memory_budget, model=model, optimizer=optimizer, budget_applied=budget_applied
+    )
     trials: list[Trial] = []
     notes: list[str] = []
     try:

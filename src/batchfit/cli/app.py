@@ -509,3 +509,190 @@ def _root(
 
         print(" ".join(f"{k} {v}" for k, v in versions().items()))
         raise typer.Exit(0)
+
+
+@app.command()
+def probe(
+    model: ModelArg,
+    seq_len: SeqLen,
+    device: Annotated[
+        str,
+        typer.Option("--device", help="cpu|cuda: where the real steps run.", show_default=False),
+    ],
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--memory-budget",
+            help="Memory the training state may take, e.g. 6GiB (required on "
+            "the CPU: it becomes an OS limit for the trials).",
+        ),
+    ] = None,
+    choose: Annotated[
+        str,
+        typer.Option(help="throughput (fastest; within 2% the smaller) | max (largest that fits)"),
+    ] = "throughput",
+    max_micro_batch: Annotated[
+        int | None, typer.Option("--max-micro-batch", help="Largest size to consider.")
+    ] = None,
+    steps_per_trial: Annotated[
+        int, typer.Option("--steps-per-trial", help="Real steps per size (the first is not timed).")
+    ] = 3,
+    dataset_size: Annotated[
+        int | None,
+        typer.Option("--dataset-size", help="Samples per epoch: adds time per epoch to the table."),
+    ] = None,
+    global_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--global-batch", help="Also plan accumulation for this global batch (samples)."
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="PNG of throughput and peak memory against the micro-batch."),
+    ] = None,
+    task: Task = None,
+    precision: Precision = "auto",
+    optimizer: OptimizerO = "adamw",
+    optimizer_impl: OptimizerImplO = "auto",
+    method: MethodO = "full",
+    lora_rank: LoraRank = 8,
+    lora_alpha: LoraAlpha = 8.0,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
+    grad_ckpt: GradCkpt = False,
+    attention: AttentionO = "auto",
+    as_json: JsonO = False,
+) -> None:
+    """Find the fastest micro-batch on the real device, in a few real training steps."""
+    from batchfit.cli import render
+    from batchfit.memory.estimate import check_workload
+    from batchfit.models import resolve_model
+
+    setup = _setup(
+        task,
+        precision,
+        optimizer,
+        optimizer_impl,
+        method,
+        lora_rank,
+        lora_alpha,
+        lora_dropout,
+        lora_targets,
+        grad_ckpt,
+        attention,
+        1,
+        "none",
+        "none",
+    )
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r} is not one of: cpu, cuda")
+    if choose not in ("throughput", "max"):
+        raise UsageError(f"--choose {choose!r} is not one of: throughput, max")
+    if steps_per_trial < 2:
+        raise UsageError("--steps-per-trial must be at least 2 (the first step is not timed)")
+    for name, value in (
+        ("--max-micro-batch", max_micro_batch),
+        ("--dataset-size", dataset_size),
+        ("--global-batch", global_batch),
+    ):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value}")
+    budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
+    if device == "cpu" and budget is None and max_micro_batch is None:
+        raise UsageError(
+            "on the CPU give --memory-budget (the trials run under an OS limit) "
+            "or --max-micro-batch"
+        )
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--device cuda: no CUDA device is visible here (use --device cpu "
+                "with --memory-budget, or `batchfit estimate --gpu NAME`)"
+            )
+    info = resolve_model(model, setup.task)
+    check_workload(info, 1, seq_len)
+    start = _predicted_start(info, setup, seq_len, device, budget, max_micro_batch)
+    spec = {
+        "model": model,
+        "task": setup.task,
+        "setup": _setup_dict(setup),
+        "device": device,
+        "seq_len": seq_len,
+        "memory_budget": budget,
+        "choose": choose,
+        "start": start,
+        "high": max_micro_batch,
+        "steps_per_trial": steps_per_trial,
+    }
+    final = _run_probe(spec, quiet=as_json)
+    result = final["result"]
+    if global_batch is not None:
+        from batchfit.plan import _largest_divisor_at_most
+
+        micro = _largest_divisor_at_most(global_batch, result["micro_batch_size"])
+        result["plan"] = {
+            "micro_batch_size": micro,
+            "grad_accum_steps": global_batch // micro,
+            "global_batch_size": global_batch,
+        }
+    if plot is not None:
+        render.probe_plot(result, plot, budget)
+    if as_json:
+        _emit_json({"model": info.name, "device": device, "seq_len": seq_len, **result})
+    else:
+        render.probe_table(info, result, seq_len, budget, dataset_size, plot)
+
+
+def _setup_dict(setup: TrainingSetup) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(setup).items()}
+
+
+def _predicted_start(
+    info: Any, setup: TrainingSetup, seq_len: int, device: str, budget: int | None, high: int | None
+) -> int:
+    """Where the search starts: 85% of what the analytic engine says fits (about its error)."""
+    from batchfit.memory.estimate import estimate as run_estimate
+
+    def peak(m: int) -> int:
+        est = run_estimate(
+            info,
+            setup,
+            micro_batch_size=m,
+            seq_len=seq_len,
+            device="cpu" if device == "cpu" else "cuda",
+            engine="analytic",
+        )
+        return est.peak_bytes
+
+    if budget is None:
+        return max(1, (high or 8) // 2)
+    state = peak(1)
+    if state > budget:
+        raise UsageError(
+            f"--memory-budget {budget / 2**30:.2f} GiB is below the {state / 2**30:.2f} GiB one "
+            "step of micro-batch 1 needs (weights, gradients, optimizer state, activations): "
+            "give at least that"
+        )
+    m = 1
+    while m < (high or 1 << 14) and peak(m * 2) <= budget:
+        m *= 2
+    return max(1, int(m * 0.85))
+
+
+def _run_probe(spec: dict[str, Any], *, quiet: bool) -> dict[str, Any]:
+    """Run the search (a budgeted child process on the CPU) with a progress bar on stderr."""
+    from batchfit import _probe
+    from batchfit.cli import render
+
+    with render.trial_progress(spec["start"], quiet=quiet) as on_trial:
+        if spec["device"] == "cpu":
+            return _probe.run_child(spec, on_trial)
+        final = _probe.probe(spec, on_trial)
+    if "usage_error" in final:
+        raise UsageError(final["usage_error"])
+    return final

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,3 +332,134 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
         )
     out.print(table)
     out.print("* changes what is learned; the others are exact")
+
+
+@contextlib.contextmanager
+def trial_progress(start: int, *, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A progress line on stderr, one update per trial; nothing when ``quiet``."""
+    if quiet:
+        yield lambda _message: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"probing: first trial at micro-batch {start} ...", total=None)
+
+        def update(message: dict[str, Any]) -> None:
+            t = message["trial"]
+            verdict = "ok" if t["ok"] else "out of memory"
+            bar.update(
+                task,
+                description=f"probing: micro-batch {t['micro_batch_size']} "
+                f"{verdict}; next trial ...",
+            )
+            err.print(f"  trial: micro-batch {t['micro_batch_size']:>5}  {verdict}")
+
+        yield update
+
+
+def probe_table(
+    info: ModelInfo,
+    result: dict[str, Any],
+    seq_len: int,
+    budget: int | None,
+    dataset_size: int | None,
+    plot: Path | None,
+) -> None:
+    table = Table(title=f"{info.name}, seq {seq_len}: real training steps", title_justify="left")
+    for col in (
+        "micro-batch",
+        "result",
+        "peak GiB",
+        "% of budget",
+        "samples/s",
+        "tokens/s",
+        *(("time/epoch",) if dataset_size else ()),
+    ):
+        table.add_column(
+            col, justify="left" if col == "result" else "right", no_wrap=True, min_width=len(col)
+        )
+    for t in result["trials"]:
+        peak, speed = t["peak_bytes"], t["samples_per_s"]
+        row = [
+            str(t["micro_batch_size"]),
+            "ok" if t["ok"] else "[red]out of memory[/]",
+            _gib(peak) if peak else "-",
+            f"{100 * peak / budget:.0f}%" if peak and budget else "-",
+            f"{speed:,.2f}" if speed else "-",
+            f"{speed * seq_len:,.0f}" if speed else "-",
+        ]
+        if dataset_size:
+            row.append(_duration(dataset_size / speed) if speed else "-")
+        table.add_row(*row)
+    out.print(table)
+    out.print(
+        f"choice: micro-batch [bold]{result['micro_batch_size']}[/] ({result['choose']}); "
+        f"largest that fitted: {result['max_fitting_micro_batch']}; "
+        f"{result['steps_run']} real steps, {result['ooms']} out-of-memory, "
+        f"{result['seconds']:.1f} s"
+    )
+    if "plan" in result:
+        p = result["plan"]
+        out.print(
+            f"for a global batch of {p['global_batch_size']}: micro-batch "
+            f"{p['micro_batch_size']} x accumulation {p['grad_accum_steps']}"
+        )
+    for note in result.get("notes", []):
+        out.print(f"note: {note}")
+    if plot is not None:
+        out.print(f"wrote {plot}")
+
+
+def _duration(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
+
+
+def probe_plot(result: dict[str, Any], path: Path, budget: int | None) -> None:
+    """Throughput and peak memory against the micro-batch (matplotlib, the `plot` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from batchfit.errors import UsageError
+
+        raise UsageError("--plot needs matplotlib: pip install 'batchfit[plot]'") from None
+    ok = sorted(
+        (t["micro_batch_size"], t["samples_per_s"] or 0.0, t["peak_bytes"] or 0)
+        for t in result["trials"]
+        if t["ok"]
+    )
+    failed = sorted({t["micro_batch_size"] for t in result["trials"] if not t["ok"]})
+    fig, speed_ax = plt.subplots(figsize=(7, 4))
+    speed_ax.plot([n for n, _, _ in ok], [s for _, s, _ in ok], "o-", color="tab:blue")
+    speed_ax.set_xlabel("micro-batch")
+    speed_ax.set_ylabel("samples/s", color="tab:blue")
+    mem_ax = speed_ax.twinx()
+    mem_ax.plot([n for n, _, _ in ok], [p / 2**30 for _, _, p in ok], "s--", color="tab:red")
+    if budget:
+        mem_ax.axhline(budget / 2**30, color="tab:red", linestyle=":", label="budget")
+    for n in failed:
+        speed_ax.axvline(n, color="grey", linestyle=":")
+    mem_ax.set_ylabel("peak GiB", color="tab:red")
+    speed_ax.set_title(
+        f"choice {result['micro_batch_size']}, largest that fitted "
+        f"{result['max_fitting_micro_batch']} (dotted: out of memory)"
+    )
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        from batchfit.errors import UsageError
+
+        raise UsageError(f"cannot write --plot {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,184 @@
+"""The model-aware probe behind ``batchfit probe``: build the model, search, report.
+
+On the CPU the search runs in a child process (``python -m batchfit._probe SPEC``) whose OS
+data limit is set before the model is built, with glibc returning freed blocks to the kernel
+(``MALLOC_MMAP_THRESHOLD_``), so an over-budget step fails for real and a fresh budget applies.
+The child prints one JSON line per trial and a last line with the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batchfit.errors import UsageError
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a budgeted CPU child: freed blocks go back to the kernel at once."""
+    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1"}
+
+
+def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run the probe in a fresh process; stream its trial lines; return its result line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchfit._probe", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    final: dict[str, Any] | None = None
+    for line in proc.stdout:
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "trial" in message:
+            on_line(message)
+        else:
+            final = message
+    err = proc.stderr.read()
+    proc.wait()
+    if final is None:
+        tail = err.strip().splitlines()[-1] if err.strip() else f"exit code {proc.returncode}"
+        raise RuntimeError(f"the probe process failed: {tail}")
+    if "usage_error" in final:
+        raise UsageError(final["usage_error"])
+    return final
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+@contextlib.contextmanager
+def _limit_data(budget: int | None) -> Iterator[None]:
+    if budget is None:
+        yield
+        return
+    old = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (_status_bytes("VmData") + budget, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, old)
+
+
+def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Build the model of ``spec`` on its device and search; ``emit`` gets each trial."""
+    import torch
+
+    from batchfit._oom import is_oom
+    from batchfit.memory import _hf_trace, trace
+    from batchfit.models import resolve_model
+    from batchfit.search import find_batch_size
+    from batchfit.spec import TrainingSetup
+
+    device = torch.device(spec["device"])
+    info = resolve_model(spec["model"], spec.get("task"))
+    setup = TrainingSetup(**spec["setup"]).resolved(
+        device="cpu" if device.type == "cpu" else "cuda",
+        bf16_supported=device.type == "cpu" or torch.cuda.is_bf16_supported(),
+    )
+    budget = spec.get("memory_budget")
+    seq = spec["seq_len"]
+    # import and warm up before the limit: library start-up is not the training state's
+    with trace.quiet():
+        tiny = _hf_trace.step_parts(info, setup, micro=1, seq=8, emulate_cuda=False, depth=1)
+        trace.training_steps(
+            tiny.model,
+            tiny.optimizer,
+            tiny.make_batch,
+            tiny.loss_of,
+            autocast_dtype=tiny.autocast_dtype,
+            steps=1,
+        )
+        del tiny
+    failed = False
+    with _limit_data(budget if device.type == "cpu" else None):
+        try:
+            with trace.quiet(), torch.device(device):
+                parts = _hf_trace.step_parts(info, setup, micro=1, seq=seq, emulate_cuda=False)
+        except (RuntimeError, MemoryError) as e:
+            if not is_oom(e):
+                raise
+            failed = True
+        if failed:
+            return {
+                "usage_error": f"--memory-budget {(budget or 0) / 2**30:.2f} GiB cannot even "
+                "hold the model: give more (the estimate's weights figure is the minimum)"
+            }
+        model, opt = parts.model, parts.optimizer
+
+        def make(n: int) -> Any:
+            with torch.device(device):
+                return _hf_trace._batch_fn(info, n, seq)()
+
+        def step(batch: Any) -> None:
+            amp = parts.autocast_dtype
+            ctx = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+            with ctx:
+                loss = parts.loss_of(model(**batch), batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        # One step first: the optimizer allocates its state, which then counts as live (the
+        # first trial's peak would otherwise include it and skew the fit).
+        try:
+            step(make(1))
+        except (RuntimeError, MemoryError) as e:
+            if not is_oom(e):
+                raise
+            failed = True
+        if failed:
+            return {
+                "usage_error": f"--memory-budget {(budget or 0) / 2**30:.2f} GiB cannot "
+                "hold one training step at micro-batch 1: give more"
+            }
+        with trace.quiet():
+            result = find_batch_size(
+                step,
+                make,
+                device=device,
+                memory_budget=budget,
+                low=1,
+                high=spec.get("high"),
+                start=spec.get("start"),
+                choose=spec["choose"],
+                steps_per_trial=spec.get("steps_per_trial", 3),
+                model=model,
+                optimizer=opt,
+                on_trial=lambda t: emit({"trial": t.to_json()}),
+                budget_applied=device.type == "cpu",
+            )
+    return {"result": result.to_json()}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+
+    def emit(message: dict[str, Any]) -> None:
+        print(json.dumps(message), flush=True)
+
+    try:
+        final = probe(spec, emit)
+    except (UsageError, ValueError) as e:
+        final = {"usage_error": str(e)}
+    emit(final)
+
+
+if __name__ == "__main__":
+    main()
