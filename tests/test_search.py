@@ -97,3 +97,38 @@ def test_real_cpu_oom_under_an_os_limit():
 def test_twenty_ooms_in_a_row_leave_memory_flat():
     rss = _child("creep")["rss"]
     assert max(rss[1:]) <= 1.05 * rss[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("_search_ddp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(worker),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["sizes"] == ranks[1]["sizes"]  # the same trials, in the same order
+    assert ranks[0]["choice"] == ranks[1]["choice"] == 20
+    assert ranks[0]["max"] == ranks[1]["max"] == 20
