@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from batchfit.models import ModelInfo, resolve_model
     from batchfit.plan import Plan, fit_table, make_plan, scale_learning_rate
     from batchfit.spec import TrainingSetup
+    from batchfit.train import (
+        Accumulator,
+        MicroBatcher,
+        StepResult,
+        class_weights,
+        cross_entropy_sum,
+    )
 
 _EXPORTS = {
     "TrainingSetup": "batchfit.spec",
@@ -44,17 +51,27 @@ _EXPORTS = {
     "scale_learning_rate": "batchfit.plan",
     "export": "batchfit.export",
     "UsageError": "batchfit.errors",
+    "Accumulator": "batchfit.train",
+    "MicroBatcher": "batchfit.train",
+    "StepResult": "batchfit.train",
+    "class_weights": "batchfit.train",
+    "cross_entropy_sum": "batchfit.train",
 }
 
 __all__ = [
+    "Accumulator",
     "GpuSpec",
     "MemoryEstimate",
+    "MicroBatcher",
     "ModelInfo",
     "Plan",
+    "StepResult",
     "TrainingSetup",
     "UsageError",
     "__version__",
     "all_gpus",
+    "class_weights",
+    "cross_entropy_sum",
     "estimate",
     "export",
     "fit_table",

@@ -1,0 +1,7 @@
+"""Framework integrations; each module imports its framework, so import the one you use.
+
+- ``batchfit.integrations.lightning``: ``MicroBatchCallback`` (sets the micro-batch at fit
+  start and keeps the global batch), ``trainer_kwargs(plan)``.
+- ``batchfit.integrations.hf``: ``PeakMemoryCallback`` (peak memory and throughput per step,
+  a warning when the run drifts from its plan), ``training_arguments(plan)``.
+"""

@@ -1,0 +1,169 @@
+"""Hugging Face Transformers: a plan as ``TrainingArguments``; peak memory and throughput per
+step, with a warning when the run needs more memory than its plan said."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from batchfit._units import BYTES_IN_GIB
+from batchfit.export import export
+from batchfit.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def training_arguments(plan: Plan, **overrides: Any) -> TrainingArguments:
+    """``TrainingArguments`` for ``plan`` (``export(plan, "hf")``), with ``overrides`` on top.
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.models import resolve_model
+        >>> from batchfit.plan import make_plan
+        >>> from batchfit.spec import TrainingSetup
+        >>> plan = make_plan(resolve_model("gpt2"), get_gpu("rtx-3060"), TrainingSetup(),
+        ...                  seq_len=256, global_batch=32, micro_batch_size=8)
+        >>> args = training_arguments(plan, output_dir="out", use_cpu=True, bf16=False)
+        >>> args.per_device_train_batch_size, args.gradient_accumulation_steps
+        (8, 4)
+    """
+    return TrainingArguments(**{**export(plan, "hf")["training_arguments"], **overrides})
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """One optimizer step as measured: its peak memory and throughput."""
+
+    step: int
+    peak_bytes: int
+    seconds: float
+    samples_per_s: float
+
+
+class PeakMemoryCallback(TrainerCallback):
+    """Log each optimizer step's peak memory and samples/s; warn when the peak drifts.
+
+    On CUDA the peak is ``torch.cuda.max_memory_allocated`` over the step, what a plan's
+    ``peak_bytes`` predicts (DESIGN.md). On a Linux CPU it is the step's peak resident set
+    (``VmHWM``, reset each step) above what the process held at train start besides the model:
+    an approximation, for runs without a GPU. A step whose peak exceeds the expected peak by
+    more than ``tolerance`` is logged as a warning (once, then again only at a new high).
+
+    Args:
+        plan: Its ``estimate.peak_bytes`` is the expected peak.
+        expected_peak_bytes: The expected peak, when there is no plan.
+        tolerance: Allowed excess over the expected peak, as a fraction.
+
+    Example:
+        >>> callback = PeakMemoryCallback(expected_peak_bytes=8 * 2**30)
+        >>> trainer = Trainer(model, args, callbacks=[callback])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        *,
+        expected_peak_bytes: int | None = None,
+        tolerance: float = 0.10,
+    ) -> None:
+        if plan is not None and expected_peak_bytes is not None:
+            raise ValueError("give a plan or expected_peak_bytes, not both")
+        if not tolerance >= 0:
+            raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+        self.expected_peak_bytes = (
+            plan.estimate.peak_bytes if plan is not None else expected_peak_bytes
+        )
+        self.tolerance = tolerance
+        self.history: list[StepMemory] = []
+        self.drifted_steps: list[int] = []
+        self._cuda = False
+        self._cpu_baseline = 0
+        self._start = 0.0
+        self._warned_at = 0
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self._cuda = args.device.type == "cuda"
+        if not self._cuda:
+            model = kwargs.get("model")
+            model_bytes = 0
+            if isinstance(model, torch.nn.Module):
+                tensors = [*model.parameters(), *model.buffers()]
+                model_bytes = sum(t.numel() * t.element_size() for t in tensors)
+            self._cpu_baseline = _status_bytes("VmRSS") - model_bytes
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif _PROC_CLEAR_REFS.exists():
+            _PROC_CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+        self._start = time.perf_counter()
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        seconds = time.perf_counter() - self._start
+        if self._cuda:
+            peak = int(torch.cuda.max_memory_allocated())
+        else:
+            peak = max(0, _status_bytes("VmHWM") - self._cpu_baseline)
+        samples = (
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        )
+        record = StepMemory(state.global_step, peak, seconds, samples / max(seconds, 1e-9))
+        self.history.append(record)
+        logger.info(
+            "step %d: peak %.3f GiB, %.1f samples/s",
+            record.step,
+            peak / BYTES_IN_GIB,
+            record.samples_per_s,
+        )
+        expected = self.expected_peak_bytes
+        if expected is None or peak <= expected * (1 + self.tolerance):
+            return
+        self.drifted_steps.append(record.step)
+        if peak > self._warned_at:
+            self._warned_at = int(peak * (1 + self.tolerance))
+            logger.warning(
+                "step %d peaked at %.3f GiB, %.0f%% over the planned %.3f GiB: the run "
+                "drifted from its plan (longer sequences? a different setup?)",
+                record.step,
+                peak / BYTES_IN_GIB,
+                100 * (peak / expected - 1),
+                expected / BYTES_IN_GIB,
+            )
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of /proc/self/status in bytes; 0 where there is no procfs."""
+    try:
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

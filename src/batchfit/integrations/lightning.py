@@ -1,0 +1,147 @@
+"""Lightning: change the micro-batch at fit start without changing the global batch.
+
+Lightning's automatic optimization scales each micro-batch's loss by
+``1 / accumulate_grad_batches``: exact for per-sample mean losses over equal micro-batches
+(what this callback keeps), not for token means over padded sequences. For those, use
+``batchfit.train.Accumulator`` in a manual-optimization ``training_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+
+from batchfit.export import export
+from batchfit.plan import Plan, _largest_divisor_at_most
+
+logger = logging.getLogger(__name__)
+
+MicroBatchFinder = Callable[[pl.Trainer, pl.LightningModule], int]
+
+
+class MicroBatchCallback(pl.Callback):
+    """Set the micro-batch at fit start and ``accumulate_grad_batches`` to keep the global batch.
+
+    The global batch is ``global_batch_size`` when given, else what the run was configured
+    with: ``batch_size x accumulate_grad_batches x world size``. The micro-batch is
+    ``micro_batch_size``, or what ``micro_batch_size(trainer, module)`` returns (a probe,
+    called once the model is on its device), lowered to the nearest size that divides the
+    per-device batch so accumulation stays a whole number. The size is written where
+    Lightning's own ``BatchSizeFinder`` writes it (``batch_arg_name`` on the module, its
+    ``hparams`` or the datamodule) and the dataloaders are rebuilt.
+
+    Args:
+        micro_batch_size: A size, or a finder called at fit start.
+        global_batch_size: Samples per optimizer step over all devices.
+        batch_arg_name: The attribute the dataloaders read their batch size from.
+
+    Example:
+        >>> callback = MicroBatchCallback(4, global_batch_size=32)
+        >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        micro_batch_size: int | MicroBatchFinder,
+        *,
+        global_batch_size: int | None = None,
+        batch_arg_name: str = "batch_size",
+    ) -> None:
+        if isinstance(micro_batch_size, int):
+            _check_positive("micro_batch_size", micro_batch_size)
+        if global_batch_size is not None:
+            _check_positive("global_batch_size", global_batch_size)
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.batch_arg_name = batch_arg_name
+        self.chosen: tuple[int, int] | None = None  # (micro-batch, accumulation) once set
+
+    @classmethod
+    def from_plan(cls, plan: Plan, *, batch_arg_name: str = "batch_size") -> MicroBatchCallback:
+        """The plan's micro-batch and global batch."""
+        return cls(
+            plan.micro_batch_size,
+            global_batch_size=plan.global_batch_size,
+            batch_arg_name=batch_arg_name,
+        )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        world = trainer.world_size
+        try:
+            current = int(lightning_getattr(pl_module, self.batch_arg_name))  # type: ignore[arg-type]
+        except AttributeError:
+            raise ValueError(
+                f"the module has no {self.batch_arg_name!r} attribute (nor its hparams or "
+                "datamodule): give the dataloaders their batch size from one, or pass "
+                "batch_arg_name"
+            ) from None
+        global_batch = self.global_batch_size or current * trainer.accumulate_grad_batches * world
+        if global_batch % world:
+            raise ValueError(
+                f"global batch {global_batch} cannot be split evenly over {world} devices"
+            )
+        per_device = global_batch // world
+        if isinstance(self.micro_batch_size, int):
+            found = self.micro_batch_size
+        else:
+            found = self.micro_batch_size(trainer, pl_module)
+            if isinstance(found, bool) or not isinstance(found, int) or found < 1:
+                raise ValueError(f"the micro-batch finder returned {found!r}, not a size >= 1")
+        micro = _largest_divisor_at_most(per_device, found)
+        accum = per_device // micro
+        if micro != found:
+            logger.info(
+                "micro-batch %d does not divide the %d samples per device; using %d",
+                found,
+                per_device,
+                micro,
+            )
+        logger.info(
+            "micro-batch %d x accumulation %d x %d devices = global batch %d (was %d x %d)",
+            micro,
+            accum,
+            world,
+            global_batch,
+            current,
+            trainer.accumulate_grad_batches,
+        )
+        lightning_setattr(pl_module, self.batch_arg_name, micro)
+        trainer.accumulate_grad_batches = accum
+        self.chosen = (micro, accum)
+        _reload_dataloaders(trainer)
+
+
+def trainer_kwargs(plan: Plan, **overrides: Any) -> dict[str, Any]:
+    """``lightning.pytorch.Trainer`` keyword arguments for ``plan`` (``export(plan, "lightning")``).
+
+    The micro-batch is the DataLoader's ``batch_size``: ``plan.micro_batch_size``.
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.models import resolve_model
+        >>> from batchfit.plan import make_plan
+        >>> from batchfit.spec import TrainingSetup
+        >>> plan = make_plan(resolve_model("gpt2"), get_gpu("rtx-3060"), TrainingSetup(),
+        ...                  seq_len=256, global_batch=32, micro_batch_size=8)
+        >>> trainer_kwargs(plan, accelerator="cpu")["accumulate_grad_batches"]
+        4
+    """
+    return {**export(plan, "lightning")["trainer"], **overrides}
+
+
+def _reload_dataloaders(trainer: pl.Trainer) -> None:
+    # Lightning's BatchSizeFinder rebuilds the loaders with this (tuner/batch_size_scaling.py).
+    if trainer.fit_loop._combined_loader is None:
+        return  # not built yet: the fit loop builds them with the new size
+    from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
+
+    _reset_dataloaders(trainer)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

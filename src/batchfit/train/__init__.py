@@ -1,0 +1,23 @@
+"""The training runtime: exact gradient accumulation, OOM recovery that keeps the global batch.
+
+- :class:`Accumulator`: micro-steps of ``(loss_sum, num_items)``; one optimizer step whose
+  gradient equals the full global batch's, across micro-batches and DDP ranks.
+- :class:`MicroBatcher`: splits each global batch into micro-batches; on out-of-memory halves
+  them and redoes the global batch from its first sample.
+- :func:`class_weights`, :func:`cross_entropy_sum`: weighted losses that stay exact.
+"""
+
+from __future__ import annotations
+
+from batchfit.train.accumulate import Accumulator, MicroStep, StepResult
+from batchfit.train.recover import MicroBatcher
+from batchfit.train.weights import class_weights, cross_entropy_sum
+
+__all__ = [
+    "Accumulator",
+    "MicroBatcher",
+    "MicroStep",
+    "StepResult",
+    "class_weights",
+    "cross_entropy_sum",
+]

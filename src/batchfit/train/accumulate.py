@@ -1,0 +1,411 @@
+"""``Accumulator``: gradient accumulation that gives exactly the full-batch step.
+
+Each micro-step back-propagates a loss *sum* and says how many items (tokens, samples, or a
+weight sum) it covered. Gradients accumulate as raw sums; before the optimizer step they are
+rescaled once by 1 / (items in the whole global batch, across micro-steps and ranks). That is
+the gradient of the global batch's mean loss, whatever the split: dividing each micro-batch's
+loss by its own item count instead is the 2024 Transformers accumulation bug
+(``num_items_in_batch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+
+from batchfit.train import _dist
+
+logger = logging.getLogger(__name__)
+
+NumItems: TypeAlias = "int | float | torch.Tensor"
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
+_CLIP_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did.
+
+    Attributes:
+        loss: The global batch's mean loss: the sum of every micro-batch's loss sum on every
+            rank, divided by ``num_items``.
+        grad_norm: L2 norm of the gradient of that mean loss, before clipping (inf or nan when
+            the step overflowed).
+        num_items: Items in the global batch (tokens, samples or weight sum), all ranks.
+        skipped: True when the GradScaler found inf/nan gradients: parameters, optimizer state
+            and scheduler did not move.
+        micro_steps: Micro-steps that made up the step on this rank.
+        learning_rate: The first parameter group's learning rate during the step.
+        micro_batch_size: Samples per micro-batch when a ``MicroBatcher`` split the batch.
+        ooms: Out-of-memory errors recovered from while running this global batch.
+    """
+
+    loss: float
+    grad_norm: float
+    num_items: float
+    skipped: bool
+    micro_steps: int
+    learning_rate: float
+    micro_batch_size: int | None = None
+    ooms: int = 0
+
+
+@dataclass
+class MicroStep:
+    """What ``with acc.micro_step() as micro:`` yields.
+
+    ``result`` is set when this micro-step was the last of its global step and the optimizer
+    stepped as it closed.
+    """
+
+    index: int
+    is_last: bool
+    result: StepResult | None = None
+
+
+class Accumulator:
+    """Exact gradient accumulation: ``grad_accum_steps`` micro-steps, then one optimizer step.
+
+    The optimizer step runs as the last micro-step's ``with`` block closes: rescale the summed
+    gradients by 1 / global item count, unscale (GradScaler) once, clip, step, advance the
+    scheduler unless the scaler skipped the step, zero the gradients (``set_to_none``).
+
+    Under ``DistributedDataParallel`` the first ``grad_accum_steps - 1`` micro-steps run in
+    ``model.no_sync()``; the last one's backward all-reduces the summed gradients (DDP averages
+    them over ranks, which the rescale undoes), and the item counts and loss sums are summed
+    over the ranks, so the step equals one step on the whole global batch of all ranks.
+
+    An exception inside a micro-step drops the partial global step (gradients and counts), so
+    nothing of it leaks into the next one. For the same reason construction clears the
+    model's gradients.
+
+    Args:
+        model: The model, or its DDP wrapper (pass the wrapper: it is what ``no_sync`` needs).
+        optimizer: Steps once per global batch.
+        grad_accum_steps: Micro-steps per optimizer step on each rank.
+        scaler: A ``torch.amp.GradScaler`` for fp16: its scale stays fixed within a global
+            step and ``unscale_`` runs once, before clipping.
+        scheduler: Stepped after every optimizer step the scaler did not skip.
+        max_grad_norm: Clip the global gradient to this L2 norm.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(4, 3)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                   grad_accum_steps=2)
+        >>> x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+        >>> for xs, ys in ((x[:4], y[:4]), (x[4:], y[4:])):  # 4 + 2 samples, one step
+        ...     with acc.micro_step() as micro:
+        ...         loss_sum = F.cross_entropy(model(xs), ys, reduction="sum")
+        ...         acc.backward(loss_sum, num_items=len(ys))
+        >>> micro.result.num_items, micro.result.micro_steps
+        (6.0, 2)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        grad_accum_steps: int = 1,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        scheduler: Any | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm must be positive, got {max_grad_norm!r}; pass None not to clip"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.steps = 0  # optimizer steps taken, skipped ones included
+        self._ddp = _dist.ddp_of(model)
+        self._batchnorm = any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()
+        )
+        self._warned_batchnorm = False
+        self._defer = False  # MicroBatcher: sync and step only after all ranks agree
+        self._open = False
+        self._backward_called = False
+        self._done = 0
+        self._losses: list[torch.Tensor] = []
+        self._items_float = 0.0
+        self._items_tensors: list[torch.Tensor] = []
+        self._k = 1
+        self.grad_accum_steps = grad_accum_steps
+        # Gradients left from before would be summed into the first step.
+        self.model.zero_grad(set_to_none=True)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-steps per optimizer step; may change between global steps (epoch tails)."""
+        return self._k
+
+    @grad_accum_steps.setter
+    def grad_accum_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"grad_accum_steps must be a positive integer (micro-batches per optimizer "
+                f"step), got {value!r}; use 1 for no accumulation"
+            )
+        if self._done or self._open:
+            raise RuntimeError(
+                f"grad_accum_steps changed in the middle of a global step ({self._done} of "
+                f"{self._k} micro-steps done): change it between optimizer steps"
+            )
+        self._k = value
+        if value > 1 and self._batchnorm and not self._warned_batchnorm:
+            self._warned_batchnorm = True
+            logger.warning(
+                "the model has BatchNorm: its statistics come from each micro-batch, not the "
+                "global batch, so accumulation does not make them exact"
+            )
+
+    @property
+    def micro_steps_done(self) -> int:
+        """Micro-steps finished in the current global step."""
+        return self._done
+
+    @contextlib.contextmanager
+    def micro_step(self) -> Iterator[MicroStep]:
+        """One micro-batch: run the forward pass and ``backward`` inside the block.
+
+        Under DDP the forward pass must run inside the block too: DDP decides at forward time
+        whether the backward will sync.
+
+        Yields:
+            The micro-step's place in the global step; its ``result`` is set when it was the
+            last one and the optimizer stepped.
+        """
+        if self._open:
+            raise RuntimeError(
+                "micro_step() is already open: micro-steps do not nest; close the first "
+                "`with acc.micro_step():` block before starting the next"
+            )
+        handle = MicroStep(index=self._done, is_last=self._done + 1 == self._k)
+        sync = self._ddp is not None and handle.is_last and not self._defer
+        no_sync = self._ddp.no_sync() if self._ddp is not None and not sync else None
+        self._open, self._backward_called = True, False
+        finished = False
+        try:
+            with no_sync or contextlib.nullcontext():
+                yield handle
+            finished = True
+        finally:
+            self._open = False
+            if not finished:
+                # A MicroBatcher logs the OOM and the redo itself.
+                logger.log(
+                    logging.DEBUG if self._defer else logging.INFO,
+                    "dropping the partial global step (%d of %d micro-steps done): a "
+                    "micro-step raised",
+                    self._done,
+                    self._k,
+                )
+                self.discard()
+        if not self._backward_called:
+            self.discard()
+            raise RuntimeError(
+                "a micro_step() block ended without acc.backward(loss_sum, num_items): call it "
+                "once per block (a micro-batch without items passes num_items=0)"
+            )
+        self._done += 1
+        if handle.is_last and not self._defer:
+            handle.result = self.finish()
+
+    def backward(self, loss_sum: torch.Tensor, num_items: NumItems) -> None:
+        """Back-propagate a micro-batch's loss sum, counting the items it covers.
+
+        Args:
+            loss_sum: The micro-batch's loss summed over its items (``reduction="sum"``),
+                not averaged.
+            num_items: Items behind ``loss_sum``: tokens, samples, or the sum of the weights
+                of a weighted loss. An int, a float or a one-element tensor (a tensor is
+                checked at the step, without a device sync now). 0 is allowed: a micro-batch
+                of padding must still run so DDP ranks stay in step.
+        """
+        if not self._open:
+            raise RuntimeError(
+                "acc.backward() was called outside `with acc.micro_step():`; open a micro-step "
+                "first, so the accumulator knows when the global step ends"
+            )
+        if self._backward_called:
+            raise RuntimeError(
+                "more backward calls than micro-steps: acc.backward() runs once per "
+                f"micro_step() (grad_accum_steps={self._k}); add the losses into one sum first"
+            )
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+            raise ValueError(
+                "loss_sum must be a one-element tensor: reduce the per-item losses with "
+                "reduction='sum'"
+            )
+        count = _check_items(num_items)
+        (loss_sum if self.scaler is None else self.scaler.scale(loss_sum)).backward()
+        self._backward_called = True
+        self._losses.append(loss_sum.detach())
+        if isinstance(count, torch.Tensor):
+            self._items_tensors.append(count)
+        else:
+            self._items_float += count
+
+    def discard(self) -> None:
+        """Drop the partial global step: gradients (set to None), loss and item sums.
+
+        Optimizer, scheduler and scaler are untouched: they only move at a completed step.
+        """
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset()
+
+    def finish(self) -> StepResult:
+        """Step the optimizer on what the micro-steps so far accumulated.
+
+        ``micro_step()`` calls this as the last micro-step closes; call it yourself only to
+        end a global step early (the item counts keep it exact; under DDP every rank must
+        call it, and the gradients were not synced unless the last micro-step was).
+        """
+        if self._open:
+            raise RuntimeError("finish() inside a micro_step() block: close the block first")
+        if not self._done:
+            raise RuntimeError("finish() before any micro-step: nothing to step on")
+        try:
+            return self._step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset()
+
+    def _reset(self) -> None:
+        self._done = 0
+        self._backward_called = False
+        self._losses = []
+        self._items_float = 0.0
+        self._items_tensors = []
+
+    def _step(self) -> StepResult:
+        loss, items = self._global_sums()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
+        # Native DDP sync averaged the summed gradients over the ranks; undo that too.
+        ranks = 1 if self._ddp is None or self._defer else _dist.world_size(self._ddp)
+        factor = ranks / items
+        grad_norm = _total_norm(grads) * factor
+        scale = factor
+        if self.max_grad_norm is not None and grad_norm > self.max_grad_norm:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one rescale.
+            scale *= self.max_grad_norm / (grad_norm + _CLIP_EPS)
+        _scale_(grads, scale)
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        skipped = False
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            # A skipped step lowers the scale (accelerate's optimizer.py does the same test).
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+        if skipped:
+            logger.warning(
+                "inf/nan gradients: the GradScaler skipped optimizer step %d", self.steps
+            )
+        elif self.scheduler is not None:
+            self.scheduler.step()
+        result = StepResult(
+            loss=loss / items,
+            grad_norm=grad_norm,
+            num_items=items,
+            skipped=skipped,
+            micro_steps=self._done,
+            learning_rate=learning_rate,
+        )
+        self.steps += 1
+        return result
+
+    def _global_sums(self) -> tuple[float, float]:
+        """Loss sum and item count of the global batch, summed over ranks in one collective."""
+        device = self._losses[0].device
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        loss = _stack(self._losses, device, dtype).sum()
+        if self._items_tensors:
+            counts = _stack(self._items_tensors, device, dtype)
+            items = counts.sum() + self._items_float
+            bad = ((counts < 0) | ~counts.isfinite()).any()
+            stats = torch.stack([loss, items, bad.to(dtype)])
+        else:
+            stats = torch.stack([loss, loss.new_tensor(self._items_float), loss.new_zeros(())])
+        if self._ddp is not None:
+            _dist.sum_(stats, self._ddp)
+        loss, total, n_bad = stats.tolist()
+        if n_bad:
+            raise ValueError(
+                "num_items was negative or not finite in a micro-step: pass the count of "
+                "items behind the loss sum (tokens, samples or weight sum)"
+            )
+        if not total > 0:
+            raise ValueError(
+                "the global batch has no items (num_items summed to 0 over all micro-steps "
+                "and ranks): nothing to average over; check the labels are not all ignored"
+            )
+        return loss, total
+
+
+def _check_items(num_items: NumItems) -> float | torch.Tensor:
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(
+                f"num_items must be one count, got a tensor of shape {tuple(num_items.shape)}: "
+                "sum it (e.g. (labels != -100).sum())"
+            )
+        return num_items.detach()
+    if isinstance(num_items, bool) or not isinstance(num_items, int | float):
+        raise ValueError(
+            f"num_items must be an int, float or one-element tensor, got {num_items!r}"
+        )
+    if not math.isfinite(num_items) or num_items < 0:
+        raise ValueError(
+            f"num_items must be a finite count >= 0 (tokens, samples or weight sum), got "
+            f"{num_items!r}"
+        )
+    return float(num_items)
+
+
+def _stack(values: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One-element tensors as one flat tensor of ``dtype`` on ``device``."""
+    first = values[0]
+    if all(
+        v.shape == first.shape and v.dtype == first.dtype and v.device == device for v in values
+    ):
+        return torch.stack(values).reshape(-1).to(dtype)
+    return torch.cat([v.reshape(1).to(device=device, dtype=dtype) for v in values])
+
+
+def _total_norm(grads: list[torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if get_total_norm is not None:
+        return float(get_total_norm(grads))
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+def _scale_(grads: list[torch.Tensor], scale: float) -> None:
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for same in by_kind.values():
+        torch._foreach_mul_(same, scale)

@@ -1,0 +1,253 @@
+"""``MicroBatcher``: run each global batch in micro-batches that fit; on OOM, halve and redo.
+
+An out-of-memory error in the middle of a global batch drops its partial gradients, halves the
+micro-batch and redoes the global batch from its first sample, with the random state it started
+with: no sample is lost or counted twice, the optimizer, scheduler and scaler only move when the
+whole global batch is done, and dropout draws what a run at the smaller size would have drawn.
+
+Composer's auto-microbatching does the same on GPUs; accelerate's ``find_executable_batch_size``
+instead shrinks the batch itself (the global batch changes) and reruns the whole function.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from batchfit._oom import OutOfMemoryError, is_oom, release_memory
+from batchfit.train import _dist
+from batchfit.train._batches import batch_len, slice_batch
+from batchfit.train.accumulate import Accumulator, NumItems, StepResult
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[[Any], tuple[torch.Tensor, NumItems]]
+
+
+class MicroBatcher:
+    """Split global batches into micro-batches for an ``Accumulator``, surviving OOM errors.
+
+    ``run(batch, step_fn)`` calls ``step_fn(micro_batch)`` for each micro-batch; it runs the
+    forward pass and returns ``(loss_sum, num_items)``, as for ``Accumulator.backward``. On an
+    out-of-memory error (``batchfit._oom.is_oom``) the global batch is redone at half the
+    micro-batch size, which then stays, unless ``grow_after_steps`` asks to try doubling it
+    again after that many clean steps. Every change is logged (``logging``).
+
+    Under DDP every micro-step ends with an all-reduce (MAX) of an OOM flag, so all ranks
+    learn of an OOM on any of them and shrink together; gradients are summed over the ranks
+    once, after the last micro-step, and only when no rank ran out of memory (DDP's own sync
+    inside backward could not be abandoned half way). Every rank must run the same number of
+    micro-steps: give each the same number of samples per global batch.
+
+    Args:
+        accumulator: Does the backward passes and the optimizer step; its
+            ``grad_accum_steps`` is set per global batch.
+        micro_batch_size: Samples per micro-batch to start with.
+        grow_after_steps: After this many global steps without an OOM at a reduced size, try
+            twice the size (up to ``micro_batch_size``). None keeps the reduced size.
+        min_micro_batch_size: An OOM at this size is raised, not retried.
+
+    Example:
+        >>> import torch
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(4, 1)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> batcher = MicroBatcher(acc, micro_batch_size=4)
+        >>> def step_fn(micro):
+        ...     x, y = micro
+        ...     return ((model(x).squeeze(1) - y) ** 2).sum(), len(y)
+        >>> result = batcher.run((torch.randn(10, 4), torch.randn(10)), step_fn)
+        >>> result.micro_steps, result.num_items, result.ooms
+        (3, 10.0, 0)
+    """
+
+    def __init__(
+        self,
+        accumulator: Accumulator,
+        micro_batch_size: int,
+        *,
+        grow_after_steps: int | None = None,
+        min_micro_batch_size: int = 1,
+    ) -> None:
+        for name, value in (
+            ("micro_batch_size", micro_batch_size),
+            ("min_micro_batch_size", min_micro_batch_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if min_micro_batch_size > micro_batch_size:
+            raise ValueError(
+                f"min_micro_batch_size {min_micro_batch_size} is above micro_batch_size "
+                f"{micro_batch_size}: lower it, or start from a larger micro-batch"
+            )
+        if grow_after_steps is not None and (
+            isinstance(grow_after_steps, bool)
+            or not isinstance(grow_after_steps, int)
+            or grow_after_steps < 1
+        ):
+            raise ValueError(
+                f"grow_after_steps must be a positive integer or None, got {grow_after_steps!r}"
+            )
+        self.accumulator = accumulator
+        self.initial_micro_batch_size = micro_batch_size
+        self.min_micro_batch_size = min_micro_batch_size
+        self.grow_after_steps = grow_after_steps
+        self.num_ooms = 0  # over the batcher's life
+        self._size = micro_batch_size
+        self._clean_steps = 0
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The size the next global batch starts with."""
+        return self._size
+
+    def run(self, batch: Any, step_fn: StepFn) -> StepResult:
+        """Run one global batch (this rank's share) and step the optimizer once.
+
+        Args:
+            batch: A tensor, a mapping or tuple of tensors (split along dim 0), or a list of
+                samples (sliced; ``step_fn`` collates them).
+            step_fn: Forward pass of one micro-batch: returns ``(loss_sum, num_items)``.
+
+        Returns:
+            The step's result, with the micro-batch size it completed at and the OOMs it
+            recovered from.
+
+        Raises:
+            torch.OutOfMemoryError: Even ``min_micro_batch_size`` ran out of memory.
+        """
+        acc = self.accumulator
+        if acc.micro_steps_done:
+            raise RuntimeError(
+                f"the accumulator is in the middle of a global step ({acc.micro_steps_done} "
+                "micro-steps done): finish it before MicroBatcher.run"
+            )
+        n = batch_len(batch)
+        rng = _RngState.capture()
+        ooms = 0
+        while True:
+            micro = min(self._size, n)
+            acc.grad_accum_steps = math.ceil(n / micro)
+            result, message = self._attempt(batch, n, micro, step_fn)
+            if result is not None:
+                break
+            # Out of the except block: the traceback, and the failed step's tensors, are gone.
+            ooms += 1
+            self.num_ooms += 1
+            acc.discard()
+            release_memory()
+            if micro <= self.min_micro_batch_size:
+                raise OutOfMemoryError(
+                    f"out of memory at micro-batch {micro}, the smallest allowed: {message}. "
+                    "Shorten the sequences, turn on gradient checkpointing, or see "
+                    "`batchfit plan` for what fits"
+                )
+            self._size = max(self.min_micro_batch_size, micro // 2)
+            self._clean_steps = 0
+            logger.warning(
+                "out of memory at micro-batch %d (%s): redoing the global batch of %d samples "
+                "from its first sample at micro-batch %d",
+                micro,
+                message,
+                n,
+                self._size,
+            )
+            rng.restore()
+        self._maybe_grow(ooms)
+        return replace(result, micro_batch_size=micro, ooms=ooms)
+
+    def _attempt(
+        self, batch: Any, n: int, micro: int, step_fn: StepFn
+    ) -> tuple[StepResult | None, str]:
+        acc = self.accumulator
+        ddp = acc._ddp
+        device = _dist.collective_device(ddp) if ddp is not None else None
+        if ddp is not None and device is not None:
+            _dist.check_same(acc.grad_accum_steps, "micro-steps per global batch", ddp, device)
+        acc._defer = True
+        try:
+            for start in range(0, n, micro):
+                message = self._micro_step(step_fn, slice_batch(batch, start, start + micro))
+                oom = message is not None
+                if ddp is not None and device is not None:
+                    oom = _dist.any_rank(oom, ddp, device)
+                if oom:
+                    return None, message or "out of memory on another rank"
+            if ddp is not None:
+                _dist.sum_grads(ddp.parameters(), ddp)
+            return acc.finish(), ""
+        finally:
+            acc._defer = False
+
+    def _micro_step(self, step_fn: StepFn, micro_batch: Any) -> str | None:
+        """None when the micro-step ran; the error's first line when it ran out of memory."""
+        try:
+            self._forward_backward(step_fn, micro_batch)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "OOM"
+        return None
+
+    def _forward_backward(self, step_fn: StepFn, micro_batch: Any) -> None:
+        # Its own frame: the loss and activations die with it, or with the traceback.
+        with self.accumulator.micro_step():
+            loss_sum, num_items = step_fn(micro_batch)
+            self.accumulator.backward(loss_sum, num_items)
+
+    def _maybe_grow(self, ooms: int) -> None:
+        self._clean_steps = 0 if ooms else self._clean_steps + 1
+        if (
+            self.grow_after_steps is None
+            or self._size >= self.initial_micro_batch_size
+            or self._clean_steps < self.grow_after_steps
+        ):
+            return
+        grown = min(self.initial_micro_batch_size, self._size * 2)
+        logger.info(
+            "%d steps without running out of memory at micro-batch %d: trying %d",
+            self._clean_steps,
+            self._size,
+            grown,
+        )
+        self._size, self._clean_steps = grown, 0
+
+
+@dataclass(frozen=True)
+class _RngState:
+    """The random state at the start of a global batch, to redo it with the same draws."""
+
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+    python: Any
+    numpy: Any
+
+    @classmethod
+    def capture(cls) -> _RngState:
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state_all()
+        numpy = sys.modules.get("numpy")
+        return cls(
+            cpu=torch.get_rng_state(),
+            cuda=cuda,
+            python=random.getstate(),
+            numpy=numpy.random.get_state() if numpy is not None else None,
+        )
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.numpy is not None:
+            numpy.random.set_state(self.numpy)
