@@ -181,3 +181,15 @@ def test_estimates_grow_with_batch_and_sequence(
     assert run(model, micro=micro + 1, seq=seq, **kw).peak_bytes >= base.peak_bytes
     assert run(model, micro=micro, seq=seq * 2, **kw).peak_bytes >= base.peak_bytes
     assert base.peak_bytes > base.components["weights"]
+
+
+def test_reserve_is_capped_by_the_card_when_the_peak_fits():
+    # The caching allocator frees cached segments and retries before raising OOM.
+    from batchfit.memory.analytic import cap_reserved
+
+    gpu = get_gpu("t4")
+    outside = 300 << 20
+    capacity = gpu.memory_bytes - outside
+    assert cap_reserved(capacity - 1, capacity + (1 << 30), gpu, outside) == capacity
+    assert cap_reserved(capacity + 1, capacity + (1 << 30), gpu, outside) == capacity + (1 << 30)
+    assert cap_reserved(capacity - 1, capacity + (1 << 30), None, outside) == capacity + (1 << 30)

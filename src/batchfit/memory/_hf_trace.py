@@ -350,8 +350,10 @@ def _estimate_traced(
         for c, v in components.items()
     ]
     if device == "cuda":
-        reserved = max(result.reserved_bytes, peak_bytes)
         _, context, nccl = analytic._gpu_extras(gpu, resolved)
+        reserved = analytic.cap_reserved(
+            peak_bytes, max(result.reserved_bytes, peak_bytes), gpu, context + nccl
+        )
         device_total = reserved + context + nccl
         lines.append(
             Line(

@@ -105,8 +105,10 @@ def estimate_module(
     if emulate_cuda:
         from batchfit.memory.allocator import simulate
 
-        reserved = max(simulate(result.events).reserved_bytes, peak_bytes)
         _, context, nccl = analytic._gpu_extras(gpu, resolved)
+        reserved = analytic.cap_reserved(
+            peak_bytes, max(simulate(result.events).reserved_bytes, peak_bytes), gpu, context + nccl
+        )
         device_total = reserved + context + nccl
     trainable = sum(p.numel() for p in params)
     name = getattr(model_fn, "__qualname__", type(model_fn).__name__)

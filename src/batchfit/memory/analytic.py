@@ -503,6 +503,7 @@ def estimate_analytic(
     peak = sum(components.values())
     if device == "cuda":
         reserved = _round_up(int(peak * (1 + FRAGMENTATION)), 2 * BYTES_IN_MIB)
+        reserved = cap_reserved(peak, reserved, gpu, context + nccl)
         device_total = reserved + context + nccl
         lines.append(
             Line(
@@ -556,6 +557,26 @@ def estimate_analytic(
         lines=tuple(lines),
         warnings=tuple(warnings),
     )
+
+
+def cap_reserved(peak: int, reserved: int, gpu: GpuSpec | None, outside_allocator: int) -> int:
+    """What the caching allocator reserves on a real card of ``gpu``'s size.
+
+    When a cudaMalloc fails, PyTorch's allocator frees its cached, unused segments and retries
+    before raising out-of-memory (``release_cached_blocks`` in CUDACachingAllocator.cpp). So a
+    step whose allocated peak fits never fails for cached memory alone: the reserve fills up to
+    the card and stops there.
+
+    Example:
+        >>> cap_reserved(10, 15, None, 0), cap_reserved(30 << 30, 45 << 30, None, 0) > 0
+        (15, True)
+    """
+    if gpu is None:
+        return reserved
+    capacity = gpu.memory_bytes - outside_allocator
+    if peak <= capacity < reserved:
+        return capacity
+    return reserved
 
 
 def _round_up(value: int, multiple: int) -> int:
