@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from batchfit.cli import main
+from tests._cli import run_cli
 
 CONTRACT = [
     "plan",
@@ -18,14 +18,6 @@ CONTRACT = [
     "--micro-batch",
     "16",
 ]
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return exc.value.code or 0, captured.out, captured.err
 
 
 def test_plan_json_contract(capsys):

@@ -26,6 +26,7 @@ from batchfit.hardware import get_gpu
 from batchfit.models import resolve_model
 from batchfit.plan import Plan, make_plan
 from batchfit.spec import OPTIMIZERS, TrainingSetup
+from tests._cli import run_cli
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
 
@@ -499,20 +500,10 @@ CONTRACT = [
 ]
 
 
-def _run_cli(args: list[str]) -> int:
-    from batchfit.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    return int(exc.value.code or 0)
-
-
 @pytest.mark.parametrize("kind", EXPORT_KINDS)
 def test_cli_writes_the_export(kind: str, tmp_path, capsys):
     target = tmp_path / ("export.yaml" if kind == "accelerate" else "export.json")
-    assert _run_cli([*CONTRACT, "--export", kind, "--out", str(target)]) == 0
-    capsys.readouterr()
+    assert run_cli([*CONTRACT, "--export", kind, "--out", str(target)], capsys)[0] == 0
     expected = export(plan_for("gpt2-rtx3060-amp"), kind)
     assert target.read_text(encoding="utf-8") == render(expected, kind)
     if kind == "accelerate":
@@ -523,8 +514,7 @@ def test_cli_writes_the_export(kind: str, tmp_path, capsys):
 
 def test_cli_deepspeed_file_parses(tmp_path, capsys, monkeypatch: pytest.MonkeyPatch):
     target = tmp_path / "ds_config.json"
-    assert _run_cli([*CONTRACT, "--export", "deepspeed", "--out", str(target)]) == 0
-    capsys.readouterr()
+    assert run_cli([*CONTRACT, "--export", "deepspeed", "--out", str(target)], capsys)[0] == 0
     data = json.loads(target.read_text(encoding="utf-8"))
     assert data["train_micro_batch_size_per_gpu"] == 16
     assert data["gradient_accumulation_steps"] == 8

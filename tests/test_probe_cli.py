@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from batchfit.cli import main
+from tests._cli import run_cli
 
 TINY = {
     "model_type": "gpt2",
@@ -14,14 +14,6 @@ TINY = {
     "n_positions": 256,
     "architectures": ["GPT2LMHeadModel"],
 }
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return exc.value.code or 0, captured.out, captured.err
 
 
 @pytest.mark.slow
