@@ -57,9 +57,11 @@ def excluded_why(m: dict[str, Any], info: Any) -> str | None:
     if "paged" in (m.get("optimizer") or ""):
         return "paged optimizer: its states spill to CPU RAM under pressure"
     if m["id"].startswith("torchtune") and info.arch.vocab_size >= 100_000:
-        return ("torchtune computes the loss in chunks (CEWithChunkedOutputLoss): Llama-3's "
-                "vocabulary-wide logits are never whole; batchfit models HF's loss and does "
-                "not model chunked cross-entropy yet")
+        return (
+            "torchtune computes the loss in chunks (CEWithChunkedOutputLoss): Llama-3's "
+            "vocabulary-wide logits are never whole; batchfit models HF's loss and does "
+            "not model chunked cross-entropy yet"
+        )
     if m["method"] == "full" and m.get("precision") == "bf16":
         states = 8 * info.total_params  # bf16 weights + gradients + AdamW moments
         if m["value_bytes"] < states:
