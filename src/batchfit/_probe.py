@@ -163,6 +163,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                 optimizer=opt,
                 on_trial=lambda t: emit({"trial": t.to_json()}),
                 budget_applied=device.type == "cpu",
+                restore=False,  # this process exits after the search
             )
     return {"result": result.to_json()}
 

@@ -114,17 +114,18 @@ class _State:
 
 
 def _fit_limit(points: list[tuple[int, int]], available: int) -> int | None:
-    """Largest size whose fitted peak stays ``MARGIN`` below ``available`` bytes.
+    """Largest size whose fitted peak stays within ``available`` bytes.
 
-    Least squares over the sizes that fitted; with one point the peak is taken as proportional
-    to the size (an overestimate of the slope, so the guess errs low).
+    Least squares over the sizes that fitted, aimed at the limit itself: an overshoot costs one
+    out-of-memory trial, after which the bracket is bisected. With one point the peak is taken
+    as proportional to the size (an overestimate of the slope) and ``MARGIN`` is kept, as the
+    guess rests on a single measurement.
     """
     if not points:
         return None
-    target = available * (1 - MARGIN)
     if len(points) == 1:
         n, peak = points[0]
-        return math.floor(target * n / peak) if peak > 0 else None
+        return math.floor(available * (1 - MARGIN) * n / peak) if peak > 0 else None
     xs = [float(n) for n, _ in points]
     ys = [float(p) for _, p in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -134,7 +135,7 @@ def _fit_limit(points: list[tuple[int, int]], available: int) -> int | None:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
     if slope <= 0:
         return None
-    return math.floor((target - (my - slope * mx)) / slope)
+    return math.floor((available - (my - slope * mx)) / slope)
 
 
 def find_batch_size(
@@ -153,6 +154,7 @@ def find_batch_size(
     optimizer: Any | None = None,
     on_trial: Callable[[Trial], None] | None = None,
     budget_applied: bool = False,
+    restore: bool = True,
 ) -> SearchResult:
     """Find the fastest micro-batch that trains on ``device``, in a few real steps.
 
@@ -173,6 +175,9 @@ def find_batch_size(
         on_trial: called after each trial (progress bars).
         budget_applied: the caller already set the OS limit on the CPU (the CLI's child process
             does, before the model is built); ``memory_budget`` then only aims the search.
+        restore: keep a copy of the model's and optimizer's state and put it back at the end
+            (the default). A process that exits after the search passes False: under a memory
+            limit the copy would take room the trials need.
 
     Returns:
         A :class:`SearchResult` whose choice and maximum both ran for real.
@@ -203,7 +208,7 @@ def find_batch_size(
     if dev.type == "cpu" and memory_budget is None and high is None:
         raise ValueError("on the CPU give memory_budget (an OS limit is set) or a high bound")
     begin = time.perf_counter()
-    state = _State(model, optimizer)
+    state = _State(model if restore else None, optimizer if restore else None)
     watch = MemoryWatch(
         dev, memory_budget, model=model, optimizer=optimizer, budget_applied=budget_applied
     )

@@ -678,10 +678,14 @@ def _predicted_start(
             "step of micro-batch 1 needs (weights, gradients, optimizer state, activations): "
             "give at least that"
         )
-    m = 1
-    while m < (high or 1 << 14) and peak(m * 2) <= budget:
-        m *= 2
-    return max(1, int(m * 0.85))
+    lo, hi = 1, 2
+    cap = high or 1 << 14
+    while hi <= cap and peak(hi) <= budget:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # refine between the last power of two that fits and the next
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid)
+    return max(1, int(lo * 0.85))
 
 
 def _run_probe(spec: dict[str, Any], *, quiet: bool) -> dict[str, Any]:
