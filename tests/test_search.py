@@ -125,7 +125,7 @@ def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

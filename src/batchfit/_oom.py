@@ -33,6 +33,7 @@ _OOM_MESSAGES = (
     "XPU out of memory",  # Intel GPUs
     "MPS backend out of memory",  # Apple GPUs
     "DefaultCPUAllocator: can't allocate memory",  # CPU allocator, e.g. under RLIMIT_DATA
+    "DefaultCPUAllocator: not enough memory",  # CPU allocator on Windows
     "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS handle / workspace allocation
     "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN workspace allocation
     "PT_DEVMEM Allocation failed",  # Habana HPU

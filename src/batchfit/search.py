@@ -205,6 +205,10 @@ def find_batch_size(
     if choose not in ("throughput", "max"):
         raise ValueError(f"choose must be 'throughput' or 'max', got {choose!r}")
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device 'cuda': no CUDA device is visible (use device='cpu' with a memory_budget)"
+        )
     if dev.type == "cpu" and memory_budget is None and high is None:
         raise ValueError("on the CPU give memory_budget (an OS limit is set) or a high bound")
     begin = time.perf_counter()

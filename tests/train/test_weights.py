@@ -127,3 +127,15 @@ def test_sums_add_up_across_micro_batches() -> None:
 def test_shape_mismatch() -> None:
     with pytest.raises(ValueError, match="classes last"):
         cross_entropy_sum(torch.zeros(4, 3, 5), torch.zeros(4, 5, dtype=torch.long))
+
+
+def test_class_weights_follow_the_logits_dtype():
+    # class_weights() returns float32; bf16 logits (autocast) must still work.
+    import torch
+
+    from batchfit.train import class_weights, cross_entropy_sum
+
+    target = torch.tensor([0, 1, 1, 2])
+    logits = torch.randn(4, 3, dtype=torch.bfloat16)
+    loss_sum, items = cross_entropy_sum(logits, target, class_weights=class_weights(target))
+    assert loss_sum.dtype == torch.bfloat16 and float(items) > 0

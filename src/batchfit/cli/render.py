@@ -407,9 +407,15 @@ def probe_table(
     )
     if "plan" in result:
         p = result["plan"]
+        why = (
+            ""
+            if p["micro_batch_size"] == result["micro_batch_size"]
+            else f" (the largest size up to {result['micro_batch_size']} that divides "
+            f"{p['global_batch_size']})"
+        )
         out.print(
             f"for a global batch of {p['global_batch_size']}: micro-batch "
-            f"{p['micro_batch_size']} x accumulation {p['grad_accum_steps']}"
+            f"{p['micro_batch_size']} x accumulation {p['grad_accum_steps']}{why}"
         )
     for note in result.get("notes", []):
         out.print(f"note: {note}")
@@ -447,6 +453,10 @@ def probe_plot(result: dict[str, Any], path: Path, budget: int | None) -> None:
     mem_ax.plot([n for n, _, _ in ok], [p / 2**30 for _, _, p in ok], "s--", color="tab:red")
     if budget:
         mem_ax.axhline(budget / 2**30, color="tab:red", linestyle=":", label="budget")
+        mem_ax.legend(loc="lower right")
+    from matplotlib.ticker import MaxNLocator
+
+    speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for n in failed:
         speed_ax.axvline(n, color="grey", linestyle=":")
     mem_ax.set_ylabel("peak GiB", color="tab:red")

@@ -130,6 +130,9 @@ def cross_entropy_sum(
         )
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_target = target.reshape(-1)
+    if class_weights is not None:
+        # F.cross_entropy wants the weights in the logits' dtype (bf16 / fp16 / fp64 logits).
+        class_weights = class_weights.to(dtype=logits.dtype, device=logits.device)
     valid = flat_target != ignore_index
     if sample_weights is None:
         loss_sum = F.cross_entropy(
