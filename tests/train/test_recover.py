@@ -298,3 +298,17 @@ def test_result_type() -> None:
     result = MicroBatcher(acc, 3).run(_data(7), _step_fn(model))
     assert isinstance(result, StepResult)
     assert (result.micro_batch_size, result.micro_steps, result.num_items) == (3, 3, 7.0)
+
+
+def test_empty_batch_and_wrong_step_fn_return_are_clear_errors():
+    import pytest
+    import torch
+
+    from batchfit.train import Accumulator, MicroBatcher
+
+    model = torch.nn.Linear(2, 1)
+    batcher = MicroBatcher(Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1)), 2)
+    with pytest.raises(ValueError, match="empty"):
+        batcher.run(torch.zeros(0, 2), lambda mb: (model(mb).sum(), len(mb)))
+    with pytest.raises(TypeError, match=r"\(loss_sum, num_items\)"):
+        batcher.run(torch.zeros(4, 2), lambda mb: model(mb).sum())

@@ -131,6 +131,8 @@ class MicroBatcher:
                 "micro-steps done): finish it before MicroBatcher.run"
             )
         n = batch_len(batch)
+        if n == 0:
+            raise ValueError("the global batch is empty: give MicroBatcher.run at least one sample")
         rng = _RngState.capture()
         ooms = 0
         while True:
@@ -200,7 +202,13 @@ class MicroBatcher:
     def _forward_backward(self, step_fn: StepFn, micro_batch: Any) -> None:
         # Its own frame: the loss and activations die with it, or with the traceback.
         with self.accumulator.micro_step():
-            loss_sum, num_items = step_fn(micro_batch)
+            returned = step_fn(micro_batch)
+            if not (isinstance(returned, tuple) and len(returned) == 2):
+                raise TypeError(
+                    "step_fn must return (loss_sum, num_items), e.g. the result of "
+                    f"batchfit.train.cross_entropy_sum; it returned {type(returned).__name__}"
+                )
+            loss_sum, num_items = returned
             self.accumulator.backward(loss_sum, num_items)
 
     def _maybe_grow(self, ooms: int) -> None:
