@@ -75,7 +75,7 @@ def main() -> int:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}. Goals: under 1.0 s for `plan` and the analytic "
         "engine (issue #2), under 5 s for the trace engine (issue #3; importing torch and "
-        "one transformers model class alone takes about 4.9 s here). "
+        "one transformers model class is most of it). "
         "Produced by `python benchmarks/latency.py`.",
         "",
         "| command | median s | min s | max s |",
