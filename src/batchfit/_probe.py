@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from batchfit._memwatch import _status_bytes
 from batchfit.errors import UsageError
 
 
@@ -53,14 +54,6 @@ def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -
     if "usage_error" in final:
         raise UsageError(final["usage_error"])
     return final
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 @contextlib.contextmanager

@@ -216,7 +216,7 @@ def trace_once(
     grad_accum_steps: int,
 ) -> trace.TraceResult:
     """One dry run at ``depth`` layers (None = the real depth)."""
-    from batchfit.memory.kernels import cuda_autocast_policy, cuda_kernels
+    from batchfit.memory.kernels import emulation
 
     emulate_cuda = device == "cuda"
     keep: list[torch.Tensor] = []
@@ -228,10 +228,7 @@ def trace_once(
                 keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
-    kernels = contextlib.ExitStack()
-    if emulate_cuda:
-        kernels.enter_context(cuda_kernels())
-        kernels.enter_context(cuda_autocast_policy())
+    kernels = emulation(emulate_cuda)
     with trace.quiet():
         with torch.device("meta"):
             net = _build(model, setup, depth, cuda_policy=emulate_cuda)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
@@ -71,12 +70,9 @@ def estimate_module(
     store = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolved.precision, torch.float32)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(resolved.precision)
     emulate_cuda = device == "cuda"
-    from batchfit.memory.kernels import cuda_autocast_policy, cuda_kernels
+    from batchfit.memory.kernels import emulation
 
-    kernels = contextlib.ExitStack()
-    if emulate_cuda:
-        kernels.enter_context(cuda_kernels())
-        kernels.enter_context(cuda_autocast_policy())
+    kernels = emulation(emulate_cuda)
     previous = torch.get_default_dtype()
     with trace.quiet():
         torch.set_default_dtype(store)

@@ -138,3 +138,12 @@ def cuda_autocast_policy() -> Iterator[None]:
     """Within the block, CPU autocast also upcasts what CUDA autocast runs in fp32."""
     with _CudaAutocastPolicy():
         yield
+
+
+def emulation(emulate_cuda: bool) -> contextlib.AbstractContextManager[Any]:
+    """CUDA's kernels and autocast policy for a dry run that stands for a CUDA run."""
+    stack = contextlib.ExitStack()
+    if emulate_cuda:
+        stack.enter_context(cuda_kernels())
+        stack.enter_context(cuda_autocast_policy())
+    return stack
