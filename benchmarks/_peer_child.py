@@ -75,10 +75,13 @@ def main() -> None:
             trials[-1][2] = True
 
     def train_step(model: Any, opt: Any, n: int) -> None:
+        # batchfit's probe step: the outputs (logits) stay alive through backward, as in
+        # ``out = model(**batch); out.loss.backward()``
         opt.zero_grad(set_to_none=True)
         batch = _hf_trace._batch_fn(info, n, seq)()
-        loss = model(**batch).loss
-        loss.backward()
+        out = model(**batch)
+        out.loss.backward()
+        del out
         opt.step()
 
     if mode == "lightning":
@@ -169,13 +172,18 @@ def main() -> None:
             super().__init__()
             self.net = net
             self.batch_size = 2
+            self.out: Any = None
 
         def training_step(self, batch: dict[str, Any], _idx: int) -> Any:
             calls["n"] += 1
             n = int(batch["input_ids"].shape[0])
             if not trials or trials[-1][0] != n or trials[-1][2]:
                 trials.append([n, 0, False])  # completed in on_train_batch_end
-            return self.net(**batch).loss
+            self.out = self.net(**batch)  # alive through backward, as in the other finders
+            return self.out.loss
+
+        def on_after_backward(self) -> None:
+            self.out = None
 
         def on_train_batch_end(self, *_: Any) -> None:
             trials[-1][1] += 1

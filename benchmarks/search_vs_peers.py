@@ -1,11 +1,13 @@
 """batchfit's batch-size search against Lightning's and accelerate's finders, on a CPU budget.
 
-One model (a 6-layer GPT-2-like causal LM, seq 256, fp32, AdamW), one memory budget, every
-finder in a fresh process under the same OS limit (RLIMIT_DATA set in the child before the
-model is built, after imports and a tiny warm-up step):
+One model (``--model seen``: a 6-layer GPT-2-like causal LM, seq 256; ``--model unseen``: an
+8-layer Llama-like one, seq 512, chosen before the probe ever ran on it), fp32, AdamW, one
+memory budget, every finder in a fresh process under the same OS limit (RLIMIT_DATA set in the
+child before the model is built, after imports and a tiny warm-up step), all training the same
+step (outputs alive through backward):
 
-- batchfit: ``batchfit._probe.run_child`` with the spec ``batchfit probe`` builds (start from
-  ``_predicted_start``), ``choose="max"`` and, with ``--throughput``, ``"throughput"``;
+- batchfit: ``batchfit._probe.run_child`` with the spec ``batchfit probe`` builds (the start
+  predicted in the child), ``choose="max"`` and, with ``--throughput``, ``"throughput"``;
 - Lightning: ``Tuner(trainer).scale_batch_size(model, mode="binsearch" | "power")``, defaults
   (steps_per_trial=3, init_val=2, max_trials=25), the same HF model in a LightningModule;
 - accelerate: ``find_executable_batch_size(starting_batch_size=128)`` around 3 training steps.
@@ -15,8 +17,9 @@ optimizer state exists) in a fresh process under the limit, found by galloping f
 answer then bisecting, each probe a fresh process. Verified: the returned size trains
 ``--verify-steps`` steps in a fresh process under the limit, in the finder's environment.
 
-    python benchmarks/search_vs_peers.py [--budget-gib 4.5] [--verify-steps 5] [--throughput]
-        [--peer-env fixed|glibc|both] [--timeout 420] [--no-write]
+    python benchmarks/search_vs_peers.py [--model seen|unseen] [--budget-gib G]
+        [--verify-steps 20] [--throughput] [--peer-env fixed|glibc|both] [--timeout 420]
+        [--no-write]
 """
 
 from __future__ import annotations
@@ -39,16 +42,44 @@ from _report import write_section  # noqa: E402
 
 CHILD = HERE / "_peer_child.py"
 GIB = 1024**3
-SEQ = 256
-CONFIG = {
-    "model_type": "gpt2",
-    "architectures": ["GPT2LMHeadModel"],
-    "n_layer": 6,
-    "n_embd": 768,
-    "n_head": 12,
-    "vocab_size": 50257,
-    "n_positions": 1024,
+# "seen": the model the probe was developed against. "unseen": chosen, and its budget fixed,
+# before the probe first ran on it; nothing was tuned on it afterwards.
+MODELS: dict[str, dict[str, Any]] = {
+    "seen": {
+        "config": {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "n_layer": 6,
+            "n_embd": 768,
+            "n_head": 12,
+            "vocab_size": 50257,
+            "n_positions": 1024,
+        },
+        "text": "a GPT-2-like causal LM (model_type gpt2, 6 layers, n_embd 768, 12 heads, vocab "
+        "50257, n_positions 1024)",
+        "seq": 256,
+        "budget_gib": 4.5,
+    },
+    "unseen": {
+        "config": {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "vocab_size": 32000,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": False,
+        },
+        "text": "a Llama-like causal LM (model_type llama, 8 layers, hidden 512, intermediate "
+        "1408, 8 heads, 4 KV heads, vocab 32000, untied embeddings)",
+        "seq": 512,
+        "budget_gib": 3.0,
+    },
 }
+SEQ = 256  # set from the model in main()
 FIXED = "MALLOC_MMAP_THRESHOLD_=65536"
 GLIBC = "glibc defaults"
 
@@ -107,14 +138,11 @@ def run_peer_child(
 
 def run_batchfit(config: str, budget: int, choose: str) -> Run:
     from batchfit import _probe
-    from batchfit.cli.app import _predicted_start, _setup_dict
-    from batchfit.models import resolve_model
+    from batchfit.cli.app import _setup_dict
     from batchfit.spec import TrainingSetup
 
     start = time.perf_counter()
     setup = TrainingSetup()
-    info = resolve_model(config, setup.task)
-    first = _predicted_start(info, setup, SEQ, "cpu", budget, None)
     spec = {
         "model": config,
         "task": setup.task,
@@ -123,12 +151,15 @@ def run_batchfit(config: str, budget: int, choose: str) -> Run:
         "seq_len": SEQ,
         "memory_budget": budget,
         "choose": choose,
-        "start": first,
+        "start": None,  # predicted in the child by the trace engine, as the CLI does
         "high": None,
         "steps_per_trial": 3,
     }
 
     def on_line(message: dict[str, Any]) -> None:
+        if "start" in message:
+            log(f"    batchfit predicted start {message['start']}")
+            return
         t = message["trial"]
         log(f"    batchfit trial {t['micro_batch_size']}: {'ok' if t['ok'] else 'OOM'}")
 
@@ -136,13 +167,12 @@ def run_batchfit(config: str, budget: int, choose: str) -> Run:
     wall = time.perf_counter() - start
     result = final["result"]
     trials = [[t["micro_batch_size"], t["steps"], not t["ok"]] for t in result["trials"]]
-    # Step calls: the completed ones, one per OOM trial (it failed partway through a step),
-    # and the probe's one step at micro-batch 1 before the search (optimizer state).
+    # Step calls: the completed ones, and one per OOM trial (it failed partway through a step).
     return Run(
         f"batchfit probe (choose {choose})",
         FIXED,
         result["micro_batch_size"],
-        result["steps_run"] + result["ooms"] + 1,
+        result["steps_run"] + result["ooms"],
         result["ooms"],
         wall,
         trials,
@@ -247,15 +277,19 @@ def render(
     )
     probes = "; ".join(f"{e}: {checks.probes(e)}" for e in envs)
     peer_envs = " and with ".join(f"`{e}`" if e == FIXED else e for e in envs)
+    model = MODELS[args.model]
     method = [
-        "Model: a GPT-2-like causal LM built from a config.json (model_type gpt2, 6 layers, n_embd "
-        f"768, 12 heads, vocab 50257, n_positions 1024; {params / 1e6:.1f} M parameters), seq "
-        f"{SEQ}, fp32, AdamW (torch's per-parameter loop, the CPU default).",
+        f"Model: {model['text']}; {params / 1e6:.1f} M parameters, built from a config.json), "
+        f"seq {SEQ}, fp32, AdamW (torch's per-parameter loop, the CPU default). Every finder "
+        "trains the same step, `out = model(**batch); out.loss.backward(); opt.step()`: the "
+        "outputs (logits) stay alive through backward (Lightning: kept in `training_step`, "
+        "dropped in `on_after_backward`).",
         f"Budget: {args.budget_gib:g} GiB of training state, an OS limit (`RLIMIT_DATA` = the "
         "data segment held after imports and a warm-up step, plus the budget) set in each "
         "finder's own fresh process before the model is built.",
         "batchfit: `batchfit._probe.run_child`, the child process `batchfit probe --device cpu` "
-        f"runs (start from `_predicted_start`, 3 steps a trial), with `{FIXED}`.",
+        "runs (the first size and the bytes per sample predicted there by the trace engine, "
+        f"3 steps for the chosen size, 1 for a size only measured), with `{FIXED}`.",
         f"The peers run with {peer_envs}, as marked in the env column"
         + ("" if GLIBC in envs else " (glibc's defaults: `--peer-env both`)")
         + ("." if args.throughput else "; batchfit's throughput mode: `--throughput`."),
@@ -265,8 +299,7 @@ def render(
         "accelerate: `find_executable_batch_size(starting_batch_size=128)` around 3 training "
         f"steps (zero_grad, forward, backward, step), capped at {args.timeout:.0f} s.",
         "*Real steps* counts calls of the training step (`training_step` for Lightning), "
-        "including those an out-of-memory error ended partway; batchfit's count includes the "
-        "probe's one step at micro-batch 1 before its search.",
+        "including those an out-of-memory error ended partway.",
         "*OOMs*: out-of-memory errors the finder caught. *Wall s*: the whole finder process, "
         "start-up included.",
         "*True largest*: the largest micro-batch that runs one step (after one at micro-batch "
@@ -281,7 +314,7 @@ def render(
         f"Produced by `python benchmarks/search_vs_peers.py` in {total / 60:.0f} min.",
     ]
     lines = [
-        "## Batch-size search against its peers on a CPU budget",
+        f"## Batch-size search against its peers on a CPU budget ({args.model} model)",
         "",
         " ".join(method),
         "",
@@ -340,18 +373,23 @@ def targets(runs: list[Run], truth: dict[str, int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget-gib", type=float, default=4.5)
-    ap.add_argument("--verify-steps", type=int, default=5)
+    ap.add_argument("--model", choices=sorted(MODELS), default="seen")
+    ap.add_argument("--budget-gib", type=float, help="default: the model's own")
+    ap.add_argument("--verify-steps", type=int, default=20)
     ap.add_argument("--throughput", action="store_true", help="also batchfit's throughput mode")
     ap.add_argument("--peer-env", choices=["fixed", "glibc", "both"], default="fixed")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per peer run")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    global SEQ
+    SEQ = MODELS[args.model]["seq"]
+    if args.budget_gib is None:
+        args.budget_gib = MODELS[args.model]["budget_gib"]
     begin = time.perf_counter()
     budget = int(args.budget_gib * GIB)
     tmp = Path(tempfile.mkdtemp(prefix="search-vs-peers-"))
     config = str(tmp / "config.json")
-    Path(config).write_text(json.dumps(CONFIG))
+    Path(config).write_text(json.dumps(MODELS[args.model]["config"]))
 
     runs: list[Run] = []
     log("batchfit (choose max)")
@@ -385,7 +423,7 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     print(text)
     if not args.no_write:
-        write_section("search-vs-peers", text)
+        write_section("search-vs-peers" + ("" if args.model == "seen" else "-unseen"), text)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main() -> None:
             make,
             device="cpu",
             memory_budget=budget,
-            start=4,
+            start=40,  # above the limit: the first trial fails for real
             model=net,
             optimizer=opt,
             steps_per_trial=2,
@@ -69,14 +69,15 @@ def main() -> None:
         )
     elif mode == "creep":
         from batchfit._memwatch import MemoryWatch, _status_bytes
-        from batchfit.search import _run_trial
+        from batchfit.search import _Run
 
         watch = MemoryWatch(torch.device("cpu"), budget, model=net, optimizer=opt)
         rss = []
         with watch:
             for _ in range(20):
-                trial = _run_trial(step, make, 64, 2, watch)  # 512 MiB: always fails
-                assert not trial.ok
+                run = _Run(64, watch)  # 512 MiB: always fails
+                run.steps(step, make, 2)
+                assert not run.ok
                 rss.append(_status_bytes("VmRSS"))
         print(json.dumps({"rss": rss}))
 

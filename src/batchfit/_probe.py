@@ -20,6 +20,10 @@ from typing import Any
 from batchfit._memwatch import _status_bytes
 from batchfit.errors import UsageError
 
+# The first trial aims this far below the predicted limit: the trace's worst error against real
+# CPU steps is 1.2% (docs/benchmarks.md); on CUDA, unmeasured here, the margin is wider.
+START_MARGIN = {"cpu": 0.02, "cuda": 0.05}
+
 
 def child_env() -> dict[str, str]:
     """Environment for a budgeted CPU child: freed blocks go back to the kernel at once."""
@@ -42,7 +46,7 @@ def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -
             message = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if "trial" in message:
+        if "trial" in message or "start" in message:
             on_line(message)
         else:
             final = message
@@ -99,6 +103,15 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
             steps=1,
         )
         del tiny
+    room = budget
+    if room is None and device.type == "cuda":
+        room = torch.cuda.get_device_properties(device).total_memory
+    start, per_sample = spec.get("start"), None
+    if room is not None:
+        predicted, per_sample = predict(info, setup, seq, device.type, room, spec.get("high"))
+        start = start or predicted
+    start = start or spec.get("high") or 1
+    emit({"start": start, "bytes_per_sample": per_sample})
     failed = False
     with _limit_data(budget if device.type == "cpu" else None):
         try:
@@ -120,27 +133,17 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                 return _hf_trace._batch_fn(info, n, seq)()
 
         def step(batch: Any) -> None:
-            amp = parts.autocast_dtype
-            ctx = torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
-            with ctx:
-                loss = parts.loss_of(model(**batch), batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            # the loop the estimators trace: outputs live through backward, as in most loops
+            trace.training_steps(
+                model,
+                opt,
+                lambda: batch,
+                parts.loss_of,
+                autocast_dtype=parts.autocast_dtype,
+                device_type=device.type,
+                steps=1,
+            )
 
-        # One step first: the optimizer allocates its state, which then counts as live (the
-        # first trial's peak would otherwise include it and skew the fit).
-        try:
-            step(make(1))
-        except (RuntimeError, MemoryError) as e:
-            if not is_oom(e):
-                raise
-            failed = True
-        if failed:
-            return {
-                "usage_error": f"--memory-budget {(budget or 0) / 2**30:.2f} GiB cannot "
-                "hold one training step at micro-batch 1: give more"
-            }
         with trace.quiet():
             result = find_batch_size(
                 step,
@@ -149,7 +152,8 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                 memory_budget=budget,
                 low=1,
                 high=spec.get("high"),
-                start=spec.get("start"),
+                start=start,
+                bytes_per_sample=per_sample,
                 choose=spec["choose"],
                 steps_per_trial=spec.get("steps_per_trial", 3),
                 model=model,
@@ -159,6 +163,44 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                 restore=False,  # this process exits after the search
             )
     return {"result": result.to_json()}
+
+
+def predict(
+    info: Any, setup: Any, seq: int, device_type: str, room: int, high: int | None
+) -> tuple[int, int | None]:
+    """The first size to try and the peak bytes each sample adds, from a dry run of the step.
+
+    The trace engine (the analytic one where the trace does not apply) predicts the peak at
+    micro-batch 1 and 8; the start is the largest size whose predicted peak stays
+    ``START_MARGIN`` (the trace's error against real steps, and some) below ``room``, checked
+    by a prediction on each side, which also gives the slope there.
+    """
+    from batchfit.memory.estimate import estimate
+
+    cache: dict[int, int] = {}
+
+    def peak(m: int) -> int:
+        if m not in cache:
+            cache[m] = estimate(
+                info,
+                setup,
+                micro_batch_size=m,
+                seq_len=seq,
+                device="cpu" if device_type == "cpu" else "cuda",
+                engine="trace",
+            ).peak_bytes
+        return cache[m]
+
+    slope = max(1, (peak(8) - peak(1)) // 7)
+    target = room * (1 - START_MARGIN[device_type])
+    n = max(1, 1 + int((target - peak(1)) // slope))
+    if high is not None:
+        n = min(n, high)
+    while n > 1 and peak(n) > target:
+        n -= 1
+    while (high is None or n < high) and peak(n + 1) <= target:
+        n += 1
+    return n, max(1, peak(n + 1) - peak(n))  # the slope where the search starts
 
 
 def main() -> None:

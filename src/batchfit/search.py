@@ -113,19 +113,24 @@ class _State:
         random.setstate(self.py_rng)
 
 
-def _fit_limit(points: list[tuple[int, int]], available: int) -> int | None:
-    """Largest size whose fitted peak stays within ``available`` bytes.
+def _fit_limit(
+    points: list[tuple[int, int]], available: int, per_sample: int | None
+) -> tuple[int, bool] | None:
+    """Largest size whose fitted peak stays within ``available`` bytes, and whether to trust it.
 
-    Least squares over the sizes that fitted, aimed at the limit itself: an overshoot costs one
-    out-of-memory trial, after which the bracket is bisected. With one point the peak is taken
-    as proportional to the size (an overestimate of the slope) and ``MARGIN`` is kept, as the
-    guess rests on a single measurement.
+    Two or more sizes: least squares, affine in the size. One size: its peak plus the
+    estimator's bytes per sample (``per_sample``) for each sample more; without that, the peak
+    taken as proportional to the size (an overestimate of the slope) less ``MARGIN``, a guess
+    that is not trusted to say the next size would fail. Aimed at the limit itself: an
+    overshoot costs one out-of-memory trial, after which the bracket is bisected.
     """
     if not points:
         return None
     if len(points) == 1:
         n, peak = points[0]
-        return math.floor(available * (1 - MARGIN) * n / peak) if peak > 0 else None
+        if per_sample:
+            return n + math.floor((available - peak) / per_sample), True
+        return (math.floor(available * (1 - MARGIN) * n / peak), False) if peak > 0 else None
     xs = [float(n) for n, _ in points]
     ys = [float(p) for _, p in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -135,7 +140,65 @@ def _fit_limit(points: list[tuple[int, int]], available: int) -> int | None:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
     if slope <= 0:
         return None
-    return math.floor((available - (my - slope * mx)) / slope)
+    return math.floor((available - (my - slope * mx)) / slope), True
+
+
+class _Run:
+    """A trial being run: steps can be added to it until it is recorded."""
+
+    def __init__(self, n: int, watch: MemoryWatch) -> None:
+        self.n, self.watch = n, watch
+        self.begin = time.perf_counter()
+        self.timed: list[float] = []
+        self.done = 0
+        self.peak: int | None = None
+        self.error: str | None = None
+        watch.reset_peak()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def steps(
+        self, step_fn: Callable[[Any], Any], make_batch: Callable[[int], Any], k: int
+    ) -> None:
+        """Run ``k`` more steps; every step after the trial's first is timed."""
+        error: str | None = None
+        try:
+            for _ in range(k):
+                batch = make_batch(self.n)
+                t0 = time.perf_counter()
+                step_fn(batch)
+                self.watch.synchronize()
+                if self.done > 0:
+                    self.timed.append(time.perf_counter() - t0)
+                self.done += 1
+                del batch
+        except Exception as e:  # re-raised below unless it is an out-of-memory error
+            if not is_oom(e):
+                raise
+            error = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        # Outside the except block: its traceback no longer holds the failed step's tensors.
+        if not self.watch.agree(error is None):
+            self.error = error or "out of memory on another rank"
+            self.watch.drop_gradients()
+            release_memory()
+            return
+        self.peak = self.watch.peak_bytes()
+
+    def trial(self) -> Trial:
+        speed = None
+        if self.ok and self.timed and sum(self.timed) > 0:
+            speed = self.watch.agree_speed(self.n * len(self.timed) / sum(self.timed))
+        return Trial(
+            self.n,
+            self.ok,
+            self.peak if self.ok else None,
+            speed,
+            time.perf_counter() - self.begin,
+            self.done,
+            self.error,
+        )
 
 
 def find_batch_size(
@@ -147,6 +210,7 @@ def find_batch_size(
     low: int = 1,
     high: int | None = None,
     start: int | None = None,
+    bytes_per_sample: int | None = None,
     choose: Choose = "throughput",
     steps_per_trial: int = 3,
     max_trials: int = 8,
@@ -169,6 +233,8 @@ def find_batch_size(
             the CPU (else the search could exhaust the machine) unless ``high`` bounds it.
         low, high: the range of sizes to consider (``high`` None: no upper bound).
         start: the first size to try, typically an estimate's prediction; default ``low``.
+        bytes_per_sample: the estimate's peak memory per sample more, which aims the second
+            trial from the first one's measured peak (later trials fit their own peaks).
         choose: ``"throughput"`` (fastest; among sizes within 2%, the smaller) or ``"max"``.
         steps_per_trial: real steps per size; the first is not timed.
         model, optimizer: put back exactly as they were when the search returns.
@@ -218,30 +284,65 @@ def find_batch_size(
     )
     trials: list[Trial] = []
     notes: list[str] = []
+
+    def record(run: _Run) -> None:
+        trials.append(run.trial())
+        if on_trial is not None:
+            on_trial(trials[-1])
+
     try:
         with watch:
             lo, hi = 0, (high + 1) if high is not None else None  # fits <= lo < hi fails
             n = max(low, min(start or low, high or start or low))
+            run: _Run | None = None
+            settled = False  # a step has run, so lazily created state (optimizer) exists
             while len(trials) < max_trials:
-                trial = _run_trial(step_fn, make_batch, n, steps_per_trial, watch)
-                trials.append(trial)
-                if on_trial is not None:
-                    on_trial(trial)
-                if trial.ok:
+                # A size's memory needs one steady step: two for the first size that fits.
+                run = _Run(n, watch)
+                run.steps(step_fn, make_batch, 1 if settled else 2)
+                settled = settled or run.ok
+                if run.ok:
                     lo = max(lo, n)
                 else:
                     hi = n if hi is None else min(hi, n)
-                n_next = watch.agree_size(_next_size(trials, lo, hi, low, watch.available_bytes))
-                if n_next is None or any(t.micro_batch_size == n_next for t in trials):
+                points = [
+                    (t.micro_batch_size, t.peak_bytes)
+                    for t in trials
+                    if t.ok and t.peak_bytes is not None
+                ]
+                if run.ok and run.peak is not None:
+                    points.append((n, run.peak))
+                proposal = _next_size(
+                    points, lo, hi, low, watch.available_bytes, bytes_per_sample, run.ok
+                )
+                n_next = watch.agree_size(proposal)
+                if (
+                    n_next is None
+                    or n_next == n
+                    or any(t.micro_batch_size == n_next for t in trials)
+                ):
                     break
+                record(run)
+                run = None
                 n = n_next
             if lo == 0:
+                if run is not None:
+                    record(run)
                 raise ValueError(
                     f"even a micro-batch of {low} does not fit"
                     + (f" in {memory_budget / 2**30:.2f} GiB" if memory_budget else "")
                 )
-            choice = _choose(trials, choose)
-            choice = _confirm(choice, trials, step_fn, make_batch, steps_per_trial, watch, notes)
+            # The largest size that fitted runs for steps_per_trial steps: the last trial is
+            # extended when it is that size, else it is run again (after the last OOM).
+            if run is not None and run.ok and run.n == lo:
+                run.steps(step_fn, make_batch, steps_per_trial - run.done)
+            if run is not None:
+                record(run)
+            confirm = (record, step_fn, make_batch, steps_per_trial, watch, notes)
+            choice = _confirm(lo, trials, *confirm)
+            if choose == "throughput":
+                _time_smaller(choice, trials, *confirm[:-1])
+                choice = _confirm(_choose(trials, choose, steps_per_trial), trials, *confirm)
         max_fit = max(t.micro_batch_size for t in trials if t.ok)
         return SearchResult(
             choice,
@@ -258,81 +359,66 @@ def find_batch_size(
 
 
 def _next_size(
-    trials: list[Trial], lo: int, hi: int | None, low: int, available: int | None
+    points: list[tuple[int, int]],
+    lo: int,
+    hi: int | None,
+    low: int,
+    available: int | None,
+    per_sample: int | None,
+    last_ok: bool,
 ) -> int | None:
-    """Aim at the fitted limit, inside the bracket (lo fits, hi fails)."""
+    """Aim at the fitted limit, inside the bracket (lo fits, hi fails); None: stop."""
     if hi is not None and hi <= lo + 1:
         return None
-    points = [
-        (t.micro_batch_size, t.peak_bytes) for t in trials if t.ok and t.peak_bytes is not None
-    ]
-    guess = _fit_limit(points, available) if available else None
-    if guess is None:
-        guess = lo * 2 if hi is None else (lo + hi) // 2  # no usable fit: double / bisect
+    fit = _fit_limit(points, available, per_sample) if available else None
     if lo == 0:  # nothing fitted yet: halve below the smallest failure
-        guess = min(guess, max(low, (hi or 2 * low) // 2))
-        return guess if guess < (hi or guess + 1) and guess >= low else None
-    guess = max(guess, lo + 1)
+        guess = max(low, (hi or 2 * low) // 2)
+        return guess if guess < (hi or guess + 1) else None
+    if fit is None:
+        guess = lo * 2 if hi is None else (lo + hi) // 2  # no usable fit: double / bisect
+    else:
+        guess, trusted = fit
+        if guess <= lo:
+            if trusted:
+                return None  # the fit says the next size would not fit
+            guess = lo + 1  # an untrusted guess: one size more gives a second point
     if hi is not None:
         guess = min(guess, hi - 1)
-        if not trials[-1].ok:
+        if not last_ok:
             # Just failed: the fit overshot, so step at most halfway into the bracket.
             guess = min(guess, max(lo + 1, (lo + hi) // 2))
     return guess if guess > lo else None
 
 
-def _run_trial(
+def _time_smaller(
+    largest: int,
+    trials: list[Trial],
+    record: Callable[[_Run], None],
     step_fn: Callable[[Any], Any],
     make_batch: Callable[[int], Any],
-    n: int,
     steps: int,
     watch: MemoryWatch,
-) -> Trial:
-    start = time.perf_counter()
-    error: str | None = None
-    timed: list[float] = []
-    done = 0
-    watch.reset_peak()
-    try:
-        for i in range(steps):
-            batch = make_batch(n)
-            t0 = time.perf_counter()
-            step_fn(batch)
-            watch.synchronize()
-            if i > 0:
-                timed.append(time.perf_counter() - t0)
-            done += 1
-            del batch
-    except Exception as e:  # re-raised below unless it is an out-of-memory error
-        if not is_oom(e):
-            raise
-        error = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    # Outside the except block: its traceback no longer holds the failed step's tensors.
-    ok = watch.agree(error is None)
-    if not ok:
-        watch.drop_gradients()
-        release_memory()
-    peak = watch.peak_bytes() if ok else None
-    speed = n * len(timed) / sum(timed) if ok and timed and sum(timed) > 0 else None
-    if speed is not None:
-        speed = watch.agree_speed(speed)
-    return Trial(
-        n,
-        ok,
-        peak,
-        speed,
-        time.perf_counter() - start,
-        done,
-        None if ok else (error or "out of memory on another rank"),
-    )
+) -> None:
+    """Time halved sizes below the largest while they stay within ``PLATEAU`` of the best."""
+    n = largest // 2
+    while n >= 1 and not any(t.micro_batch_size == n and t.samples_per_s for t in trials):
+        run = _Run(n, watch)
+        run.steps(step_fn, make_batch, steps)
+        record(run)
+        best = max(t.samples_per_s or 0.0 for t in trials if t.ok)
+        if not run.ok or (trials[-1].samples_per_s or 0.0) < (1 - PLATEAU) * best:
+            return
+        n //= 2
 
 
-def _choose(trials: list[Trial], choose: Choose) -> int:
+def _choose(trials: list[Trial], choose: Choose, steps: int) -> int:
+    """The largest size, or the fastest among those timed over ``steps`` steps."""
     ok = [t for t in trials if t.ok]
-    if choose == "max" or not any(t.samples_per_s for t in ok):
+    timed = [t for t in ok if t.samples_per_s and t.steps >= steps]
+    if choose == "max" or not timed:
         return max(t.micro_batch_size for t in ok)
     best: dict[int, float] = {}
-    for t in ok:  # a size run twice keeps its better measurement
+    for t in timed:  # a size run twice keeps its better measurement
         best[t.micro_batch_size] = max(best.get(t.micro_batch_size, 0.0), t.samples_per_s or 0.0)
     top = max(best.values())
     return min(n for n, speed in best.items() if speed >= (1 - PLATEAU) * top)
@@ -341,6 +427,7 @@ def _choose(trials: list[Trial], choose: Choose) -> int:
 def _confirm(
     choice: int,
     trials: list[Trial],
+    record: Callable[[_Run], None],
     step_fn: Callable[[Any], Any],
     make_batch: Callable[[int], Any],
     steps: int,
@@ -349,9 +436,10 @@ def _confirm(
 ) -> int:
     """Run the choice again unless it was the last trial: confirmed after the last OOM."""
     while trials[-1].micro_batch_size != choice or not trials[-1].ok:
-        trial = _run_trial(step_fn, make_batch, choice, steps, watch)
-        trials.append(trial)
-        if trial.ok:
+        run = _Run(choice, watch)
+        run.steps(step_fn, make_batch, steps)
+        record(run)
+        if run.ok:
             break
         smaller = [t.micro_batch_size for t in trials if t.ok and t.micro_batch_size < choice]
         notes.append(f"{choice} failed when run again (fragmentation); fell back")

@@ -614,7 +614,7 @@ def probe(
             )
     info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
-    start = _predicted_start(info, setup, seq_len, device, budget, max_micro_batch)
+    _check_budget(info, setup, seq_len, device, budget)
     spec = {
         "model": model,
         "task": setup.task,
@@ -623,7 +623,7 @@ def probe(
         "seq_len": seq_len,
         "memory_budget": budget,
         "choose": choose,
-        "start": start,
+        "start": None,  # the probe predicts it with the trace engine
         "high": max_micro_batch,
         "steps_per_trial": steps_per_trial,
     }
@@ -652,40 +652,28 @@ def _setup_dict(setup: TrainingSetup) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(setup).items()}
 
 
-def _predicted_start(
-    info: Any, setup: TrainingSetup, seq_len: int, device: str, budget: int | None, high: int | None
-) -> int:
-    """Where the search starts: 85% of what the analytic engine says fits (about its error)."""
+def _check_budget(
+    info: Any, setup: TrainingSetup, seq_len: int, device: str, budget: int | None
+) -> None:
+    """Refuse a budget below what one step at micro-batch 1 needs, with the figure."""
     from batchfit.memory.estimate import estimate as run_estimate
 
-    def peak(m: int) -> int:
-        est = run_estimate(
-            info,
-            setup,
-            micro_batch_size=m,
-            seq_len=seq_len,
-            device="cpu" if device == "cpu" else "cuda",
-            engine="analytic",
-        )
-        return est.peak_bytes
-
     if budget is None:
-        return max(1, (high or 8) // 2)
-    state = peak(1)
-    if state > budget:
+        return
+    need = run_estimate(
+        info,
+        setup,
+        micro_batch_size=1,
+        seq_len=seq_len,
+        device="cpu" if device == "cpu" else "cuda",
+        engine="analytic",
+    ).peak_bytes
+    if need > budget:
         raise UsageError(
-            f"--memory-budget {budget / 2**30:.2f} GiB is below the {state / 2**30:.2f} GiB one "
+            f"--memory-budget {budget / 2**30:.2f} GiB is below the {need / 2**30:.2f} GiB one "
             "step of micro-batch 1 needs (weights, gradients, optimizer state, activations): "
             "give at least that"
         )
-    lo, hi = 1, 2
-    cap = high or 1 << 14
-    while hi <= cap and peak(hi) <= budget:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # refine between the last power of two that fits and the next
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid)
-    return max(1, int(lo * 0.85))
 
 
 def _run_probe(spec: dict[str, Any], *, quiet: bool) -> dict[str, Any]:
@@ -693,7 +681,7 @@ def _run_probe(spec: dict[str, Any], *, quiet: bool) -> dict[str, Any]:
     from batchfit import _probe
     from batchfit.cli import render
 
-    with render.trial_progress(spec["start"], quiet=quiet) as on_trial:
+    with render.trial_progress(quiet=quiet) as on_trial:
         if spec["device"] == "cpu":
             return _probe.run_child(spec, on_trial)
         final = _probe.probe(spec, on_trial)

@@ -335,8 +335,8 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
 
 
 @contextlib.contextmanager
-def trial_progress(start: int, *, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]:
-    """A progress line on stderr, one update per trial; nothing when ``quiet``."""
+def trial_progress(*, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A progress line on stderr, one update per message of the probe; nothing when ``quiet``."""
     if quiet:
         yield lambda _message: None
         return
@@ -349,9 +349,14 @@ def trial_progress(start: int, *, quiet: bool) -> Iterator[Callable[[dict[str, A
         console=err,
         transient=True,
     ) as bar:
-        task = bar.add_task(f"probing: first trial at micro-batch {start} ...", total=None)
+        task = bar.add_task("probing: building the model, predicting the limit ...", total=None)
 
         def update(message: dict[str, Any]) -> None:
+            if "start" in message:
+                bar.update(
+                    task, description=f"probing: first trial at micro-batch {message['start']} ..."
+                )
+                return
             t = message["trial"]
             verdict = "ok" if t["ok"] else "out of memory"
             bar.update(

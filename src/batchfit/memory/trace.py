@@ -49,10 +49,12 @@ class TraceResult:
         return max(self.phases, key=lambda p: p.total)
 
 
-def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+def _autocast(
+    dtype: torch.dtype | None, device_type: str = "cpu"
+) -> contextlib.AbstractContextManager[Any]:
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast(device_type, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -74,6 +76,7 @@ def training_steps(
     steps: int = 2,
     grad_accum_steps: int = 1,
     on_phase: Callable[[str], None] = lambda _phase: None,
+    device_type: str = "cpu",
 ) -> None:
     """The plain training loop a dry run traces and a real run measures: one code path.
 
@@ -84,7 +87,7 @@ def training_steps(
         for _ in range(grad_accum_steps):
             on_phase("forward")
             batch = make_batch()
-            with _autocast(autocast_dtype):
+            with _autocast(autocast_dtype, device_type):
                 if isinstance(batch, dict):
                     out = model(**batch)
                 elif isinstance(batch, (tuple, list)):
