@@ -64,3 +64,45 @@ def test_probe_bad_input_exits_2(capsys, args, needle):
         base += ["--device", "cpu"]
     code, out, err = run_cli([*base, *args], capsys)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+def _trial(n, ok, peak, speed, steps):
+    return {
+        "micro_batch_size": n,
+        "ok": ok,
+        "peak_bytes": peak,
+        "samples_per_s": speed,
+        "seconds": 1.0,
+        "steps": steps,
+        "error": None if ok else "out of memory",
+    }
+
+
+def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from batchfit.cli import render
+    from batchfit.models import resolve_model
+
+    result = {
+        "micro_batch_size": 10,
+        "max_fitting_micro_batch": 10,
+        "choose": "max",
+        "steps_run": 6,
+        "ooms": 1,
+        "seconds": 30.0,
+        "trials": [
+            _trial(8, True, 3 << 30, 2.0, 2),
+            _trial(10, True, 4 << 30, None, 1),
+            _trial(11, False, None, None, 0),
+            _trial(10, True, 4 << 30, 2.5, 3),
+        ],
+        "notes": [],
+    }
+    plot = tmp_path / "probe.png"
+    render.probe_plot(result, plot, 5 << 30)
+    render.probe_table(resolve_model("gpt2"), result, 256, 5 << 30, 1000, plot)
+    out = capsys.readouterr().out
+    assert "measured " in out and "OOM" in out
+    assert "measured: one step for its peak memory only" in out
+    assert "640" in out  # 2.5 samples/s x 256 tokens
+    assert plot.stat().st_size > 1000

@@ -132,3 +132,92 @@ def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
     assert ranks[0]["sizes"] == ranks[1]["sizes"]  # the same trials, in the same order
     assert ranks[0]["choice"] == ranks[1]["choice"] == 20
     assert ranks[0]["max"] == ranks[1]["max"] == 20
+
+
+class AffineLaw:
+    """A step whose peak memory is ``base + per_sample * n``; above ``available`` it fails."""
+
+    def __init__(self, base: int, per_sample: int, available: int):
+        self.base, self.per_sample, self.available = base, per_sample, available
+        self.calls: list[int] = []
+
+    @property
+    def limit(self) -> int:
+        return (self.available - self.base) // self.per_sample
+
+    def step(self, batch: torch.Tensor) -> None:
+        n = batch.shape[0]
+        self.calls.append(n)
+        if self.base + self.per_sample * n > self.available:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+class LawWatch:
+    """MemoryWatch's interface over an AffineLaw: the peak of the last size run."""
+
+    def __init__(self, law: AffineLaw) -> None:
+        self.law = law
+        self.available_bytes = law.available
+
+    def __call__(self, *_args, **_kwargs) -> "LawWatch":
+        return self
+
+    def __enter__(self) -> "LawWatch":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        return None
+
+    def peak_bytes(self) -> int:
+        return self.law.base + self.law.per_sample * self.law.calls[-1]
+
+    def reset_peak(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def drop_gradients(self) -> None: ...
+    def agree(self, ok: bool) -> bool:
+        return ok
+
+    def agree_size(self, size):
+        return size
+
+    def agree_speed(self, speed: float) -> float:
+        return speed
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "start, hint, max_trials, max_ooms",
+    [
+        ("exact", "exact", 1, 0),  # the estimate was right: one trial, steps_per_trial steps
+        ("low", "exact", 2, 0),  # two sizes below: one measured step there, then the limit
+        ("high", "exact", 3, 1),  # an estimate above the limit: one OOM, then the fit
+        ("low", "off", 4, 1),  # the estimate's slope 30% too small
+        ("one", None, 5, 1),  # no estimate at all: from micro-batch 1, the fit alone
+    ],
+)
+def test_fit_on_a_known_memory_law(monkeypatch, start, hint, max_trials, max_ooms):
+    law = AffineLaw(base=6 * GIB, per_sample=GIB // 3, available=20 * GIB)  # limit: 42
+    monkeypatch.setattr("batchfit.search.MemoryWatch", LawWatch(law))
+    first = {"exact": law.limit, "low": law.limit - 2, "high": law.limit + 5, "one": 1}[start]
+    per_sample = {"exact": law.per_sample, "off": int(law.per_sample * 0.7), None: None}[hint]
+    result = find_batch_size(
+        law.step,
+        lambda n: torch.zeros(n, 1),
+        device="cpu",
+        memory_budget=law.available,
+        start=first,
+        bytes_per_sample=per_sample,
+        choose="max",
+        steps_per_trial=3,
+    )
+    assert result.micro_batch_size == result.max_fitting_micro_batch == law.limit
+    assert len(result.trials) <= max_trials and result.ooms <= max_ooms
+    # never an untested size; the choice ran steps_per_trial steps in a row, as the last trial
+    assert result.trials[-1].micro_batch_size == law.limit and result.trials[-1].steps == 3
+    # every other size that fitted was measured in one step (two for the first that fitted)
+    fitted = [t for t in result.trials[:-1] if t.ok]
+    assert [t.steps for t in fitted] == [2, 1, 1, 1, 1][: len(fitted)]
+    if start == "exact":
+        assert law.calls == [law.limit] * 3

@@ -1,11 +1,15 @@
 """Probe: the fastest micro-batch on the real device, in a few real steps.
 
-Every size it reports ran for real. It starts near the limit the estimators predict, fits the
-measured peak memory of each trial (affine in the micro-batch) to aim the next one, times only
-steady-state steps (not a trial's first, which may allocate optimizer state), and chooses by
-throughput: the fastest size, or among sizes within 2% of it, the smaller. The answer is run
-again after the last out-of-memory error, so it is confirmed in the state the search leaves.
-Model, optimizer, gradients and RNG states are put back in ``finally``.
+Every size it reports ran for real. It starts near the limit the estimators predict and
+measures each size's peak memory in one steady step (two for the first size that fits: its
+first step may allocate the optimizer state). The next size comes from the measured peaks,
+affine in the micro-batch (one peak and the estimate's bytes per sample, then least squares),
+and the search stops when the fit says one sample more would not fit. The largest size that
+fitted then runs ``steps_per_trial`` steps in a row, the last trial extended or, after an
+out-of-memory error, run again, so it is confirmed in the state the search leaves. Only steps
+after a trial's first are timed. ``choose="throughput"`` also times halved sizes while they
+stay within 2% of the best and takes the smallest of the equally fast. Model, optimizer,
+gradients and RNG states are put back in ``finally``.
 """
 
 from __future__ import annotations

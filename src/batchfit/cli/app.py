@@ -535,7 +535,12 @@ def probe(
         int | None, typer.Option("--max-micro-batch", help="Largest size to consider.")
     ] = None,
     steps_per_trial: Annotated[
-        int, typer.Option("--steps-per-trial", help="Real steps per size (the first is not timed).")
+        int,
+        typer.Option(
+            "--steps-per-trial",
+            help="Real steps for each size that is timed or chosen (the first is not timed); "
+            "a size only measured runs one.",
+        ),
     ] = 3,
     dataset_size: Annotated[
         int | None,

@@ -388,13 +388,16 @@ def probe_table(
         *(("time/epoch",) if dataset_size else ()),
     ):
         table.add_column(
-            col, justify="left" if col == "result" else "right", no_wrap=True, min_width=len(col)
+            col,
+            justify="left" if col == "result" else "right",
+            no_wrap=True,
+            min_width=len("measured") if col == "result" else len(col),
         )
     for t in result["trials"]:
         peak, speed = t["peak_bytes"], t["samples_per_s"]
         row = [
             str(t["micro_batch_size"]),
-            "ok" if t["ok"] else "[red]out of memory[/]",
+            ("ok" if speed else "measured") if t["ok"] else "[red]OOM[/]",
             _gib(peak) if peak else "-",
             f"{100 * peak / budget:.0f}%" if peak and budget else "-",
             f"{speed:,.2f}" if speed else "-",
@@ -410,6 +413,8 @@ def probe_table(
         f"{result['steps_run']} real steps, {result['ooms']} out-of-memory, "
         f"{result['seconds']:.1f} s"
     )
+    if any(t["ok"] and not t["samples_per_s"] for t in result["trials"]):
+        out.print("measured: one step for its peak memory only, not timed")
     if "plan" in result:
         p = result["plan"]
         why = (
@@ -451,7 +456,8 @@ def probe_plot(result: dict[str, Any], path: Path, budget: int | None) -> None:
     )
     failed = sorted({t["micro_batch_size"] for t in result["trials"] if not t["ok"]})
     fig, speed_ax = plt.subplots(figsize=(7, 4))
-    speed_ax.plot([n for n, _, _ in ok], [s for _, s, _ in ok], "o-", color="tab:blue")
+    timed = [(n, s) for n, s, _ in ok if s > 0]  # a size only measured has no speed
+    speed_ax.plot([n for n, _ in timed], [s for _, s in timed], "o-", color="tab:blue")
     speed_ax.set_xlabel("micro-batch")
     speed_ax.set_ylabel("samples/s", color="tab:blue")
     mem_ax = speed_ax.twinx()
