@@ -97,6 +97,12 @@ class Run:
     trials: list[list[Any]] = field(default_factory=list)  # [size, steps done, OOM]
     failure: str = ""  # "timed out after N s" or the error
     verified: str = "-"
+    walls: list[float] = field(default_factory=list)  # every repeat's wall seconds
+
+    def wall_text(self) -> str:
+        if len(self.walls) < 2:
+            return f"{self.wall:.0f}"
+        return f"{self.wall:.0f} ({min(self.walls):.0f}-{max(self.walls):.0f})"
 
 
 def log(message: str) -> None:
@@ -136,7 +142,16 @@ def run_peer_child(
     return None, wall, f"failed: {tail[:200]}", []
 
 
-def run_batchfit(config: str, budget: int, choose: str) -> Run:
+def repeated(runs: list[Run]) -> Run:
+    """The first run, with the median wall time of all (they take the same path or nearly)."""
+    walls = sorted(r.wall for r in runs)
+    first = runs[0]
+    first.walls = walls
+    first.wall = walls[len(walls) // 2]
+    return first
+
+
+def run_batchfit(config: str, budget: int, choose: str, steps: int = 3) -> Run:
     from batchfit import _probe
     from batchfit.cli.app import _setup_dict
     from batchfit.spec import TrainingSetup
@@ -153,7 +168,7 @@ def run_batchfit(config: str, budget: int, choose: str) -> Run:
         "choose": choose,
         "start": None,  # predicted in the child by the trace engine, as the CLI does
         "high": None,
-        "steps_per_trial": 3,
+        "steps_per_trial": steps,
     }
 
     def on_line(message: dict[str, Any]) -> None:
@@ -169,7 +184,7 @@ def run_batchfit(config: str, budget: int, choose: str) -> Run:
     trials = [[t["micro_batch_size"], t["steps"], not t["ok"]] for t in result["trials"]]
     # Step calls: the completed ones, and one per OOM trial (it failed partway through a step).
     return Run(
-        f"batchfit probe (choose {choose})",
+        f"batchfit probe (choose {choose}" + (f", {steps} steps a trial)" if steps != 3 else ")"),
         FIXED,
         result["micro_batch_size"],
         result["steps_run"] + result["ooms"],
@@ -301,7 +316,8 @@ def render(
         "*Real steps* counts calls of the training step (`training_step` for Lightning), "
         "including those an out-of-memory error ended partway.",
         "*OOMs*: out-of-memory errors the finder caught. *Wall s*: the whole finder process, "
-        "start-up included.",
+        f"start-up included; for batchfit (choose max) and Lightning binsearch the median of "
+        f"{args.repeat} runs, interleaved (range in brackets), the first run's path shown.",
         "*True largest*: the largest micro-batch that runs one step (after one at micro-batch "
         "1, so the optimizer state exists) in a fresh process under the same limit, each probe "
         f"its own process ({probes}).",
@@ -331,7 +347,7 @@ def render(
         lines.append(
             f"| {r.finder} | {'fixed' if r.env == FIXED else 'glibc'} | {size} | {t} | "
             f"{within} | {r.steps if r.steps is not None else '-'} | "
-            f"{r.ooms if r.ooms is not None else '-'} | {r.wall:.0f} | {r.verified} |"
+            f"{r.ooms if r.ooms is not None else '-'} | {r.wall_text()} | {r.verified} |"
         )
     lines += ["", "Sizes each finder ran, in order (OOM: the trial ran out of memory):", ""]
     lines += [
@@ -376,6 +392,9 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="seen")
     ap.add_argument("--budget-gib", type=float, help="default: the model's own")
     ap.add_argument("--verify-steps", type=int, default=20)
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="runs of batchfit and Lightning binsearch (median)"
+    )
     ap.add_argument("--throughput", action="store_true", help="also batchfit's throughput mode")
     ap.add_argument("--peer-env", choices=["fixed", "glibc", "both"], default="fixed")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per peer run")
@@ -391,15 +410,27 @@ def main() -> None:
     config = str(tmp / "config.json")
     Path(config).write_text(json.dumps(MODELS[args.model]["config"]))
 
-    runs: list[Run] = []
-    log("batchfit (choose max)")
-    runs.append(run_batchfit(config, budget, "max"))
+    # batchfit and Lightning's binsearch, the pair the targets compare: interleaved repeats, so
+    # a change in the machine's load falls on both; the median wall time is reported.
+    pair: tuple[list[Run], list[Run]] = ([], [])
+    for i in range(args.repeat):
+        log(f"batchfit (choose max), run {i + 1}")
+        pair[0].append(run_batchfit(config, budget, "max"))
+        log(f"binsearch [{FIXED}], run {i + 1}")
+        pair[1].append(run_peer(config, budget, "binsearch", FIXED, args.timeout))
+        log(f"    -> {pair[1][-1].size or pair[1][-1].failure} in {pair[1][-1].wall:.0f} s")
+    runs: list[Run] = [repeated(pair[0])]
+    log("batchfit (choose max, 2 steps a trial)")
+    runs.append(run_batchfit(config, budget, "max", steps=2))
     if args.throughput:
         log("batchfit (choose throughput)")
         runs.append(run_batchfit(config, budget, "throughput"))
+    runs.append(repeated(pair[1]))
     envs = {"fixed": [FIXED], "glibc": [GLIBC], "both": [FIXED, GLIBC]}[args.peer_env]
     for env in envs:
         for kind in ("binsearch", "power", "accelerate"):
+            if kind == "binsearch" and env == FIXED:
+                continue  # run above
             log(f"{kind} [{env}]")
             run = run_peer(config, budget, kind, env, args.timeout)
             log(f"    -> {run.size or run.failure} in {run.wall:.0f} s")
