@@ -221,3 +221,30 @@ def test_fit_on_a_known_memory_law(monkeypatch, start, hint, max_trials, max_oom
     assert [t.steps for t in fitted] == [2, 1, 1, 1, 1][: len(fitted)]
     if start == "exact":
         assert law.calls == [law.limit] * 3
+
+
+@pytest.mark.parametrize(
+    "law, high, expected",
+    [
+        (lambda m: 6 * GIB + m * (GIB // 3), None, 40),  # 2% below 20 GiB: 6 + 40/3 <= 19.6
+        (lambda m: 6 * GIB + int(GIB * m**0.5), None, 184),  # concave: the line undershoots
+        (lambda m: 6 * GIB + m * (GIB // 3), 16, 16),  # capped by --max-micro-batch
+        (lambda m: 30 * GIB + m, None, 1),  # nothing fits: start at 1, the search says so
+    ],
+)
+def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, expected):
+    from types import SimpleNamespace
+
+    from batchfit import _probe
+
+    calls = []
+
+    def fake_estimate(*_a, micro_batch_size, **_k):
+        calls.append(micro_batch_size)
+        return SimpleNamespace(peak_bytes=law(micro_batch_size))
+
+    monkeypatch.setattr("batchfit.memory.estimate.estimate", fake_estimate)
+    start, per_sample = _probe.predict(None, None, 256, "cpu", 20 * GIB, high)
+    assert start == expected
+    assert per_sample == max(1, law(start + 1) - law(start))
+    assert len(set(calls)) <= 20  # a few predictions, not a scan

@@ -193,13 +193,24 @@ def predict(
 
     slope = max(1, (peak(8) - peak(1)) // 7)
     target = room * (1 - START_MARGIN[device_type])
-    n = max(1, 1 + int((target - peak(1)) // slope))
-    if high is not None:
-        n = min(n, high)
-    while n > 1 and peak(n) > target:
-        n -= 1
-    while (high is None or n < high) and peak(n + 1) <= target:
-        n += 1
+    cap = high or 1 << 20
+    guess = min(cap, max(1, 1 + int((target - peak(1)) // slope)))
+    # the line's guess, then a gallop away from it and a bisection: a few predictions
+    if peak(guess) <= target:
+        lo, hi, step = guess, None, 1
+        while hi is None and lo < cap:
+            nxt = min(cap, lo + step)
+            lo, hi, step = (nxt, None, 2 * step) if peak(nxt) <= target else (lo, nxt, step)
+        hi = hi or lo + 1
+    else:
+        lo, hi, step = 0, guess, 1
+        while lo == 0 and hi > 1:
+            nxt = max(1, hi - step)
+            lo, hi, step = (nxt, hi, step) if peak(nxt) <= target else (0, nxt, 2 * step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= target else (lo, mid)
+    n = max(1, lo)
     return n, max(1, peak(n + 1) - peak(n))  # the slope where the search starts
 
 
