@@ -322,9 +322,8 @@ def render(
         "1, so the optimizer state exists) in a fresh process under the same limit, each probe "
         f"its own process ({probes}).",
         f"*Verified*: the returned size trains {args.verify_steps} steps in a fresh process "
-        f"under the limit, in the finder's environment ({args.verify_steps} steps, not 20: "
-        f"{args.verify_steps} steps at micro-batch {slowest[0]} took a {slowest[1]:.0f} s "
-        "process here).",
+        f"under the limit, in the finder's environment ({args.verify_steps} steps at "
+        f"micro-batch {slowest[0]} took a {slowest[1]:.0f} s process here).",
         "Other processes may share this machine's 2 cores, so wall times are comparable only "
         "within this table.",
         f"Produced by `python benchmarks/search_vs_peers.py` in {total / 60:.0f} min.",
@@ -352,6 +351,11 @@ def render(
     lines += ["", "Sizes each finder ran, in order (OOM: the trial ran out of memory):", ""]
     lines += [
         f"- {r.finder}, {r.env}: {path_text(r.trials)}"
+        + (
+            f"; returned {r.size}, a size it never ran"
+            if r.size is not None and r.size not in {n for n, done, oom in r.trials if done}
+            else ""
+        )
         + (" (killed)" if r.failure.startswith("timed out") else "")
         for r in runs
     ]
@@ -376,11 +380,11 @@ def targets(runs: list[Run], truth: dict[str, int]) -> str:
         wall = binsearch.wall / bf.wall
         parts.append(
             f"at least 3x fewer real steps than Lightning binsearch ({binsearch.env}): "
-            f"{'met' if steps >= 3 else 'missed'} ({binsearch.steps} / {bf.steps} = {steps:.1f}x)"
+            f"{'met' if steps >= 3 else 'missed'} ({binsearch.steps} / {bf.steps} = {steps:.2f}x)"
         )
         parts.append(
             f"at least 2x less wall time: {'met' if wall >= 2 else 'missed'} "
-            f"({binsearch.wall:.0f} / {bf.wall:.0f} s = {wall:.1f}x)"
+            f"({binsearch.wall:.0f} / {bf.wall:.0f} s = {wall:.2f}x)"
         )
     ok = all(r.verified.startswith("yes") for r in runs if r.size is not None)
     parts.append(f"every returned size verified: {'yes' if ok else 'no'}")

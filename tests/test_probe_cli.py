@@ -34,6 +34,8 @@ def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
             "64",
             "--global-batch",
             "96",
+            "--dataset-size",
+            "1000",
             "--json",
         ],
         capsys,
@@ -43,7 +45,9 @@ def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
     ok = {t["micro_batch_size"] for t in data["trials"] if t["ok"]}
     assert data["micro_batch_size"] in ok and data["max_fitting_micro_batch"] in ok
     assert data["plan"]["micro_batch_size"] * data["plan"]["grad_accum_steps"] == 96
-    assert {"versions", "seconds", "trials"} <= set(data)
+    assert {"versions", "seconds", "trials"} <= set(data) and data["dataset_size"] == 1000
+    timed = [t for t in data["trials"] if t["samples_per_s"]]
+    assert timed and all(t["epoch_seconds"] == 1000 / t["samples_per_s"] for t in timed)
 
 
 @pytest.mark.parametrize(

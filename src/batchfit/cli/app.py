@@ -643,6 +643,11 @@ def probe(
             "grad_accum_steps": global_batch // micro,
             "global_batch_size": global_batch,
         }
+    if dataset_size is not None:
+        result["dataset_size"] = dataset_size
+        for t in result["trials"]:
+            speed = t["samples_per_s"]
+            t["epoch_seconds"] = dataset_size / speed if speed else None
     if plot is not None:
         render.probe_plot(result, plot, budget)
     if as_json:
