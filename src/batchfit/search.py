@@ -3,10 +3,12 @@
 Every size it reports ran for real. It starts near the limit the estimators predict and
 measures each size's peak memory in one steady step (two for the first size that fits: its
 first step may allocate the optimizer state). The next size comes from the measured peaks,
-affine in the micro-batch (one peak and the estimate's bytes per sample, then least squares),
-and the search stops when the fit says one sample more would not fit. The largest size that
+affine in the micro-batch (the largest measured peak plus the estimate's bytes per sample for
+each sample more; least squares without an estimate), and the search stops when that says one
+sample more would not fit. The largest size that
 fitted then runs ``steps_per_trial`` steps in a row, the last trial extended or, after an
-out-of-memory error, run again, so it is confirmed in the state the search leaves. Only steps
+out-of-memory error, run again; the choice is run again only if an out-of-memory error came
+after its last full trial, so it is confirmed in the state the search leaves. Only steps
 after a trial's first are timed. ``choose="throughput"`` also times halved sizes while they
 stay within 2% of the best and takes the smallest of the equally fast. Model, optimizer,
 gradients and RNG states are put back in ``finally``.
@@ -30,8 +32,12 @@ from batchfit._oom import is_oom, release_memory
 Choose = Literal["throughput", "max"]
 # Sizes whose throughput is within this fraction of the best count as equally fast.
 PLATEAU = 0.02
-# Aim this far below the fitted limit: the fit comes from few points, and fragmentation grows.
+# Aim this far below the limit on a one-point guess without an estimate: it rests on one
+# measurement and an assumed slope.
 MARGIN = 0.05
+# And this far below it on a trusted fit: the measured peak is resident memory (CPU) or
+# allocated memory (CUDA), while the limit counts address space or reserved blocks.
+FIT_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -122,18 +128,22 @@ def _fit_limit(
 ) -> tuple[int, bool] | None:
     """Largest size whose fitted peak stays within ``available`` bytes, and whether to trust it.
 
-    Two or more sizes: least squares, affine in the size. One size: its peak plus the
-    estimator's bytes per sample (``per_sample``) for each sample more; without that, the peak
-    taken as proportional to the size (an overestimate of the slope) less ``MARGIN``, a guess
-    that is not trusted to say the next size would fail. Aimed at the limit itself: an
-    overshoot costs one out-of-memory trial, after which the bracket is bisected.
+    With the estimator's bytes per sample (``per_sample``): the measured peak of the largest
+    size that fitted plus ``per_sample`` for each sample more (near the limit the measured
+    offset matters, and a slope fitted through close sizes is mostly noise). Without: least
+    squares through two or more sizes; through one, the peak taken as proportional to the size
+    (an overestimate of the slope) less ``MARGIN``, a guess not trusted to say that the next
+    size would fail. Aimed ``FIT_MARGIN`` below the limit: an overshoot costs one
+    out-of-memory trial, after which the bracket is bisected.
     """
     if not points:
         return None
+    room = available * (1 - FIT_MARGIN)
+    if per_sample:
+        n, peak = max(points)
+        return n + math.floor((room - peak) / per_sample), True
     if len(points) == 1:
         n, peak = points[0]
-        if per_sample:
-            return n + math.floor((available - peak) / per_sample), True
         return (math.floor(available * (1 - MARGIN) * n / peak), False) if peak > 0 else None
     xs = [float(n) for n, _ in points]
     ys = [float(p) for _, p in points]
@@ -144,7 +154,7 @@ def _fit_limit(
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
     if slope <= 0:
         return None
-    return math.floor((available - (my - slope * mx)) / slope), True
+    return math.floor((room - (my - slope * mx)) / slope), True
 
 
 class _Run:
@@ -438,8 +448,17 @@ def _confirm(
     watch: MemoryWatch,
     notes: list[str],
 ) -> int:
-    """Run the choice again unless it was the last trial: confirmed after the last OOM."""
-    while trials[-1].micro_batch_size != choice or not trials[-1].ok:
+    """Run the choice again unless it ran ``steps`` steps after the last OOM."""
+
+    def confirmed() -> bool:
+        for t in reversed(trials):
+            if not t.ok:
+                return False
+            if t.micro_batch_size == choice and t.steps >= steps:
+                return True
+        return False
+
+    while not confirmed():
         run = _Run(choice, watch)
         run.steps(step_fn, make_batch, steps)
         record(run)
