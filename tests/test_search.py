@@ -249,3 +249,29 @@ def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, ex
     assert start == expected
     assert per_sample == max(1, law(start + 1) - law(start))
     assert len(set(calls)) <= 20  # a few predictions, not a scan
+
+
+def test_choice_runs_again_only_after_a_later_oom(monkeypatch):
+    from batchfit.search import Trial, _confirm
+
+    law = AffineLaw(base=0, per_sample=1, available=100)
+    watch = LawWatch(law)
+
+    def trial(n, ok, steps):
+        return Trial(n, ok, n if ok else None, 1.0 if steps > 1 else None, 0.1, steps)
+
+    def confirm(trials):
+        law.calls.clear()
+
+        def record(run):
+            trials.append(run.trial())
+
+        out = _confirm(8, trials, record, law.step, lambda n: torch.zeros(n, 1), 3, watch, [])
+        return out, list(law.calls)
+
+    # full trial of 8, then a smaller timed size: nothing to run
+    assert confirm([trial(8, True, 3), trial(4, True, 3)]) == (8, [])
+    # an OOM after the full trial of 8: 8 runs again, steps_per_trial steps
+    assert confirm([trial(8, True, 3), trial(9, False, 0), trial(4, True, 3)]) == (8, [8, 8, 8])
+    # 8 only measured (one step): it runs its full trial
+    assert confirm([trial(8, True, 1)]) == (8, [8, 8, 8])
