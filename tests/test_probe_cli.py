@@ -45,6 +45,7 @@ def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
     ok = {t["micro_batch_size"] for t in data["trials"] if t["ok"]}
     assert data["micro_batch_size"] in ok and data["max_fitting_micro_batch"] in ok
     assert data["plan"]["micro_batch_size"] * data["plan"]["grad_accum_steps"] == 96
+    assert data["plan"]["micro_batch_size"] in ok  # a size that ran
     assert {"versions", "seconds", "trials"} <= set(data) and data["dataset_size"] == 1000
     timed = [t for t in data["trials"] if t["samples_per_s"]]
     assert timed and all(t["epoch_seconds"] == 1000 / t["samples_per_s"] for t in timed)
@@ -58,6 +59,7 @@ def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
         ([], "--memory-budget"),
         (["--memory-budget", "1GiB", "--choose", "fastest"], "--choose"),
         (["--memory-budget", "lots"], "not a size"),
+        (["--memory-budget", "1GiB", "--plot", "/nonexistent/dir/p.png"], "does not exist"),
     ],
 )
 def test_probe_bad_input_exits_2(capsys, args, needle):

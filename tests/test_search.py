@@ -245,9 +245,9 @@ def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, ex
         return SimpleNamespace(peak_bytes=law(micro_batch_size))
 
     monkeypatch.setattr("batchfit.memory.estimate.estimate", fake_estimate)
-    start, per_sample = _probe.predict(None, None, 256, "cpu", 20 * GIB, high)
-    assert start == expected
-    assert per_sample == max(1, law(start + 1) - law(start))
+    start, per_sample, need = _probe.predict(None, None, 256, "cpu", 20 * GIB, high)
+    assert start == expected and need == law(1)
+    assert per_sample == max(1, min(law(start + 1) - law(start), (law(8) - law(1)) // 7))
     assert len(set(calls)) <= 20  # a few predictions, not a scan
 
 
@@ -275,3 +275,23 @@ def test_choice_runs_again_only_after_a_later_oom(monkeypatch):
     assert confirm([trial(8, True, 3), trial(9, False, 0), trial(4, True, 3)]) == (8, [8, 8, 8])
     # 8 only measured (one step): it runs its full trial
     assert confirm([trial(8, True, 1)]) == (8, [8, 8, 8])
+
+
+def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(monkeypatch):
+    law = AffineLaw(base=6 * GIB, per_sample=GIB // 3, available=20 * GIB)
+    monkeypatch.setattr("batchfit.search.MemoryWatch", LawWatch(law))
+    run = {"device": "cpu", "memory_budget": law.available, "choose": "max"}
+    zeros = lambda n: torch.zeros(n, 1)  # noqa: E731
+    capped = find_batch_size(law.step, zeros, start=1, max_trials=2, **run)
+    assert any("max_trials=2" in note for note in capped.notes)
+    assert capped.micro_batch_size < law.limit  # it stopped early, and says so
+    with pytest.raises(ValueError, match=r"no size fitted .* smallest tried"):
+        find_batch_size(law.step, zeros, start=10**9, max_trials=4, **run)
+
+
+def test_stand_ins_are_named():
+    from batchfit._probe import stand_ins
+    from batchfit.spec import TrainingSetup
+
+    assert stand_ins(TrainingSetup()) == []
+    assert "16-bit LoRA base" in stand_ins(TrainingSetup(method="qlora", precision="bf16"))[0]

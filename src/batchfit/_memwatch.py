@@ -25,6 +25,24 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} is not in /proc/self/status")
 
 
+def _return_freed_blocks(on: bool) -> None:
+    """glibc: serve blocks of 64 KiB and more by mmap, so a freed tensor leaves the process
+    and the RSS high-water mark follows each step (the CLI's child sets this through
+    ``MALLOC_MMAP_THRESHOLD_``); off: glibc's initial threshold, 128 KiB."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 65536 if on else 128 * 1024)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return
+
+
 def live_bytes(model: torch.nn.Module | None, optimizer: Any | None) -> int:
     """Bytes of the model's parameters, gradients and buffers and of the optimizer's state."""
     seen: set[int] = set()
@@ -95,6 +113,7 @@ class MemoryWatch:
                     f"a budget of {self.budget / 2**30:.2f} GiB is below the "
                     f"{self.live / 2**30:.2f} GiB the model and optimizer already hold"
                 )
+            _return_freed_blocks(True)
             self._old_limit = resource.getrlimit(resource.RLIMIT_DATA)
             soft = _status_bytes("VmData") + self.budget - self.live
             hard = self._old_limit[1]
@@ -112,6 +131,7 @@ class MemoryWatch:
     ) -> None:
         if self._old_limit is not None:
             resource.setrlimit(resource.RLIMIT_DATA, self._old_limit)
+            _return_freed_blocks(False)
         if self.device.type == "cuda" and self.budget is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
@@ -121,6 +141,9 @@ class MemoryWatch:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
+        if self.model is not None or self.optimizer is not None:
+            # what is alive now: state a failed trial created (optimizer moments) counts too
+            self.live = live_bytes(self.model, self.optimizer)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
         self._base = _status_bytes("VmRSS")

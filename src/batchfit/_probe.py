@@ -9,6 +9,7 @@ The child prints one JSON line per trial and a last line with the result.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -80,7 +81,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
     from batchfit._oom import is_oom
     from batchfit.memory import _hf_trace, trace
     from batchfit.models import resolve_model
-    from batchfit.search import find_batch_size
+    from batchfit.search import _size_text, find_batch_size
     from batchfit.spec import TrainingSetup
 
     device = torch.device(spec["device"])
@@ -106,9 +107,9 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
     room = budget
     if room is None and device.type == "cuda":
         room = torch.cuda.get_device_properties(device).total_memory
-    start, per_sample = spec.get("start"), None
+    start, per_sample, need = spec.get("start"), None, None
     if room is not None:
-        predicted, per_sample = predict(info, setup, seq, device.type, room, spec.get("high"))
+        predicted, per_sample, need = predict(info, setup, seq, device.type, room, spec.get("high"))
         start = start or predicted
     start = start or spec.get("high") or 1
     emit({"start": start, "bytes_per_sample": per_sample})
@@ -144,31 +145,42 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                 steps=1,
             )
 
-        with trace.quiet():
-            result = find_batch_size(
-                step,
-                make,
-                device=device,
-                memory_budget=budget,
-                low=1,
-                high=spec.get("high"),
-                start=start,
-                bytes_per_sample=per_sample,
-                choose=spec["choose"],
-                steps_per_trial=spec.get("steps_per_trial", 3),
-                model=model,
-                optimizer=opt,
-                on_trial=lambda t: emit({"trial": t.to_json()}),
-                budget_applied=device.type == "cpu",
-                restore=False,  # this process exits after the search
-            )
+        try:
+            with trace.quiet():
+                result = find_batch_size(
+                    step,
+                    make,
+                    device=device,
+                    memory_budget=budget,
+                    low=1,
+                    high=spec.get("high"),
+                    start=start,
+                    bytes_per_sample=per_sample,
+                    choose=spec["choose"],
+                    steps_per_trial=spec.get("steps_per_trial", 3),
+                    model=model,
+                    optimizer=opt,
+                    on_trial=lambda t: emit({"trial": t.to_json()}),
+                    budget_applied=device.type == "cpu",
+                    restore=False,  # this process exits after the search
+                )
+        except ValueError as e:
+            if need is None or "does not fit" not in str(e):
+                raise
+            raise ValueError(
+                f"{e}: the trace engine puts one step at micro-batch 1 at {_size_text(need)}"
+            ) from None
+    notes = stand_ins(setup)
+    if notes:
+        result = dataclasses.replace(result, notes=result.notes + tuple(notes))
     return {"result": result.to_json()}
 
 
 def predict(
     info: Any, setup: Any, seq: int, device_type: str, room: int, high: int | None
-) -> tuple[int, int | None]:
-    """The first size to try and the peak bytes each sample adds, from a dry run of the step.
+) -> tuple[int, int, int]:
+    """The first size to try, the peak bytes each sample adds and the peak at micro-batch 1,
+    from a dry run of the step.
 
     The trace engine (the analytic one where the trace does not apply) predicts the peak at
     micro-batch 1 and 8; the start is the largest size whose predicted peak stays
@@ -211,7 +223,30 @@ def predict(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if peak(mid) <= target else (lo, mid)
     n = max(1, lo)
-    return n, max(1, peak(n + 1) - peak(n))  # the slope where the search starts
+    # The slope where the search starts, unless the line's is smaller: a prediction that jumps
+    # between two sizes must not stop the search early (too small a slope costs one OOM).
+    return n, max(1, min(peak(n + 1) - peak(n), slope)), peak(1)
+
+
+def stand_ins(setup: Any) -> list[str]:
+    """What the probe's step runs in place of the setup's, when this machine cannot run it."""
+    import importlib.util
+
+    import torch
+
+    notes = []
+    bnb = importlib.util.find_spec("bitsandbytes") is not None and torch.cuda.is_available()
+    if setup.optimizer in ("adamw-8bit", "paged-adamw-8bit") and not bnb:
+        notes.append(
+            f"{setup.optimizer}: bitsandbytes does not run here; an emulation with the same "
+            "state sizes ran, so the peak is close but the speed is not bitsandbytes'"
+        )
+    if setup.method == "qlora":
+        notes.append(
+            "qlora: the probe trains a 16-bit LoRA base, not 4-bit layers; the peak and speed "
+            "are not QLoRA's (use `batchfit estimate` for its memory)"
+        )
+    return notes
 
 
 def main() -> None:

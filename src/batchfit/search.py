@@ -123,6 +123,10 @@ class _State:
         random.setstate(self.py_rng)
 
 
+def _size_text(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def _fit_limit(
     points: list[tuple[int, int]], available: int, per_sample: int | None
 ) -> tuple[int, bool] | None:
@@ -247,10 +251,14 @@ def find_batch_size(
             the CPU (else the search could exhaust the machine) unless ``high`` bounds it.
         low, high: the range of sizes to consider (``high`` None: no upper bound).
         start: the first size to try, typically an estimate's prediction; default ``low``.
-        bytes_per_sample: the estimate's peak memory per sample more, which aims the second
-            trial from the first one's measured peak (later trials fit their own peaks).
+        bytes_per_sample: the estimate's peak memory per sample more: each next size is the
+            largest measured peak plus this per sample (without it, a least-squares line
+            through the measured peaks).
         choose: ``"throughput"`` (fastest; among sizes within 2%, the smaller) or ``"max"``.
-        steps_per_trial: real steps per size; the first is not timed.
+        steps_per_trial: real steps for the chosen size and each timed one (the first is not
+            timed); a size only measured for memory runs one steady step.
+        max_trials: trials spent looking for the limit; the full run of the choice and the
+            timing of smaller sizes come on top. Reaching it is said in the notes.
         model, optimizer: put back exactly as they were when the search returns.
         on_trial: called after each trial (progress bars).
         budget_applied: the caller already set the OS limit on the CPU (the CLI's child process
@@ -310,6 +318,7 @@ def find_batch_size(
             n = max(low, min(start or low, high or start or low))
             run: _Run | None = None
             settled = False  # a step has run, so lazily created state (optimizer) exists
+            exhausted = False  # max_trials ended the search
             while len(trials) < max_trials:
                 # A size's memory needs one steady step: two for the first size that fits.
                 run = _Run(n, watch)
@@ -339,12 +348,21 @@ def find_batch_size(
                 record(run)
                 run = None
                 n = n_next
+            else:
+                exhausted = True
             if lo == 0:
                 if run is not None:
                     record(run)
-                raise ValueError(
-                    f"even a micro-batch of {low} does not fit"
-                    + (f" in {memory_budget / 2**30:.2f} GiB" if memory_budget else "")
+                where = f" in {_size_text(memory_budget)}" if memory_budget else ""
+                if min(t.micro_batch_size for t in trials) > low:
+                    raise ValueError(
+                        f"no size fitted{where} in {len(trials)} trials (the smallest tried: "
+                        f"{min(t.micro_batch_size for t in trials)}); start lower"
+                    )
+                raise ValueError(f"even a micro-batch of {low} does not fit{where}")
+            if exhausted:
+                notes.append(
+                    f"stopped after max_trials={max_trials} trials: sizes above {lo} were not tried"
                 )
             # The largest size that fitted runs for steps_per_trial steps: the last trial is
             # extended when it is that size, else it is run again (after the last OOM).
@@ -356,7 +374,7 @@ def find_batch_size(
             choice = _confirm(lo, trials, *confirm)
             if choose == "throughput":
                 _time_smaller(choice, trials, *confirm[:-1])
-                choice = _confirm(_choose(trials, choose, steps_per_trial), trials, *confirm)
+                choice = _confirm(_choose(trials, choose), trials, *confirm)
         max_fit = max(t.micro_batch_size for t in trials if t.ok)
         return SearchResult(
             choice,
@@ -425,10 +443,10 @@ def _time_smaller(
         n //= 2
 
 
-def _choose(trials: list[Trial], choose: Choose, steps: int) -> int:
-    """The largest size, or the fastest among those timed over ``steps`` steps."""
+def _choose(trials: list[Trial], choose: Choose) -> int:
+    """The largest size, or the fastest among those timed (then run in full if it was not)."""
     ok = [t for t in trials if t.ok]
-    timed = [t for t in ok if t.samples_per_s and t.steps >= steps]
+    timed = [t for t in ok if t.samples_per_s]
     if choose == "max" or not timed:
         return max(t.micro_batch_size for t in ok)
     best: dict[int, float] = {}

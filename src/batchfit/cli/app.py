@@ -603,6 +603,8 @@ def probe(
     ):
         if value is not None and value < 1:
             raise UsageError(f"{name} must be a positive integer, got {value}")
+    if plot is not None and not plot.parent.resolve().is_dir():
+        raise UsageError(f"--plot {plot}: the folder {plot.parent} does not exist")
     budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
     if device == "cpu" and budget is None and max_micro_batch is None:
         raise UsageError(
@@ -635,14 +637,20 @@ def probe(
     final = _run_probe(spec, quiet=as_json)
     result = final["result"]
     if global_batch is not None:
-        from batchfit.plan import _largest_divisor_at_most
-
-        micro = _largest_divisor_at_most(global_batch, result["micro_batch_size"])
-        result["plan"] = {
-            "micro_batch_size": micro,
-            "grad_accum_steps": global_batch // micro,
-            "global_batch_size": global_batch,
-        }
+        # only a size that ran: the largest up to the choice that divides the global batch
+        ran = {t["micro_batch_size"] for t in result["trials"] if t["ok"]}
+        divides = [n for n in ran if n <= result["micro_batch_size"] and global_batch % n == 0]
+        if divides:
+            result["plan"] = {
+                "micro_batch_size": max(divides),
+                "grad_accum_steps": global_batch // max(divides),
+                "global_batch_size": global_batch,
+            }
+        else:
+            result.setdefault("notes", []).append(
+                f"no size that ran divides --global-batch {global_batch}; for a plan: "
+                f"`batchfit plan MODEL --global-batch {global_batch} --micro-batch N`"
+            )
     if dataset_size is not None:
         result["dataset_size"] = dataset_size
         for t in result["trials"]:
@@ -679,9 +687,11 @@ def _check_budget(
         engine="analytic",
     ).peak_bytes
     if need > budget:
+        from batchfit.search import _size_text
+
         raise UsageError(
-            f"--memory-budget {budget / 2**30:.2f} GiB is below the {need / 2**30:.2f} GiB one "
-            "step of micro-batch 1 needs (weights, gradients, optimizer state, activations): "
+            f"--memory-budget {_size_text(budget)} is below the {_size_text(need)} one step of "
+            "micro-batch 1 needs (weights, gradients, optimizer state, activations): "
             "give at least that"
         )
 

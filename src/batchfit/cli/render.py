@@ -358,7 +358,7 @@ def trial_progress(*, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]
                 )
                 return
             t = message["trial"]
-            verdict = "ok" if t["ok"] else "out of memory"
+            verdict = ("ok" if t["samples_per_s"] else "measured") if t["ok"] else "out of memory"
             bar.update(
                 task,
                 description=f"probing: micro-batch {t['micro_batch_size']} "
@@ -420,8 +420,8 @@ def probe_table(
         why = (
             ""
             if p["micro_batch_size"] == result["micro_batch_size"]
-            else f" (the largest size up to {result['micro_batch_size']} that divides "
-            f"{p['global_batch_size']})"
+            else f" (the largest size that ran, up to {result['micro_batch_size']}, that "
+            f"divides {p['global_batch_size']})"
         )
         out.print(
             f"for a global batch of {p['global_batch_size']}: micro-batch "
@@ -458,13 +458,20 @@ def probe_plot(result: dict[str, Any], path: Path, budget: int | None) -> None:
     fig, speed_ax = plt.subplots(figsize=(7, 4))
     timed = [(n, s) for n, s, _ in ok if s > 0]  # a size only measured has no speed
     speed_ax.plot([n for n, _ in timed], [s for _, s in timed], "o-", color="tab:blue")
+    speed_ax.set_ylim(bottom=0)  # a few percent must not look like a cliff
+    chosen = [s for n, s in timed if n == result["micro_batch_size"]]
+    if chosen:
+        speed_ax.plot(
+            [result["micro_batch_size"]], [max(chosen)], "*", color="black", markersize=14
+        )
     speed_ax.set_xlabel("micro-batch")
     speed_ax.set_ylabel("samples/s", color="tab:blue")
     mem_ax = speed_ax.twinx()
     mem_ax.plot([n for n, _, _ in ok], [p / 2**30 for _, _, p in ok], "s--", color="tab:red")
+    mem_ax.set_ylim(bottom=0)
     if budget:
-        mem_ax.axhline(budget / 2**30, color="tab:red", linestyle=":", label="budget")
-        mem_ax.legend(loc="lower right")
+        mem_ax.axhline(budget / 2**30, color="tab:red", linestyle="-.", label="budget")
+        mem_ax.legend(loc="lower center")
     from matplotlib.ticker import MaxNLocator
 
     speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -472,8 +479,8 @@ def probe_plot(result: dict[str, Any], path: Path, budget: int | None) -> None:
         speed_ax.axvline(n, color="grey", linestyle=":")
     mem_ax.set_ylabel("peak GiB", color="tab:red")
     speed_ax.set_title(
-        f"choice {result['micro_batch_size']}, largest that fitted "
-        f"{result['max_fitting_micro_batch']} (dotted: out of memory)"
+        f"choice {result['micro_batch_size']} (star), largest that fitted "
+        f"{result['max_fitting_micro_batch']}" + (" (grey dotted: out of memory)" if failed else "")
     )
     fig.tight_layout()
     try:
