@@ -38,6 +38,9 @@ MARGIN = 0.05
 # And this far below it on a trusted fit: the measured peak is resident memory (CPU) or
 # allocated memory (CUDA), while the limit counts address space or reserved blocks.
 FIT_MARGIN = 0.01
+# Without an estimate's bytes per sample, a trial goes at most this many times beyond the
+# largest size that fitted.
+GROWTH = 4
 
 
 @dataclass(frozen=True)
@@ -361,8 +364,9 @@ def find_batch_size(
                     )
                 raise ValueError(f"even a micro-batch of {low} does not fit{where}")
             if exhausted:
+                untried = f"between {lo} and {hi}" if hi is not None else f"above {lo}"
                 notes.append(
-                    f"stopped after max_trials={max_trials} trials: sizes above {lo} were not tried"
+                    f"stopped after max_trials={max_trials} trials: sizes {untried} were not tried"
                 )
             # The largest size that fitted runs for steps_per_trial steps: the last trial is
             # extended when it is that size, else it is run again (after the last OOM).
@@ -414,6 +418,10 @@ def _next_size(
             if trusted:
                 return None  # the fit says the next size would not fit
             guess = lo + 1  # an untrusted guess: one size more gives a second point
+    if per_sample is None:
+        # without an estimate, peaks measured at close sizes can fit an almost flat line:
+        # never extrapolate it further than GROWTH times the largest size that ran
+        guess = min(guess, GROWTH * lo)
     if hi is not None:
         guess = min(guess, hi - 1)
         if not last_ok:
