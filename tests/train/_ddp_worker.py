@@ -72,6 +72,7 @@ def main() -> None:
         record["oom"].append(dataclasses.asdict(result))
     torch.save(model.module.state_dict(), out / f"oom{rank}.pt")
     (out / f"record{rank}.json").write_text(json.dumps(record))
+    dist.barrier()  # no rank tears gloo down while the other still has work in flight
     dist.destroy_process_group()
 
 
