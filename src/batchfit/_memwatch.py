@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from batchfit._oom import _libc, _malloc_trim
+
 
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -25,26 +27,14 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} is not in /proc/self/status")
 
 
-def _glibc(call: str, *args: int) -> None:
-    """Call a glibc allocator function; nothing where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        getattr(ctypes.CDLL(name), call)(*args)
-    except (OSError, AttributeError):
-        return
-
-
 def _return_freed_blocks(on: bool) -> None:
     """glibc: serve blocks of 64 KiB and more by mmap, so a freed tensor leaves the process
     and the RSS high-water mark follows each step (the CLI's child sets this through
     ``MALLOC_MMAP_THRESHOLD_``); off: glibc's initial threshold, 128 KiB."""
-    _glibc("mallopt", -3, 65536 if on else 128 * 1024)  # M_MMAP_THRESHOLD
-    _glibc("malloc_trim", 0)
+    mallopt = getattr(_libc(), "mallopt", None)  # glibc only
+    if mallopt is not None:
+        mallopt(-3, 65536 if on else 128 * 1024)  # M_MMAP_THRESHOLD
+    _malloc_trim()
 
 
 def live_bytes(model: torch.nn.Module | None, optimizer: Any | None) -> int:
@@ -148,7 +138,7 @@ class MemoryWatch:
         if self.model is not None or self.optimizer is not None:
             # what is alive now: state a failed trial created (optimizer moments) counts too
             self.live = live_bytes(self.model, self.optimizer)
-        _glibc("malloc_trim", 0)  # free heap pages leave: a step's growth shows in the RSS
+        _malloc_trim()  # free heap pages leave: a step's growth shows in the RSS
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
         self._base = _status_bytes("VmRSS")
