@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchfit._memwatch import _status_bytes
+from batchfit._units import human_bytes
 from batchfit.errors import UsageError
 
 # The first trial aims this far below the predicted limit: the trace's worst error against real
@@ -81,7 +82,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
     from batchfit._oom import is_oom
     from batchfit.memory import _hf_trace, trace
     from batchfit.models import resolve_model
-    from batchfit.search import _size_text, find_batch_size
+    from batchfit.search import find_batch_size
     from batchfit.spec import TrainingSetup
 
     device = torch.device(spec["device"])
@@ -168,7 +169,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
             if need is None or "does not fit" not in str(e):
                 raise
             raise ValueError(
-                f"{e}: the trace engine puts one step at micro-batch 1 at {_size_text(need)}"
+                f"{e}: the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
             ) from None
     notes = stand_ins(setup)
     if notes:

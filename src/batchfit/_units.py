@@ -78,6 +78,13 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / BYTES_IN_GIB:,.2f} GiB"
 
 
+def human_bytes(num_bytes: float) -> str:
+    """Format bytes for people, in MiB below a GiB: ``'600 MiB'``, ``'4.50 GiB'``."""
+    if num_bytes >= BYTES_IN_GIB:
+        return gib(num_bytes)
+    return f"{num_bytes / 2**20:,.0f} MiB"
+
+
 def human_count(count: float) -> str:
     """Format a parameter count: ``'8.03B'``, ``'124.4M'``."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -28,6 +28,7 @@ import torch
 
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import is_oom, release_memory
+from batchfit._units import human_bytes
 
 Choose = Literal["throughput", "max"]
 # Sizes whose throughput is within this fraction of the best count as equally fast.
@@ -124,10 +125,6 @@ class _State:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         random.setstate(self.py_rng)
-
-
-def _size_text(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _fit_limit(
@@ -356,7 +353,7 @@ def find_batch_size(
             if lo == 0:
                 if run is not None:
                     record(run)
-                where = f" in {_size_text(memory_budget)}" if memory_budget else ""
+                where = f" in {human_bytes(memory_budget)}" if memory_budget else ""
                 if min(t.micro_batch_size for t in trials) > low:
                     raise ValueError(
                         f"no size fitted{where} in {len(trials)} trials (the smallest tried: "

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from batchfit._units import parse_size
+from batchfit._units import human_bytes, parse_size
 from batchfit.errors import UsageError
 from batchfit.spec import (
     ATTENTIONS,
@@ -687,10 +687,8 @@ def _check_budget(
         engine="analytic",
     ).peak_bytes
     if need > budget:
-        from batchfit.search import _size_text
-
         raise UsageError(
-            f"--memory-budget {_size_text(budget)} is below the {_size_text(need)} one step of "
+            f"--memory-budget {human_bytes(budget)} is below the {human_bytes(need)} one step of "
             "micro-batch 1 needs (weights, gradients, optimizer state, activations): "
             "give at least that"
         )
