@@ -45,6 +45,7 @@ def main() -> None:
     import torch
 
     from batchfit._oom import is_oom
+    from batchfit._probe import warm_up
     from batchfit.memory import _hf_trace, trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
@@ -59,10 +60,7 @@ def main() -> None:
     info = resolve_model(spec["model"], None)
     setup = TrainingSetup().resolved(device="cpu", bf16_supported=True)
     seq = spec["seq"]
-    with trace.quiet():  # warm-up before the limit, as batchfit's probe child does
-        tiny = _hf_trace.step_parts(info, setup, micro=1, seq=8, emulate_cuda=False, depth=1)
-        trace.training_steps(tiny.model, tiny.optimizer, tiny.make_batch, tiny.loss_of, steps=1)
-        del tiny
+    warm_up(info, setup)  # before the limit, the same as batchfit's probe child
 
     trials: list[list[Any]] = []  # [size, steps completed, out of memory]
 

@@ -93,18 +93,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
     )
     budget = spec.get("memory_budget")
     seq = spec["seq_len"]
-    # import and warm up before the limit: library start-up is not the training state's
-    with trace.quiet():
-        tiny = _hf_trace.step_parts(info, setup, micro=1, seq=8, emulate_cuda=False, depth=1)
-        trace.training_steps(
-            tiny.model,
-            tiny.optimizer,
-            tiny.make_batch,
-            tiny.loss_of,
-            autocast_dtype=tiny.autocast_dtype,
-            steps=1,
-        )
-        del tiny
+    warm_up(info, setup)
     room = budget
     if room is None and device.type == "cuda":
         room = torch.cuda.get_device_properties(device).total_memory
@@ -175,6 +164,23 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
     if notes:
         result = dataclasses.replace(result, notes=result.notes + tuple(notes))
     return {"result": result.to_json()}
+
+
+def warm_up(info: Any, setup: Any) -> None:
+    """One step of a 1-layer copy at a tiny size, before any limit: imports, kernels and thread
+    pools are library start-up, not the training state's (the benchmarks' peers do the same)."""
+    from batchfit.memory import _hf_trace, trace
+
+    with trace.quiet():
+        tiny = _hf_trace.step_parts(info, setup, micro=1, seq=8, emulate_cuda=False, depth=1)
+        trace.training_steps(
+            tiny.model,
+            tiny.optimizer,
+            tiny.make_batch,
+            tiny.loss_of,
+            autocast_dtype=tiny.autocast_dtype,
+            steps=1,
+        )
 
 
 def predict(
