@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchfit.search import PLATEAU, find_batch_size
+from tests._torchrun import torchrun
 
 CHILD = Path(__file__).with_name("_search_child.py")
 
@@ -101,32 +102,7 @@ def test_twenty_ooms_in_a_row_leave_memory_flat():
 
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = Path(__file__).with_name("_search_ddp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(port),
-            str(worker),
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = torchrun(Path(__file__).with_name("_search_ddp_worker.py"), tmp_path, attempts=1)
     assert out.returncode == 0, out.stderr[-2000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["sizes"] == ranks[1]["sizes"]  # the same trials, in the same order

@@ -7,16 +7,13 @@ One ``torchrun`` launch runs every scenario (``_ddp_worker.py``); the tests read
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests._torchrun import torchrun
 from tests.train._ddp_worker import LR, shard
 from tests.train._tiny import full_batch_steps, linear_stack, token_batches
 
@@ -25,48 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # Two ranks import torch on a 2-core machine: under load that is slow, and a free port can
-    # be taken between choosing and binding it; gloo has also aborted at teardown under the
-    # full suite ("terminate called without an active exception"). Retries, each a fresh port.
-    for _attempt in range(3):
-        proc = _launch(out, env)
-        if proc.returncode == 0:
-            break
+    proc = torchrun(Path(__file__).with_name("_ddp_worker.py"), out, attempts=3)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out
-
-
-def _launch(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(_free_port()),
-            str(Path(__file__).with_name("_ddp_worker.py")),
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
