@@ -9,3 +9,11 @@ from __future__ import annotations
 
 class UsageError(ValueError):
     """Bad input from the user: the message says what is wrong and how to fix it."""
+
+
+class NoFitError(UsageError):
+    """Not even the smallest micro-batch fits in the memory given (probe, ``find_batch_size``).
+
+    A ``UsageError``, so the CLI prints it as one line with exit code 2 on every device, and
+    library callers may catch either.
+    """
