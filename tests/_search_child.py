@@ -68,7 +68,7 @@ def main() -> None:
             )
         )
     elif mode == "creep":
-        from batchfit._memwatch import MemoryWatch, _status_bytes
+        from batchfit._memwatch import MemoryWatch, status_bytes
         from batchfit.search import _Run
 
         watch = MemoryWatch(torch.device("cpu"), budget, model=net, optimizer=opt)
@@ -78,7 +78,7 @@ def main() -> None:
                 run = _Run(64, watch)  # 512 MiB: always fails
                 run.steps(step, make, 2)
                 assert not run.ok
-                rss.append(_status_bytes("VmRSS"))
+                rss.append(status_bytes("VmRSS"))
         print(json.dumps({"rss": rss}))
 
 
