@@ -69,13 +69,13 @@ def main() -> None:
         )
     elif mode == "creep":
         from batchfit._memwatch import MemoryWatch, status_bytes
-        from batchfit.search import _Run
+        from batchfit._trialrun import TrialRun
 
         watch = MemoryWatch(torch.device("cpu"), budget, model=net, optimizer=opt)
         rss = []
         with watch:
             for _ in range(20):
-                run = _Run(64, watch)  # 512 MiB: always fails
+                run = TrialRun(64, watch)  # 512 MiB: always fails
                 run.steps(step, make, 2)
                 assert not run.ok
                 rss.append(status_bytes("VmRSS"))

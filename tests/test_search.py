@@ -227,23 +227,28 @@ def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, ex
     assert len(set(calls)) <= 20  # a few predictions, not a scan
 
 
-def test_choice_runs_again_only_after_a_later_oom(monkeypatch):
-    from batchfit.search import Trial, _confirm
+def _search(law: AffineLaw, **options):
+    """A ``_Search`` over ``law`` and its stand-in watch (``options`` override the defaults)."""
+    from batchfit.search import _Search
+
+    settings = {"low": 1, "high": None, "bytes_per_sample": None, "steps_per_trial": 3}
+    settings |= {"max_trials": 8, **options}
+    return _Search(law.step, lambda n: torch.zeros(n, 1), LawWatch(law), **settings)
+
+
+def test_choice_runs_again_only_after_a_later_oom():
+    from batchfit.search import Trial
 
     law = AffineLaw(base=0, per_sample=1, available=100)
-    watch = LawWatch(law)
 
     def trial(n, ok, steps):
         return Trial(n, ok, n if ok else None, 1.0 if steps > 1 else None, 0.1, steps)
 
     def confirm(trials):
         law.calls.clear()
-
-        def record(run):
-            trials.append(run.trial())
-
-        out = _confirm(8, trials, record, law.step, lambda n: torch.zeros(n, 1), 3, watch, [])
-        return out, list(law.calls)
+        search = _search(law)
+        search.trials = trials
+        return search.confirm(8), list(law.calls)
 
     # full trial of 8, then a smaller timed size: nothing to run
     assert confirm([trial(8, True, 3), trial(4, True, 3)]) == (8, [])
