@@ -73,6 +73,18 @@ def test_bad_arguments():
         find_batch_size(Law(limit=0).step, lambda n: torch.zeros(n, 1), high=4)
 
 
+def test_a_size_the_data_cannot_fill_is_refused_not_reported():
+    data = torch.randn(10, 1)  # a 10-sample dataset: data[:n] gives at most 10 samples
+    law = Law(limit=10**6)
+    with pytest.raises(ValueError, match=r"make_batch\(64\) gave 10 samples.* high=10"):
+        find_batch_size(law.step, lambda n: data[:n], start=64, high=128)
+    assert law.sizes == []  # refused before a step ran
+    with pytest.raises(ValueError, match=r"make_batch\(2\) gave 3 samples.*return n"):
+        find_batch_size(law.step, lambda n: torch.zeros(n + 1, 1), start=2, high=4)
+    fits = find_batch_size(law.step, lambda n: data[:n], high=10, choose="max")
+    assert fits.max_fitting_micro_batch == 10 and set(law.sizes) <= set(range(1, 11))
+
+
 def test_non_oom_errors_propagate():
     def broken(_batch: torch.Tensor) -> None:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")

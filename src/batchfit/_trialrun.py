@@ -9,6 +9,8 @@ from typing import Any
 
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import is_oom, release_memory
+from batchfit.errors import UsageError
+from batchfit.train._batches import batch_len
 
 
 class TrialRun:
@@ -40,6 +42,7 @@ class TrialRun:
         try:
             for _ in range(k):
                 batch = make_batch(self.n)
+                _check_batch(batch, self.n)
                 t0 = self.clock()
                 step_fn(batch)
                 self.watch.synchronize()
@@ -67,3 +70,17 @@ class TrialRun:
 
     def seconds(self) -> float:
         return self.clock() - self.begin
+
+
+def _check_batch(batch: Any, n: int) -> None:
+    """Refuse a batch of another size than asked: the trial would report a size that never ran
+    (a dataset shorter than the size, sliced, gives all it has)."""
+    try:
+        got = batch_len(batch)
+    except ValueError:  # not a batch batch_len can count (a custom object): nothing to check
+        return
+    if got != n:
+        fix = f"pass high={got} (the data holds no more)" if got < n else "return n samples"
+        raise UsageError(
+            f"make_batch({n}) gave {got} samples: a size is reported only when it ran; {fix}"
+        )
