@@ -85,6 +85,26 @@ def test_a_size_the_data_cannot_fill_is_refused_not_reported():
     assert fits.max_fitting_micro_batch == 10 and set(law.sizes) <= set(range(1, 11))
 
 
+@pytest.mark.parametrize(
+    "budget, error",
+    [
+        (1.5e9, TypeError),
+        (1e40, TypeError),
+        (float("inf"), TypeError),
+        (float("nan"), TypeError),
+        (True, TypeError),
+        (2**80, ValueError),
+        (0, ValueError),
+        (-1, ValueError),
+    ],
+)
+def test_a_budget_that_is_no_byte_count_is_refused_up_front(budget, error):
+    law = Law(limit=10**6)
+    with pytest.raises(error, match=r"memory_budget must .*16 \* 2\*\*30 for 16 GiB"):
+        find_batch_size(law.step, lambda n: torch.zeros(n, 1), memory_budget=budget)
+    assert law.sizes == []
+
+
 def test_non_oom_errors_propagate():
     def broken(_batch: torch.Tensor) -> None:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")

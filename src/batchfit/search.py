@@ -17,6 +17,7 @@ gradients and RNG states are put back in ``finally``.
 from __future__ import annotations
 
 import copy
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -34,6 +35,9 @@ from batchfit._units import human_bytes
 Choose = Literal["throughput", "max"]
 # Sizes whose throughput is within this fraction of the best count as equally fast.
 PLATEAU = 0.02
+# Budgets from 1 byte to 4 EiB, beyond any machine: the CPU's OS limit (what the process holds
+# plus the budget) must stay a 64-bit count.
+_MAX_BUDGET_BYTES = 2**62
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,7 @@ def find_batch_size(
 
     Raises:
         ValueError: bad arguments, or not even ``low`` fits.
+        TypeError: a ``memory_budget`` that is not a whole number of bytes.
 
     Example:
         >>> import torch
@@ -380,6 +385,7 @@ def find_batch_size(
         >>> result.max_fitting_micro_batch, result.micro_batch_size in (1, 2, 4, 8)
         (8, True)
     """
+    memory_budget = _checked_budget(memory_budget)
     dev = _check_arguments(device, memory_budget, low, high, choose, steps_per_trial)
     watch = MemoryWatch(
         dev, memory_budget, model=model, optimizer=optimizer, budget_applied=budget_applied
@@ -428,3 +434,20 @@ def _check_arguments(
     if dev.type == "cpu" and memory_budget is None and high is None:
         raise ValueError("on the CPU give memory_budget (an OS limit is set) or a high bound")
     return dev
+
+
+def _checked_budget(budget: object) -> int | None:
+    """``memory_budget`` as an ``int`` of bytes, refused up front when it cannot be one."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        raise TypeError(
+            f"memory_budget must be a whole number of bytes, got {budget!r}: "
+            "give an int, e.g. memory_budget=16 * 2**30 for 16 GiB"
+        )
+    if not 0 < budget < _MAX_BUDGET_BYTES:
+        raise ValueError(
+            f"memory_budget must be between 1 and 2**62 bytes, got {budget}: "
+            "give the bytes the training state may take, e.g. 16 * 2**30 for 16 GiB"
+        )
+    return int(budget)
