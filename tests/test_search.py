@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchfit.errors import NoFitError
 from batchfit.search import PLATEAU, find_batch_size
 from tests._torchrun import torchrun
 
@@ -69,8 +70,11 @@ def test_bad_arguments():
         find_batch_size(print, lambda n: n, high=4, steps_per_trial=1)
     with pytest.raises(ValueError, match="memory_budget"):
         find_batch_size(print, lambda n: n)
-    with pytest.raises(ValueError, match="even a micro-batch of 1"):
+    with pytest.raises(NoFitError, match="even a micro-batch of 1"):
         find_batch_size(Law(limit=0).step, lambda n: torch.zeros(n, 1), high=4)
+    net = torch.nn.Linear(256, 256)  # 257 KiB of weights: no budget of 1 KiB holds them
+    with pytest.raises(NoFitError, match="already hold"):
+        find_batch_size(print, lambda n: n, model=net, memory_budget=1024)
 
 
 def test_a_size_the_data_cannot_fill_is_refused_not_reported():
@@ -288,6 +292,10 @@ def test_choice_runs_again_only_after_a_later_oom():
     assert confirm([trial(8, True, 3), trial(9, False, 0), trial(4, True, 3)]) == (8, [8, 8, 8])
     # 8 only measured (one step): it runs its full trial
     assert confirm([trial(8, True, 1)]) == (8, [8, 8, 8])
+    # 8 no longer fits when run again, and no smaller size fitted: nothing fits
+    law.available = 7
+    with pytest.raises(NoFitError, match="no longer fits"):
+        confirm([trial(8, True, 1)])
 
 
 def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(monkeypatch):
@@ -298,7 +306,7 @@ def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(monkeypatc
     capped = find_batch_size(law.step, zeros, start=1, max_trials=2, **run)
     assert any("max_trials=2" in note for note in capped.notes)
     assert capped.micro_batch_size < law.limit  # it stopped early, and says so
-    with pytest.raises(ValueError, match=r"no size fitted .* smallest tried"):
+    with pytest.raises(NoFitError, match=r"no size fitted .* smallest tried"):
         find_batch_size(law.step, zeros, start=10**9, max_trials=4, **run)
 
 

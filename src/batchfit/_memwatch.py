@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from batchfit._oom import _libc, _malloc_trim
+from batchfit._units import human_bytes
+from batchfit.errors import NoFitError
 
 PROC_STATUS = "/proc/self/status"
 
@@ -121,9 +123,9 @@ class MemoryWatch:
             self.available_bytes = soft - status_bytes("VmData") + self.live
         elif self.budget is not None:
             if self.budget <= self.live:
-                raise ValueError(
-                    f"a budget of {self.budget / 2**30:.2f} GiB is below the "
-                    f"{self.live / 2**30:.2f} GiB the model and optimizer already hold"
+                raise NoFitError(
+                    f"a budget of {human_bytes(self.budget)} is below the "
+                    f"{human_bytes(self.live)} the model and optimizer already hold: give more"
                 )
             _return_freed_blocks(True)
             self._old_limit = resource.getrlimit(resource.RLIMIT_DATA)

@@ -31,6 +31,7 @@ from batchfit._memwatch import MemoryWatch
 from batchfit._oom import release_memory
 from batchfit._trialrun import TrialRun
 from batchfit._units import human_bytes
+from batchfit.errors import NoFitError
 
 Choose = Literal["throughput", "max"]
 # Sizes whose throughput is within this fraction of the best count as equally fast.
@@ -254,15 +255,15 @@ class _Search:
             last.steps(self.step_fn, self.make_batch, self.steps_per_trial - last.done)
         self.record(last)
 
-    def no_fit(self, budget: int | None) -> ValueError:
+    def no_fit(self, budget: int | None) -> NoFitError:
         where = f" in {human_bytes(budget)}" if budget else ""
         smallest = min(t.micro_batch_size for t in self.trials)
         if smallest > self.low:
-            return ValueError(
+            return NoFitError(
                 f"no size fitted{where} in {len(self.trials)} trials (the smallest tried: "
                 f"{smallest}); start lower"
             )
-        return ValueError(f"even a micro-batch of {self.low} does not fit{where}")
+        return NoFitError(f"even a micro-batch of {self.low} does not fit{where}")
 
     # --- the choice ------------------------------------------------------------------------
     def confirm(self, choice: int) -> int:
@@ -277,7 +278,7 @@ class _Search:
             ]
             self.notes.append(f"{choice} failed when run again (fragmentation); fell back")
             if not smaller:
-                raise ValueError(f"the chosen micro-batch {choice} no longer fits when run again")
+                raise NoFitError(f"the chosen micro-batch {choice} no longer fits when run again")
             choice = max(smaller)
         return choice
 
@@ -369,7 +370,9 @@ def find_batch_size(
         A :class:`SearchResult` whose choice and maximum both ran for real.
 
     Raises:
-        ValueError: bad arguments, or not even ``low`` fits.
+        NoFitError: not even ``low`` fits (a ``UsageError``, so a ``ValueError``), on every
+            device.
+        ValueError: bad arguments.
         TypeError: a ``memory_budget`` that is not a whole number of bytes.
 
     Example:
