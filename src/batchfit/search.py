@@ -448,9 +448,10 @@ def _checked_budget(budget: object) -> int | None:
             f"memory_budget must be a whole number of bytes, got {budget!r}: "
             "give an int, e.g. memory_budget=16 * 2**30 for 16 GiB"
         )
-    if not 0 < budget < _MAX_BUDGET_BYTES:
+    value = int(budget)
+    if not 0 < value < _MAX_BUDGET_BYTES:
         raise ValueError(
-            f"memory_budget must be between 1 and 2**62 bytes, got {budget}: "
+            f"memory_budget must be between 1 and 2**62 bytes, got {value}: "
             "give the bytes the training state may take, e.g. 16 * 2**30 for 16 GiB"
         )
-    return int(budget)
+    return value
