@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +83,13 @@ def main() -> None:
         print(json.dumps({"rss": rss}))
 
 
-def _largest_fitting(step, make, budget: int, net, opt) -> int:
+def _largest_fitting(
+    step: Callable[[torch.Tensor], None],
+    make: Callable[[int], torch.Tensor],
+    budget: int,
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+) -> int:
     from batchfit._memwatch import MemoryWatch
 
     def fits(n: int) -> bool:

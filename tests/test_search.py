@@ -2,31 +2,36 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
+from batchfit._memwatch import MemoryWatch
 from batchfit.errors import NoFitError
-from batchfit.search import PLATEAU, find_batch_size
+from batchfit.search import PLATEAU, Trial, _Search, find_batch_size
 from tests._torchrun import torchrun
 
 CHILD = Path(__file__).with_name("_search_child.py")
 
 
-def _child(mode: str) -> dict:
+def _child(mode: str) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, str(CHILD), mode], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return data
 
 
 class Law:
     """A step whose memory law is known: it raises a real OOM type above ``limit``."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self.sizes: list[int] = []
 
@@ -37,7 +42,7 @@ class Law:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} GiB")
 
 
-def test_known_law_never_returns_an_untested_size():
+def test_known_law_never_returns_an_untested_size() -> None:
     law = Law(limit=37)
     result = find_batch_size(
         law.step, lambda n: torch.zeros(n, 1), high=200, start=16, steps_per_trial=2, choose="max"
@@ -48,7 +53,7 @@ def test_known_law_never_returns_an_untested_size():
     assert len(result.trials) <= 10
 
 
-def test_bad_arguments():
+def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="low <= high"):
         find_batch_size(print, lambda n: n, low=4, high=2)
     with pytest.raises(ValueError, match="steps_per_trial"):
@@ -62,7 +67,7 @@ def test_bad_arguments():
         find_batch_size(print, lambda n: n, model=net, memory_budget=1024)
 
 
-def test_a_size_the_data_cannot_fill_is_refused_not_reported():
+def test_a_size_the_data_cannot_fill_is_refused_not_reported() -> None:
     data = torch.randn(10, 1)  # a 10-sample dataset: data[:n] gives at most 10 samples
     law = Law(limit=10**6)
     with pytest.raises(ValueError, match=r"make_batch\(64\) gave 10 samples.* high=10"):
@@ -87,14 +92,16 @@ def test_a_size_the_data_cannot_fill_is_refused_not_reported():
         (-1, ValueError),
     ],
 )
-def test_a_budget_that_is_no_byte_count_is_refused_up_front(budget, error):
+def test_a_budget_that_is_no_byte_count_is_refused_up_front(
+    budget: Any, error: type[Exception]
+) -> None:
     law = Law(limit=10**6)
     with pytest.raises(error, match=r"memory_budget must .*16 \* 2\*\*30 for 16 GiB"):
         find_batch_size(law.step, lambda n: torch.zeros(n, 1), memory_budget=budget)
     assert law.sizes == []
 
 
-def test_non_oom_errors_propagate():
+def test_non_oom_errors_propagate() -> None:
     def broken(_batch: torch.Tensor) -> None:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
@@ -103,7 +110,7 @@ def test_non_oom_errors_propagate():
 
 
 @pytest.mark.slow
-def test_real_cpu_oom_under_an_os_limit():
+def test_real_cpu_oom_under_an_os_limit() -> None:
     data = _child("search")
     result = data["result"]
     assert data["state_restored"] and data["optimizer_restored"] and data["limit_restored"]
@@ -116,13 +123,13 @@ def test_real_cpu_oom_under_an_os_limit():
 
 
 @pytest.mark.slow
-def test_twenty_ooms_in_a_row_leave_memory_flat():
+def test_twenty_ooms_in_a_row_leave_memory_flat() -> None:
     rss = _child("creep")["rss"]
     assert max(rss[1:]) <= 1.05 * rss[1]
 
 
 @pytest.mark.slow
-def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
+def test_two_ranks_agree_on_the_smaller_budget(tmp_path: Path) -> None:
     out = torchrun(Path(__file__).with_name("_search_ddp_worker.py"), tmp_path, attempts=1)
     assert out.returncode == 0, out.stderr[-2000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -134,7 +141,7 @@ def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
 class AffineLaw:
     """A step whose peak memory is ``base + per_sample * n``; above ``available`` it fails."""
 
-    def __init__(self, base: int, per_sample: int, available: int):
+    def __init__(self, base: int, per_sample: int, available: int) -> None:
         self.base, self.per_sample, self.available = base, per_sample, available
         self.calls: list[int] = []
 
@@ -156,13 +163,13 @@ class LawWatch:
         self.law = law
         self.available_bytes = law.available
 
-    def __call__(self, *_args, **_kwargs) -> "LawWatch":
+    def __call__(self, *_args: object, **_kwargs: object) -> "LawWatch":
         return self
 
     def __enter__(self) -> "LawWatch":
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         return None
 
     def peak_bytes(self) -> int:
@@ -174,7 +181,7 @@ class LawWatch:
     def agree(self, ok: bool) -> bool:
         return ok
 
-    def agree_size(self, size):
+    def agree_size(self, size: int | None) -> int | None:
         return size
 
     def agree_speed(self, speed: float) -> float:
@@ -194,7 +201,9 @@ GIB = 1 << 30
         ("one", None, 5, 1),  # no estimate at all: from micro-batch 1, the fit alone
     ],
 )
-def test_fit_on_a_known_memory_law(monkeypatch, start, hint, max_trials, max_ooms):
+def test_fit_on_a_known_memory_law(
+    monkeypatch: pytest.MonkeyPatch, start: str, hint: str | None, max_trials: int, max_ooms: int
+) -> None:
     # limit 42, with room for 0.9 samples more: more than the 1% the fit keeps in hand
     law = AffineLaw(base=6 * GIB, per_sample=GIB // 3, available=int(6 * GIB + 42.9 * GIB / 3))
     monkeypatch.setattr("batchfit.search.MemoryWatch", LawWatch(law))
@@ -230,14 +239,14 @@ def test_fit_on_a_known_memory_law(monkeypatch, start, hint, max_trials, max_oom
         (lambda m: 30 * GIB + m, None, 1),  # nothing fits: start at 1, the search says so
     ],
 )
-def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, expected):
-    from types import SimpleNamespace
-
+def test_predicted_start_is_the_largest_predicted_fit(
+    monkeypatch: pytest.MonkeyPatch, law: Callable[[int], int], high: int | None, expected: int
+) -> None:
     from batchfit import _probe
 
-    calls = []
+    calls: list[int] = []
 
-    def fake_estimate(*_a, micro_batch_size, **_k):
+    def fake_estimate(*_a: object, micro_batch_size: int, **_k: object) -> SimpleNamespace:
         calls.append(micro_batch_size)
         return SimpleNamespace(peak_bytes=law(micro_batch_size))
 
@@ -248,25 +257,24 @@ def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, ex
     assert len(set(calls)) <= 20  # a few predictions, not a scan
 
 
-def _search(law: AffineLaw, step_fn=None, **options):
+def _search(
+    law: AffineLaw, step_fn: Callable[[torch.Tensor], None] | None = None, **options: Any
+) -> _Search:
     """A ``_Search`` over ``law`` and its stand-in watch (``options`` override the defaults)."""
-    from batchfit.search import _Search
-
-    settings = {"low": 1, "high": None, "bytes_per_sample": None, "steps_per_trial": 3}
-    settings |= {"max_trials": 8, **options}
+    defaults = {"low": 1, "high": None, "bytes_per_sample": None, "steps_per_trial": 3}
+    settings: dict[str, Any] = {**defaults, "max_trials": 8, **options}
     step = step_fn or law.step
-    return _Search(step, lambda n: torch.zeros(n, 1), LawWatch(law), **settings)
+    watch = cast(MemoryWatch, LawWatch(law))
+    return _Search(step, lambda n: torch.zeros(n, 1), watch, **settings)
 
 
-def test_choice_runs_again_only_after_a_later_oom():
-    from batchfit.search import Trial
-
+def test_choice_runs_again_only_after_a_later_oom() -> None:
     law = AffineLaw(base=0, per_sample=1, available=100)
 
-    def trial(n, ok, steps):
+    def trial(n: int, ok: bool, steps: int) -> Trial:
         return Trial(n, ok, n if ok else None, 1.0 if steps > 1 else None, 0.1, steps)
 
-    def confirm(trials):
+    def confirm(trials: list[Trial]) -> tuple[int, list[int]]:
         law.calls.clear()
         search = _search(law)
         search.trials = trials
@@ -314,7 +322,7 @@ class StepClock:
         (StepClock(0.25, 1.0, 1e-3), [64, 32, 16, 8, 4], 8),
     ],
 )
-def test_plateau_rule_on_an_injected_clock(clock, timed, choice):
+def test_plateau_rule_on_an_injected_clock(clock: StepClock, timed: list[int], choice: int) -> None:
     law = AffineLaw(base=0, per_sample=1, available=64)  # every size up to 64 fits
 
     def step(batch: torch.Tensor) -> None:
@@ -333,11 +341,16 @@ def test_plateau_rule_on_an_injected_clock(clock, timed, choice):
     assert speeds[timed[-1]] < (1 - PLATEAU) * best  # timing stopped at the first size below
 
 
-def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(monkeypatch):
+def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     law = AffineLaw(base=6 * GIB, per_sample=GIB // 3, available=20 * GIB)
     monkeypatch.setattr("batchfit.search.MemoryWatch", LawWatch(law))
-    run = {"device": "cpu", "memory_budget": law.available, "choose": "max"}
-    zeros = lambda n: torch.zeros(n, 1)  # noqa: E731
+    run: dict[str, Any] = {"device": "cpu", "memory_budget": law.available, "choose": "max"}
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, 1)
+
     capped = find_batch_size(law.step, zeros, start=1, max_trials=2, **run)
     assert any("max_trials=2" in note for note in capped.notes)
     assert capped.micro_batch_size < law.limit  # it stopped early, and says so
@@ -345,7 +358,7 @@ def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(monkeypatc
         find_batch_size(law.step, zeros, start=10**9, max_trials=4, **run)
 
 
-def test_stand_ins_are_named():
+def test_stand_ins_are_named() -> None:
     from batchfit._probe import stand_ins
     from batchfit.spec import TrainingSetup
 
