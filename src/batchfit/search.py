@@ -5,13 +5,17 @@ measures each size's peak memory in one steady step (two for the first size that
 first step may allocate the optimizer state). The next size comes from the measured peaks,
 affine in the micro-batch (the largest measured peak plus the estimate's bytes per sample for
 each sample more; least squares without an estimate), and the search stops when that says one
-sample more would not fit. The largest size that
-fitted then runs ``steps_per_trial`` steps in a row, the last trial extended or, after an
-out-of-memory error, run again; the choice is run again only if an out-of-memory error came
-after its last full trial, so it is confirmed in the state the search leaves. Only steps
-after a trial's first are timed. ``choose="throughput"`` also times halved sizes while they
-stay within 2% of the best and takes the smallest of the equally fast. Model, optimizer,
-gradients and RNG states are put back in ``finally``.
+sample more would not fit. The largest size that fitted then runs ``steps_per_trial`` steps
+in a row, the last trial extended or, after an out-of-memory error, run again; the choice is
+run again only if an out-of-memory error came after its last full trial, so it is confirmed
+in the state the search leaves. Only steps after a trial's first are timed.
+``choose="throughput"`` also times halved sizes while they stay within 2% of the best and
+takes the smallest of the equally fast. Model, optimizer, gradients and RNG states are put
+back in ``finally``.
+
+Here: the arguments, the search's order (:class:`_Search`) and the throughput rule. The next
+size's arithmetic is in ``_fitline.py``; one trial's steps (a batch of another size than
+asked refused, an OOM caught, peak and speed measured) in ``_trialrun.py``.
 """
 
 from __future__ import annotations
