@@ -82,5 +82,6 @@ def _check_batch(batch: Any, n: int) -> None:
     if got != n:
         fix = f"pass high={got} (the data holds no more)" if got < n else "return n samples"
         raise UsageError(
-            f"make_batch({n}) gave {got} samples: a size is reported only when it ran; {fix}"
+            f"make_batch({n}) gave {got} samples (counted along dim 0, as MicroBatcher splits "
+            f"batches): a size is reported only when it ran; {fix}"
         )

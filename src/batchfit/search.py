@@ -344,8 +344,9 @@ def find_batch_size(
 
     Args:
         step_fn: runs one full training step on a batch (forward, backward, optimizer step).
-        make_batch: returns a batch of exactly the given number of samples; a batch of
-            another size (a dataset shorter than the size asked) is refused, never reported.
+        make_batch: returns a batch of exactly the given number of samples, along dim 0 of
+            each tensor (a list: its length); a batch of another size (a dataset shorter than
+            the size asked) is refused, never reported.
         device: where the steps run (``"cpu"`` or ``"cuda[:i]"``).
         memory_budget: bytes the training state may take (weights, gradients, optimizer state,
             activations, workspaces). On CUDA it becomes the process's memory fraction; on the
