@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -68,21 +69,27 @@ def main() -> None:
             )
         )
     elif mode == "creep":
-        from batchfit._memwatch import MemoryWatch, _status_bytes
-        from batchfit.search import _Run
+        from batchfit._memwatch import MemoryWatch, status_bytes
+        from batchfit._trialrun import TrialRun
 
         watch = MemoryWatch(torch.device("cpu"), budget, model=net, optimizer=opt)
         rss = []
         with watch:
             for _ in range(20):
-                run = _Run(64, watch)  # 512 MiB: always fails
+                run = TrialRun(64, watch)  # 512 MiB: always fails
                 run.steps(step, make, 2)
                 assert not run.ok
-                rss.append(_status_bytes("VmRSS"))
+                rss.append(status_bytes("VmRSS"))
         print(json.dumps({"rss": rss}))
 
 
-def _largest_fitting(step, make, budget: int, net, opt) -> int:
+def _largest_fitting(
+    step: Callable[[torch.Tensor], None],
+    make: Callable[[int], torch.Tensor],
+    budget: int,
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+) -> int:
     from batchfit._memwatch import MemoryWatch
 
     def fits(n: int) -> bool:

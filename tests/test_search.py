@@ -2,32 +2,37 @@ import json
 import os
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
-from batchfit.search import PLATEAU, find_batch_size
+from batchfit._memwatch import MemoryWatch
+from batchfit.errors import NoFitError
+from batchfit.search import PLATEAU, Trial, _Search, find_batch_size
 from tests._torchrun import torchrun
 
 CHILD = Path(__file__).with_name("_search_child.py")
 
 
-def _child(mode: str) -> dict:
+def _child(mode: str) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, str(CHILD), mode], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return data
 
 
 class Law:
     """A step whose memory law is known: it raises a real OOM type above ``limit``."""
 
-    def __init__(self, limit: int, seconds_per_sample: float = 0.0, plateau_from: int = 10**9):
-        self.limit, self.sps, self.plateau_from = limit, seconds_per_sample, plateau_from
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self.sizes: list[int] = []
 
     def step(self, batch: torch.Tensor) -> None:
@@ -35,11 +40,9 @@ class Law:
         self.sizes.append(n)
         if n > self.limit:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} GiB")
-        # time per step: grows with n, per-sample time falls until the plateau
-        time.sleep(0.002 + self.sps * max(n, n * n / self.plateau_from))
 
 
-def test_known_law_never_returns_an_untested_size():
+def test_known_law_never_returns_an_untested_size() -> None:
     law = Law(limit=37)
     result = find_batch_size(
         law.step, lambda n: torch.zeros(n, 1), high=200, start=16, steps_per_trial=2, choose="max"
@@ -50,30 +53,55 @@ def test_known_law_never_returns_an_untested_size():
     assert len(result.trials) <= 10
 
 
-def test_plateau_rule_prefers_the_smaller_of_equally_fast_sizes():
-    # Per-sample time stops falling at 8: sizes >= 8 are within 2% of each other.
-    law = Law(limit=64, seconds_per_sample=0.0005, plateau_from=8)
-    result = find_batch_size(
-        law.step, lambda n: torch.zeros(n, 1), high=64, start=64, steps_per_trial=3
-    )
-    speeds = {t.micro_batch_size: t.samples_per_s for t in result.trials if t.ok}
-    best = max(speeds.values())
-    assert speeds[result.micro_batch_size] >= (1 - PLATEAU) * best
-    assert all(n >= result.micro_batch_size for n, s in speeds.items() if s >= (1 - PLATEAU) * best)
-
-
-def test_bad_arguments():
+def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="low <= high"):
         find_batch_size(print, lambda n: n, low=4, high=2)
     with pytest.raises(ValueError, match="steps_per_trial"):
         find_batch_size(print, lambda n: n, high=4, steps_per_trial=1)
     with pytest.raises(ValueError, match="memory_budget"):
         find_batch_size(print, lambda n: n)
-    with pytest.raises(ValueError, match="even a micro-batch of 1"):
+    with pytest.raises(NoFitError, match="even a micro-batch of 1"):
         find_batch_size(Law(limit=0).step, lambda n: torch.zeros(n, 1), high=4)
+    net = torch.nn.Linear(256, 256)  # 257 KiB of weights: no budget of 1 KiB holds them
+    with pytest.raises(NoFitError, match="already hold"):
+        find_batch_size(print, lambda n: n, model=net, memory_budget=1024)
 
 
-def test_non_oom_errors_propagate():
+def test_a_size_the_data_cannot_fill_is_refused_not_reported() -> None:
+    data = torch.randn(10, 1)  # a 10-sample dataset: data[:n] gives at most 10 samples
+    law = Law(limit=10**6)
+    with pytest.raises(ValueError, match=r"make_batch\(64\) gave 10 samples .*dim 0.* high=10"):
+        find_batch_size(law.step, lambda n: data[:n], start=64, high=128)
+    assert law.sizes == []  # refused before a step ran
+    with pytest.raises(ValueError, match=r"make_batch\(2\) gave 3 samples.*return n"):
+        find_batch_size(law.step, lambda n: torch.zeros(n + 1, 1), start=2, high=4)
+    fits = find_batch_size(law.step, lambda n: data[:n], high=10, choose="max")
+    assert fits.max_fitting_micro_batch == 10 and set(law.sizes) <= set(range(1, 11))
+
+
+@pytest.mark.parametrize(
+    "budget, error",
+    [
+        (1.5e9, TypeError),
+        (1e40, TypeError),
+        (float("inf"), TypeError),
+        (float("nan"), TypeError),
+        (True, TypeError),
+        (2**80, ValueError),
+        (0, ValueError),
+        (-1, ValueError),
+    ],
+)
+def test_a_budget_that_is_no_byte_count_is_refused_up_front(
+    budget: Any, error: type[Exception]
+) -> None:
+    law = Law(limit=10**6)
+    with pytest.raises(error, match=r"memory_budget must .*16 \* 2\*\*30 for 16 GiB"):
+        find_batch_size(law.step, lambda n: torch.zeros(n, 1), memory_budget=budget)
+    assert law.sizes == []
+
+
+def test_non_oom_errors_propagate() -> None:
     def broken(_batch: torch.Tensor) -> None:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
@@ -82,7 +110,7 @@ def test_non_oom_errors_propagate():
 
 
 @pytest.mark.slow
-def test_real_cpu_oom_under_an_os_limit():
+def test_real_cpu_oom_under_an_os_limit() -> None:
     data = _child("search")
     result = data["result"]
     assert data["state_restored"] and data["optimizer_restored"] and data["limit_restored"]
@@ -95,13 +123,13 @@ def test_real_cpu_oom_under_an_os_limit():
 
 
 @pytest.mark.slow
-def test_twenty_ooms_in_a_row_leave_memory_flat():
+def test_twenty_ooms_in_a_row_leave_memory_flat() -> None:
     rss = _child("creep")["rss"]
     assert max(rss[1:]) <= 1.05 * rss[1]
 
 
 @pytest.mark.slow
-def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
+def test_two_ranks_agree_on_the_smaller_budget(tmp_path: Path) -> None:
     out = torchrun(Path(__file__).with_name("_search_ddp_worker.py"), tmp_path, attempts=1)
     assert out.returncode == 0, out.stderr[-2000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -113,7 +141,7 @@ def test_two_ranks_agree_on_the_smaller_budget(tmp_path):
 class AffineLaw:
     """A step whose peak memory is ``base + per_sample * n``; above ``available`` it fails."""
 
-    def __init__(self, base: int, per_sample: int, available: int):
+    def __init__(self, base: int, per_sample: int, available: int) -> None:
         self.base, self.per_sample, self.available = base, per_sample, available
         self.calls: list[int] = []
 
@@ -135,13 +163,13 @@ class LawWatch:
         self.law = law
         self.available_bytes = law.available
 
-    def __call__(self, *_args, **_kwargs) -> "LawWatch":
+    def __call__(self, *_args: object, **_kwargs: object) -> "LawWatch":
         return self
 
     def __enter__(self) -> "LawWatch":
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         return None
 
     def peak_bytes(self) -> int:
@@ -153,7 +181,7 @@ class LawWatch:
     def agree(self, ok: bool) -> bool:
         return ok
 
-    def agree_size(self, size):
+    def agree_size(self, size: int | None) -> int | None:
         return size
 
     def agree_speed(self, speed: float) -> float:
@@ -173,7 +201,9 @@ GIB = 1 << 30
         ("one", None, 5, 1),  # no estimate at all: from micro-batch 1, the fit alone
     ],
 )
-def test_fit_on_a_known_memory_law(monkeypatch, start, hint, max_trials, max_ooms):
+def test_fit_on_a_known_memory_law(
+    monkeypatch: pytest.MonkeyPatch, start: str, hint: str | None, max_trials: int, max_ooms: int
+) -> None:
     # limit 42, with room for 0.9 samples more: more than the 1% the fit keeps in hand
     law = AffineLaw(base=6 * GIB, per_sample=GIB // 3, available=int(6 * GIB + 42.9 * GIB / 3))
     monkeypatch.setattr("batchfit.search.MemoryWatch", LawWatch(law))
@@ -209,14 +239,14 @@ def test_fit_on_a_known_memory_law(monkeypatch, start, hint, max_trials, max_oom
         (lambda m: 30 * GIB + m, None, 1),  # nothing fits: start at 1, the search says so
     ],
 )
-def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, expected):
-    from types import SimpleNamespace
-
+def test_predicted_start_is_the_largest_predicted_fit(
+    monkeypatch: pytest.MonkeyPatch, law: Callable[[int], int], high: int | None, expected: int
+) -> None:
     from batchfit import _probe
 
-    calls = []
+    calls: list[int] = []
 
-    def fake_estimate(*_a, micro_batch_size, **_k):
+    def fake_estimate(*_a: object, micro_batch_size: int, **_k: object) -> SimpleNamespace:
         calls.append(micro_batch_size)
         return SimpleNamespace(peak_bytes=law(micro_batch_size))
 
@@ -227,23 +257,28 @@ def test_predicted_start_is_the_largest_predicted_fit(monkeypatch, law, high, ex
     assert len(set(calls)) <= 20  # a few predictions, not a scan
 
 
-def test_choice_runs_again_only_after_a_later_oom(monkeypatch):
-    from batchfit.search import Trial, _confirm
+def _search(
+    law: AffineLaw, step_fn: Callable[[torch.Tensor], None] | None = None, **options: Any
+) -> _Search:
+    """A ``_Search`` over ``law`` and its stand-in watch (``options`` override the defaults)."""
+    defaults = {"low": 1, "high": None, "bytes_per_sample": None, "steps_per_trial": 3}
+    settings: dict[str, Any] = {**defaults, "max_trials": 8, **options}
+    step = step_fn or law.step
+    watch = cast(MemoryWatch, LawWatch(law))
+    return _Search(step, lambda n: torch.zeros(n, 1), watch, **settings)
 
+
+def test_choice_runs_again_only_after_a_later_oom() -> None:
     law = AffineLaw(base=0, per_sample=1, available=100)
-    watch = LawWatch(law)
 
-    def trial(n, ok, steps):
+    def trial(n: int, ok: bool, steps: int) -> Trial:
         return Trial(n, ok, n if ok else None, 1.0 if steps > 1 else None, 0.1, steps)
 
-    def confirm(trials):
+    def confirm(trials: list[Trial]) -> tuple[int, list[int]]:
         law.calls.clear()
-
-        def record(run):
-            trials.append(run.trial())
-
-        out = _confirm(8, trials, record, law.step, lambda n: torch.zeros(n, 1), 3, watch, [])
-        return out, list(law.calls)
+        search = _search(law)
+        search.trials = trials
+        return search.confirm(8), list(law.calls)
 
     # full trial of 8, then a smaller timed size: nothing to run
     assert confirm([trial(8, True, 3), trial(4, True, 3)]) == (8, [])
@@ -251,21 +286,79 @@ def test_choice_runs_again_only_after_a_later_oom(monkeypatch):
     assert confirm([trial(8, True, 3), trial(9, False, 0), trial(4, True, 3)]) == (8, [8, 8, 8])
     # 8 only measured (one step): it runs its full trial
     assert confirm([trial(8, True, 1)]) == (8, [8, 8, 8])
+    # 8 no longer fits when run again, and no smaller size fitted: nothing fits
+    law.available = 7
+    with pytest.raises(NoFitError, match="no longer fits"):
+        confirm([trial(8, True, 1)])
 
 
-def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(monkeypatch):
+class StepClock:
+    """A clock that moves only when a step runs: ``overhead + n * per_sample
+    + n**2 * squared`` seconds for a step of ``n`` samples."""
+
+    def __init__(self, overhead: float, per_sample: float, squared: float = 0.0) -> None:
+        self.overhead, self.per_sample, self.squared = overhead, per_sample, squared
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, batch: torch.Tensor) -> None:
+        n = batch.shape[0]
+        self.now += self.overhead + self.per_sample * n + self.squared * n * n
+
+    def samples_per_s(self, n: int) -> float:
+        return n / (self.overhead + self.per_sample * n + self.squared * n * n)
+
+
+@pytest.mark.parametrize(
+    "clock, timed, choice",
+    [
+        # speed n / (n + 0.25) rises toward a plateau: 16, 32 and 64 are within 2% of the
+        # best (64), 8 is not and ends the timing; the smallest of the equally fast wins
+        (StepClock(0.25, 1.0), [64, 32, 16, 8], 16),
+        # a step slows down beyond 16 (n**2 term): 16 is fastest, 32 and 8 within 2% of it,
+        # 4 is not; the choice is 8, smaller than the fastest
+        (StepClock(0.25, 1.0, 1e-3), [64, 32, 16, 8, 4], 8),
+    ],
+)
+def test_plateau_rule_on_an_injected_clock(clock: StepClock, timed: list[int], choice: int) -> None:
+    law = AffineLaw(base=0, per_sample=1, available=64)  # every size up to 64 fits
+
+    def step(batch: torch.Tensor) -> None:
+        law.step(batch)
+        clock.step(batch)
+
+    search = _search(law, high=64, step_fn=step, clock=clock)
+    result = search.result(64, "throughput", None)
+    speeds = {t.micro_batch_size: t.samples_per_s for t in result.trials if t.samples_per_s}
+    assert list(speeds) == timed
+    for n, speed in speeds.items():  # each timed size measured exactly on the injected clock
+        assert speed == pytest.approx(clock.samples_per_s(n), rel=1e-9)
+    best = max(speeds.values())
+    within = [n for n, speed in speeds.items() if speed >= (1 - PLATEAU) * best]
+    assert result.micro_batch_size == choice == min(within)
+    assert speeds[timed[-1]] < (1 - PLATEAU) * best  # timing stopped at the first size below
+
+
+def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     law = AffineLaw(base=6 * GIB, per_sample=GIB // 3, available=20 * GIB)
     monkeypatch.setattr("batchfit.search.MemoryWatch", LawWatch(law))
-    run = {"device": "cpu", "memory_budget": law.available, "choose": "max"}
-    zeros = lambda n: torch.zeros(n, 1)  # noqa: E731
+    run: dict[str, Any] = {"device": "cpu", "memory_budget": law.available, "choose": "max"}
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, 1)
+
     capped = find_batch_size(law.step, zeros, start=1, max_trials=2, **run)
     assert any("max_trials=2" in note for note in capped.notes)
     assert capped.micro_batch_size < law.limit  # it stopped early, and says so
-    with pytest.raises(ValueError, match=r"no size fitted .* smallest tried"):
+    with pytest.raises(NoFitError, match=r"no size fitted .* smallest tried"):
         find_batch_size(law.step, zeros, start=10**9, max_trials=4, **run)
 
 
-def test_stand_ins_are_named():
+def test_stand_ins_are_named() -> None:
     from batchfit._probe import stand_ins
     from batchfit.spec import TrainingSetup
 

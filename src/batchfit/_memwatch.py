@@ -17,14 +17,34 @@ from typing import Any
 import torch
 
 from batchfit._oom import _libc, _malloc_trim
+from batchfit._units import human_bytes
+from batchfit.errors import NoFitError
+
+PROC_STATUS = "/proc/self/status"
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
+def status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``VmData``) in bytes.
+
+    Raises ``OSError`` where the figure cannot be read (no procfs: not Linux; or the kernel
+    does not report ``field``), never a stand-in value: the search sets its OS limit and
+    measures its peaks from these figures, and a silent 0 would set a limit far below what
+    the process holds or report a peak of nothing. A caller that can do without the figure
+    (the Transformers callback off Linux) checks for ``PROC_STATUS`` first.
+
+    Example:
+        >>> status_bytes("VmRSS") > 0
+        True
+    """
+    with open(PROC_STATUS) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} is not in /proc/self/status")
+    raise OSError(f"{PROC_STATUS} has no {field} line: this kernel does not report it")
+
+
+# The name _probe.py imports until it moves to status_bytes.
+_status_bytes = status_bytes
 
 
 def _return_freed_blocks(on: bool) -> None:
@@ -100,16 +120,16 @@ class MemoryWatch:
             # space, not resident memory: the room a step may grow into is what is left under the
             # limit now; trials measure growth, so the fit compares like with like.
             soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
-            self.available_bytes = soft - _status_bytes("VmData") + self.live
+            self.available_bytes = soft - status_bytes("VmData") + self.live
         elif self.budget is not None:
             if self.budget <= self.live:
-                raise ValueError(
-                    f"a budget of {self.budget / 2**30:.2f} GiB is below the "
-                    f"{self.live / 2**30:.2f} GiB the model and optimizer already hold"
+                raise NoFitError(
+                    f"a budget of {human_bytes(self.budget)} is below the "
+                    f"{human_bytes(self.live)} the model and optimizer already hold: give more"
                 )
             _return_freed_blocks(True)
             self._old_limit = resource.getrlimit(resource.RLIMIT_DATA)
-            soft = _status_bytes("VmData") + self.budget - self.live
+            soft = status_bytes("VmData") + self.budget - self.live
             hard = self._old_limit[1]
             if hard != resource.RLIM_INFINITY:
                 soft = min(soft, hard)
@@ -141,13 +161,13 @@ class MemoryWatch:
         _malloc_trim()  # free heap pages leave: a step's growth shows in the RSS
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-        self._base = _status_bytes("VmRSS")
+        self._base = status_bytes("VmRSS")
 
     def peak_bytes(self) -> int:
         """The trial's peak of the training state (weights included), comparable to budgets."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return _status_bytes("VmHWM") - self._base + self.live
+        return status_bytes("VmHWM") - self._base + self.live
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

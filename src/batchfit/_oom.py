@@ -11,6 +11,7 @@ import ctypes.util
 import functools
 import gc
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,8 @@ import torch
 OutOfMemoryError: type[RuntimeError] = getattr(
     torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError
 )
+# torch.cuda.is_initialized carries no annotations: typed once here for mypy --strict.
+_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 _OOM_TYPES: tuple[type[BaseException], ...] = (
     OutOfMemoryError,
     MemoryError,  # Python-level allocations (collation, numpy) under an OS limit
@@ -72,7 +75,7 @@ def release_memory() -> None:
     step's tensors) is gone.
     """
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and _cuda_initialized():
         torch.cuda.empty_cache()
     if sys.platform.startswith("linux"):
         _malloc_trim()

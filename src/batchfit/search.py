@@ -5,19 +5,23 @@ measures each size's peak memory in one steady step (two for the first size that
 first step may allocate the optimizer state). The next size comes from the measured peaks,
 affine in the micro-batch (the largest measured peak plus the estimate's bytes per sample for
 each sample more; least squares without an estimate), and the search stops when that says one
-sample more would not fit. The largest size that
-fitted then runs ``steps_per_trial`` steps in a row, the last trial extended or, after an
-out-of-memory error, run again; the choice is run again only if an out-of-memory error came
-after its last full trial, so it is confirmed in the state the search leaves. Only steps
-after a trial's first are timed. ``choose="throughput"`` also times halved sizes while they
-stay within 2% of the best and takes the smallest of the equally fast. Model, optimizer,
-gradients and RNG states are put back in ``finally``.
+sample more would not fit. The largest size that fitted then runs ``steps_per_trial`` steps
+in a row, the last trial extended or, after an out-of-memory error, run again; the choice is
+run again only if an out-of-memory error came after its last full trial, so it is confirmed
+in the state the search leaves. Only steps after a trial's first are timed.
+``choose="throughput"`` also times halved sizes while they stay within 2% of the best and
+takes the smallest of the equally fast. Model, optimizer, gradients and RNG states are put
+back in ``finally``.
+
+Here: the arguments, the search's order (:class:`_Search`) and the throughput rule. The next
+size's arithmetic is in ``_fitline.py``; one trial's steps (a batch of another size than
+asked refused, an OOM caught, peak and speed measured) in ``_trialrun.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -26,22 +30,19 @@ from typing import Any, Literal
 
 import torch
 
+from batchfit._fitline import next_size
 from batchfit._memwatch import MemoryWatch
-from batchfit._oom import is_oom, release_memory
+from batchfit._oom import release_memory
+from batchfit._trialrun import TrialRun
 from batchfit._units import human_bytes
+from batchfit.errors import NoFitError
 
 Choose = Literal["throughput", "max"]
 # Sizes whose throughput is within this fraction of the best count as equally fast.
 PLATEAU = 0.02
-# Aim this far below the limit on a one-point guess without an estimate: it rests on one
-# measurement and an assumed slope.
-MARGIN = 0.05
-# And this far below it on a trusted fit: the measured peak is resident memory (CPU) or
-# allocated memory (CUDA), while the limit counts address space or reserved blocks.
-FIT_MARGIN = 0.01
-# Without an estimate's bytes per sample, a trial goes at most this many times beyond the
-# largest size that fitted.
-GROWTH = 4
+# Budgets from 1 byte to 4 EiB, beyond any machine: the CPU's OS limit (what the process holds
+# plus the budget) must stay a 64-bit count.
+_MAX_BUDGET_BYTES = 2**62
 
 
 @dataclass(frozen=True)
@@ -127,96 +128,197 @@ class _State:
         random.setstate(self.py_rng)
 
 
-def _fit_limit(
-    points: list[tuple[int, int]], available: int, per_sample: int | None
-) -> tuple[int, bool] | None:
-    """Largest size whose fitted peak stays within ``available`` bytes, and whether to trust it.
+class _Search:
+    """One search: its watch, the trials so far, and the bracket they give.
 
-    With the estimator's bytes per sample (``per_sample``): the measured peak of the largest
-    size that fitted plus ``per_sample`` for each sample more (near the limit the measured
-    offset matters, and a slope fitted through close sizes is mostly noise). Without: least
-    squares through two or more sizes; through one, the peak taken as proportional to the size
-    (an overestimate of the slope) less ``MARGIN``, a guess not trusted to say that the next
-    size would fail. Aimed ``FIT_MARGIN`` below the limit: an overshoot costs one
-    out-of-memory trial, after which the bracket is bisected.
+    ``lo`` is the largest size that fitted (0: none yet), ``hi`` the smallest that failed
+    (None: none yet, or ``high + 1``). ``clock`` times the steps (a test injects its own).
     """
-    if not points:
-        return None
-    room = available * (1 - FIT_MARGIN)
-    if per_sample:
-        n, peak = max(points)
-        return n + math.floor((room - peak) / per_sample), True
-    if len(points) == 1:
-        n, peak = points[0]
-        return (math.floor(available * (1 - MARGIN) * n / peak), False) if peak > 0 else None
-    xs = [float(n) for n, _ in points]
-    ys = [float(p) for _, p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    if slope <= 0:
-        return None
-    return math.floor((room - (my - slope * mx)) / slope), True
 
-
-class _Run:
-    """A trial being run: steps can be added to it until it is recorded."""
-
-    def __init__(self, n: int, watch: MemoryWatch) -> None:
-        self.n, self.watch = n, watch
-        self.begin = time.perf_counter()
-        self.timed: list[float] = []
-        self.done = 0
-        self.peak: int | None = None
-        self.error: str | None = None
-        watch.reset_peak()
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def steps(
-        self, step_fn: Callable[[Any], Any], make_batch: Callable[[int], Any], k: int
+    def __init__(
+        self,
+        step_fn: Callable[[Any], Any],
+        make_batch: Callable[[int], Any],
+        watch: MemoryWatch,
+        *,
+        low: int,
+        high: int | None,
+        bytes_per_sample: int | None,
+        steps_per_trial: int,
+        max_trials: int,
+        on_trial: Callable[[Trial], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """Run ``k`` more steps; every step after the trial's first is timed."""
-        error: str | None = None
-        try:
-            for _ in range(k):
-                batch = make_batch(self.n)
-                t0 = time.perf_counter()
-                step_fn(batch)
-                self.watch.synchronize()
-                if self.done > 0:
-                    self.timed.append(time.perf_counter() - t0)
-                self.done += 1
-                del batch
-        except Exception as e:  # re-raised below unless it is an out-of-memory error
-            if not is_oom(e):
-                raise
-            error = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        # Outside the except block: its traceback no longer holds the failed step's tensors.
-        if not self.watch.agree(error is None):
-            self.error = error or "out of memory on another rank"
-            self.watch.drop_gradients()
-            release_memory()
-            return
-        self.peak = self.watch.peak_bytes()
+        self.step_fn, self.make_batch, self.watch = step_fn, make_batch, watch
+        self.low, self.per_sample = low, bytes_per_sample
+        self.steps_per_trial, self.max_trials = steps_per_trial, max_trials
+        self.on_trial, self.clock = on_trial, clock
+        self.trials: list[Trial] = []
+        self.notes: list[str] = []
+        self.lo, self.hi = 0, (high + 1 if high is not None else None)
+        self.settled = False  # a step has run, so lazily created state (optimizer) exists
+        self.begin = clock()
 
-    def trial(self) -> Trial:
-        speed = None
-        if self.ok and self.timed and sum(self.timed) > 0:
-            speed = self.watch.agree_speed(self.n * len(self.timed) / sum(self.timed))
-        return Trial(
-            self.n,
-            self.ok,
-            self.peak if self.ok else None,
-            speed,
-            time.perf_counter() - self.begin,
-            self.done,
-            self.error,
+    def result(self, start: int, choose: Choose, budget: int | None) -> SearchResult:
+        """Search from ``start``: the limit, then the choice, each confirmed in a full trial."""
+        self.settle(self.find_limit(start), budget)
+        choice = self.confirm(self.lo)
+        if choose == "throughput":
+            choice = self.fastest(choice)
+        return SearchResult(
+            choice,
+            max(t.micro_batch_size for t in self.trials if t.ok),
+            tuple(self.trials),
+            self.clock() - self.begin,
+            choose,
+            budget,
+            tuple(self.notes),
         )
+
+    # --- running and recording sizes -------------------------------------------------------
+    def run(self, n: int, k: int) -> TrialRun:
+        """Run ``k`` steps of size ``n`` (not yet recorded: the run may be extended)."""
+        run = TrialRun(n, self.watch, self.clock)
+        run.steps(self.step_fn, self.make_batch, k)
+        return run
+
+    def record(self, run: TrialRun) -> None:
+        peak = run.peak if run.ok else None
+        trial = Trial(run.n, run.ok, peak, run.samples_per_s(), run.seconds(), run.done, run.error)
+        self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(self.trials[-1])
+
+    def measure(self, n: int) -> TrialRun:
+        """A size's memory, in one steady step (two for the first size that fits)."""
+        run = self.run(n, 1 if self.settled else 2)
+        self.settled = self.settled or run.ok
+        if run.ok:
+            self.lo = max(self.lo, n)
+        else:
+            self.hi = n if self.hi is None else min(self.hi, n)
+        return run
+
+    # --- the limit -------------------------------------------------------------------------
+    def next_size(self, last: TrialRun) -> int | None:
+        """The size after ``last`` that all ranks agree on; None: the limit is found."""
+        points = [
+            (t.micro_batch_size, t.peak_bytes)
+            for t in self.trials
+            if t.ok and t.peak_bytes is not None
+        ]
+        if last.ok and last.peak is not None:
+            points.append((last.n, last.peak))
+        proposal = next_size(
+            points,
+            self.lo,
+            self.hi,
+            self.low,
+            self.watch.available_bytes,
+            self.per_sample,
+            last.ok,
+        )
+        n = self.watch.agree_size(proposal)
+        if n is None or n == last.n or any(t.micro_batch_size == n for t in self.trials):
+            return None
+        return n
+
+    def find_limit(self, start: int) -> TrialRun | None:
+        """Measure sizes from ``start`` toward the limit; the last run, when not yet recorded.
+
+        None: ``max_trials`` ended the search (every run recorded)."""
+        run: TrialRun | None = None
+        n = start
+        while len(self.trials) < self.max_trials:
+            run = self.measure(n)
+            following = self.next_size(run)
+            if following is None:
+                return run
+            self.record(run)
+            run, n = None, following
+        return run
+
+    def settle(self, last: TrialRun | None, budget: int | None) -> None:
+        """Raise when nothing fitted; else give the largest size that fitted its full trial.
+
+        The last run is extended when it is that size; otherwise that size runs again (after
+        the last OOM) when the choice is confirmed."""
+        if self.lo == 0:
+            if last is not None:
+                self.record(last)
+            raise self.no_fit(budget)
+        if last is None:
+            untried = (
+                f"between {self.lo} and {self.hi}" if self.hi is not None else f"above {self.lo}"
+            )
+            self.notes.append(
+                f"stopped after max_trials={self.max_trials} trials: sizes {untried} were not tried"
+            )
+            return
+        if last.ok and last.n == self.lo:
+            last.steps(self.step_fn, self.make_batch, self.steps_per_trial - last.done)
+        self.record(last)
+
+    def no_fit(self, budget: int | None) -> NoFitError:
+        where = f" in {human_bytes(budget)}" if budget else ""
+        smallest = min(t.micro_batch_size for t in self.trials)
+        if smallest > self.low:
+            return NoFitError(
+                f"no size fitted{where} in {len(self.trials)} trials (the smallest tried: "
+                f"{smallest}); start lower"
+            )
+        return NoFitError(f"even a micro-batch of {self.low} does not fit{where}")
+
+    # --- the choice ------------------------------------------------------------------------
+    def confirm(self, choice: int) -> int:
+        """Run the choice again unless it ran ``steps_per_trial`` steps after the last OOM."""
+        while not self.confirmed(choice):
+            run = self.run(choice, self.steps_per_trial)
+            self.record(run)
+            if run.ok:
+                break
+            smaller = [
+                t.micro_batch_size for t in self.trials if t.ok and t.micro_batch_size < choice
+            ]
+            self.notes.append(f"{choice} failed when run again (fragmentation); fell back")
+            if not smaller:
+                raise NoFitError(f"the chosen micro-batch {choice} no longer fits when run again")
+            choice = max(smaller)
+        return choice
+
+    def confirmed(self, choice: int) -> bool:
+        for t in reversed(self.trials):
+            if not t.ok:
+                return False
+            if t.micro_batch_size == choice and t.steps >= self.steps_per_trial:
+                return True
+        return False
+
+    def fastest(self, largest: int) -> int:
+        """Time halved sizes below ``largest`` while they stay within ``PLATEAU`` of the best;
+        the smallest of the equally fast, confirmed."""
+        n = largest // 2
+        while n >= 1 and not any(t.micro_batch_size == n and t.samples_per_s for t in self.trials):
+            run = self.run(n, self.steps_per_trial)
+            self.record(run)
+            best = max(t.samples_per_s or 0.0 for t in self.trials if t.ok)
+            if not run.ok or (self.trials[-1].samples_per_s or 0.0) < (1 - PLATEAU) * best:
+                break
+            n //= 2
+        return self.confirm(_plateau_choice(self.trials))
+
+
+def _plateau_choice(trials: list[Trial]) -> int:
+    """The smallest size within ``PLATEAU`` of the fastest (the largest when none was timed)."""
+    ok = [t for t in trials if t.ok]
+    timed = [t for t in ok if t.samples_per_s]
+    if not timed:
+        return max(t.micro_batch_size for t in ok)
+    best: dict[int, float] = {}
+    for t in timed:  # a size run twice keeps its better measurement
+        best[t.micro_batch_size] = max(best.get(t.micro_batch_size, 0.0), t.samples_per_s or 0.0)
+    top = max(best.values())
+    return min(n for n, speed in best.items() if speed >= (1 - PLATEAU) * top)
 
 
 def find_batch_size(
@@ -242,7 +344,9 @@ def find_batch_size(
 
     Args:
         step_fn: runs one full training step on a batch (forward, backward, optimizer step).
-        make_batch: returns a batch of the given number of samples.
+        make_batch: returns a batch of exactly the given number of samples, along dim 0 of
+            each tensor (a list: its length); a batch of another size (a dataset shorter than
+            the size asked) is refused, never reported.
         device: where the steps run (``"cpu"`` or ``"cuda[:i]"``).
         memory_budget: bytes the training state may take (weights, gradients, optimizer state,
             activations, workspaces). On CUDA it becomes the process's memory fraction; on the
@@ -271,7 +375,10 @@ def find_batch_size(
         A :class:`SearchResult` whose choice and maximum both ran for real.
 
     Raises:
-        ValueError: bad arguments, or not even ``low`` fits.
+        NoFitError: not even ``low`` fits (a ``UsageError``, so a ``ValueError``), on every
+            device.
+        ValueError: bad arguments.
+        TypeError: a ``memory_budget`` that is not a whole number of bytes.
 
     Example:
         >>> import torch
@@ -286,6 +393,41 @@ def find_batch_size(
         >>> result.max_fitting_micro_batch, result.micro_batch_size in (1, 2, 4, 8)
         (8, True)
     """
+    memory_budget = _checked_budget(memory_budget)
+    dev = _check_arguments(device, memory_budget, low, high, choose, steps_per_trial)
+    watch = MemoryWatch(
+        dev, memory_budget, model=model, optimizer=optimizer, budget_applied=budget_applied
+    )
+    search = _Search(
+        step_fn,
+        make_batch,
+        watch,
+        low=low,
+        high=high,
+        bytes_per_sample=bytes_per_sample,
+        steps_per_trial=steps_per_trial,
+        max_trials=max_trials,
+        on_trial=on_trial,
+    )
+    state = _State(model if restore else None, optimizer if restore else None)
+    try:
+        with watch:
+            first = max(low, min(start or low, high or start or low))
+            return search.result(first, choose, memory_budget)
+    finally:
+        state.restore()
+        release_memory()
+
+
+def _check_arguments(
+    device: str | torch.device,
+    memory_budget: int | None,
+    low: int,
+    high: int | None,
+    choose: str,
+    steps_per_trial: int,
+) -> torch.device:
+    """The device to search on, once the arguments are known to be usable."""
     if low < 1 or (high is not None and high < low):
         raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
     if steps_per_trial < 2:
@@ -299,197 +441,22 @@ def find_batch_size(
         )
     if dev.type == "cpu" and memory_budget is None and high is None:
         raise ValueError("on the CPU give memory_budget (an OS limit is set) or a high bound")
-    begin = time.perf_counter()
-    state = _State(model if restore else None, optimizer if restore else None)
-    watch = MemoryWatch(
-        dev, memory_budget, model=model, optimizer=optimizer, budget_applied=budget_applied
-    )
-    trials: list[Trial] = []
-    notes: list[str] = []
-
-    def record(run: _Run) -> None:
-        trials.append(run.trial())
-        if on_trial is not None:
-            on_trial(trials[-1])
-
-    try:
-        with watch:
-            lo, hi = 0, (high + 1) if high is not None else None  # fits <= lo < hi fails
-            n = max(low, min(start or low, high or start or low))
-            run: _Run | None = None
-            settled = False  # a step has run, so lazily created state (optimizer) exists
-            exhausted = False  # max_trials ended the search
-            while len(trials) < max_trials:
-                # A size's memory needs one steady step: two for the first size that fits.
-                run = _Run(n, watch)
-                run.steps(step_fn, make_batch, 1 if settled else 2)
-                settled = settled or run.ok
-                if run.ok:
-                    lo = max(lo, n)
-                else:
-                    hi = n if hi is None else min(hi, n)
-                points = [
-                    (t.micro_batch_size, t.peak_bytes)
-                    for t in trials
-                    if t.ok and t.peak_bytes is not None
-                ]
-                if run.ok and run.peak is not None:
-                    points.append((n, run.peak))
-                proposal = _next_size(
-                    points, lo, hi, low, watch.available_bytes, bytes_per_sample, run.ok
-                )
-                n_next = watch.agree_size(proposal)
-                if (
-                    n_next is None
-                    or n_next == n
-                    or any(t.micro_batch_size == n_next for t in trials)
-                ):
-                    break
-                record(run)
-                run = None
-                n = n_next
-            else:
-                exhausted = True
-            if lo == 0:
-                if run is not None:
-                    record(run)
-                where = f" in {human_bytes(memory_budget)}" if memory_budget else ""
-                if min(t.micro_batch_size for t in trials) > low:
-                    raise ValueError(
-                        f"no size fitted{where} in {len(trials)} trials (the smallest tried: "
-                        f"{min(t.micro_batch_size for t in trials)}); start lower"
-                    )
-                raise ValueError(f"even a micro-batch of {low} does not fit{where}")
-            if exhausted:
-                untried = f"between {lo} and {hi}" if hi is not None else f"above {lo}"
-                notes.append(
-                    f"stopped after max_trials={max_trials} trials: sizes {untried} were not tried"
-                )
-            # The largest size that fitted runs for steps_per_trial steps: the last trial is
-            # extended when it is that size, else it is run again (after the last OOM).
-            if run is not None and run.ok and run.n == lo:
-                run.steps(step_fn, make_batch, steps_per_trial - run.done)
-            if run is not None:
-                record(run)
-            confirm = (record, step_fn, make_batch, steps_per_trial, watch, notes)
-            choice = _confirm(lo, trials, *confirm)
-            if choose == "throughput":
-                _time_smaller(choice, trials, *confirm[:-1])
-                choice = _confirm(_choose(trials, choose), trials, *confirm)
-        max_fit = max(t.micro_batch_size for t in trials if t.ok)
-        return SearchResult(
-            choice,
-            max_fit,
-            tuple(trials),
-            time.perf_counter() - begin,
-            choose,
-            memory_budget,
-            tuple(notes),
-        )
-    finally:
-        state.restore()
-        release_memory()
+    return dev
 
 
-def _next_size(
-    points: list[tuple[int, int]],
-    lo: int,
-    hi: int | None,
-    low: int,
-    available: int | None,
-    per_sample: int | None,
-    last_ok: bool,
-) -> int | None:
-    """Aim at the fitted limit, inside the bracket (lo fits, hi fails); None: stop."""
-    if hi is not None and hi <= lo + 1:
+def _checked_budget(budget: object) -> int | None:
+    """``memory_budget`` as an ``int`` of bytes, refused up front when it cannot be one."""
+    if budget is None:
         return None
-    fit = _fit_limit(points, available, per_sample) if available else None
-    if lo == 0:  # nothing fitted yet: halve below the smallest failure
-        guess = max(low, (hi or 2 * low) // 2)
-        return guess if guess < (hi or guess + 1) else None
-    if fit is None:
-        guess = lo * 2 if hi is None else (lo + hi) // 2  # no usable fit: double / bisect
-    else:
-        guess, trusted = fit
-        if guess <= lo:
-            if trusted:
-                return None  # the fit says the next size would not fit
-            guess = lo + 1  # an untrusted guess: one size more gives a second point
-    if per_sample is None:
-        # without an estimate, peaks measured at close sizes can fit an almost flat line:
-        # never extrapolate it further than GROWTH times the largest size that ran
-        guess = min(guess, GROWTH * lo)
-    if hi is not None:
-        guess = min(guess, hi - 1)
-        if not last_ok:
-            # Just failed: the fit overshot, so step at most halfway into the bracket.
-            guess = min(guess, max(lo + 1, (lo + hi) // 2))
-    return guess if guess > lo else None
-
-
-def _time_smaller(
-    largest: int,
-    trials: list[Trial],
-    record: Callable[[_Run], None],
-    step_fn: Callable[[Any], Any],
-    make_batch: Callable[[int], Any],
-    steps: int,
-    watch: MemoryWatch,
-) -> None:
-    """Time halved sizes below the largest while they stay within ``PLATEAU`` of the best."""
-    n = largest // 2
-    while n >= 1 and not any(t.micro_batch_size == n and t.samples_per_s for t in trials):
-        run = _Run(n, watch)
-        run.steps(step_fn, make_batch, steps)
-        record(run)
-        best = max(t.samples_per_s or 0.0 for t in trials if t.ok)
-        if not run.ok or (trials[-1].samples_per_s or 0.0) < (1 - PLATEAU) * best:
-            return
-        n //= 2
-
-
-def _choose(trials: list[Trial], choose: Choose) -> int:
-    """The largest size, or the fastest among those timed (then run in full if it was not)."""
-    ok = [t for t in trials if t.ok]
-    timed = [t for t in ok if t.samples_per_s]
-    if choose == "max" or not timed:
-        return max(t.micro_batch_size for t in ok)
-    best: dict[int, float] = {}
-    for t in timed:  # a size run twice keeps its better measurement
-        best[t.micro_batch_size] = max(best.get(t.micro_batch_size, 0.0), t.samples_per_s or 0.0)
-    top = max(best.values())
-    return min(n for n, speed in best.items() if speed >= (1 - PLATEAU) * top)
-
-
-def _confirm(
-    choice: int,
-    trials: list[Trial],
-    record: Callable[[_Run], None],
-    step_fn: Callable[[Any], Any],
-    make_batch: Callable[[int], Any],
-    steps: int,
-    watch: MemoryWatch,
-    notes: list[str],
-) -> int:
-    """Run the choice again unless it ran ``steps`` steps after the last OOM."""
-
-    def confirmed() -> bool:
-        for t in reversed(trials):
-            if not t.ok:
-                return False
-            if t.micro_batch_size == choice and t.steps >= steps:
-                return True
-        return False
-
-    while not confirmed():
-        run = _Run(choice, watch)
-        run.steps(step_fn, make_batch, steps)
-        record(run)
-        if run.ok:
-            break
-        smaller = [t.micro_batch_size for t in trials if t.ok and t.micro_batch_size < choice]
-        notes.append(f"{choice} failed when run again (fragmentation); fell back")
-        if not smaller:
-            raise ValueError(f"the chosen micro-batch {choice} no longer fits when run again")
-        choice = max(smaller)
-    return choice
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        raise TypeError(
+            f"memory_budget must be a whole number of bytes, got {budget!r}: "
+            "give an int, e.g. memory_budget=16 * 2**30 for 16 GiB"
+        )
+    value = int(budget)
+    if not 0 < value < _MAX_BUDGET_BYTES:
+        raise ValueError(
+            f"memory_budget must be between 1 and 2**62 bytes, got {value}: "
+            "give the bytes the training state may take, e.g. 16 * 2**30 for 16 GiB"
+        )
+    return value

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from batchfit._memwatch import PROC_STATUS, status_bytes
 from batchfit._units import BYTES_IN_GIB
 from batchfit.export import export
 from batchfit.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-_PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
@@ -159,11 +159,5 @@ class PeakMemoryCallback(TrainerCallback):
 
 
 def _status_bytes(field: str) -> int:
-    """A ``kB`` field of /proc/self/status in bytes; 0 where there is no procfs."""
-    try:
-        for line in _PROC_STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """``status_bytes`` on Linux; 0 without procfs: off Linux the CPU peak is not measured."""
+    return status_bytes(field) if Path(PROC_STATUS).exists() else 0
