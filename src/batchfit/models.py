@@ -531,9 +531,7 @@ def generic_decoder_config(num_params: int) -> dict[str, Any]:
     """A Llama-style config.json of about ``num_params`` parameters."""
     vocab = _GENERIC_VOCAB
     # 12 h^2 per layer (4 h^2 attention + 3 h * 8h/3 MLP) + 2 V h embeddings, with L = h / 128.
-    hidden = 128
-    while 12 * (hidden + 128) ** 3 / 128 + 2 * vocab * (hidden + 128) <= num_params:
-        hidden += 128
+    hidden = _generic_hidden(num_params, vocab)
     inter = int(math.ceil(8 * hidden / 3 / 256) * 256)
     per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
     layers = max(1, round((num_params - 2 * vocab * hidden) / per_layer))
@@ -551,6 +549,23 @@ def generic_decoder_config(num_params: int) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "rms_norm_eps": 1e-5,
     }
+
+
+def _generic_hidden(num_params: int, vocab: int) -> int:
+    """The largest multiple of 128 (at least 128) whose next step would pass ``num_params``.
+
+    Starts from the cube root, so a size of 10^30 costs a few steps, not 10^8.
+    """
+
+    def fits(hidden: int) -> bool:
+        return 12 * hidden**3 / 128 + 2 * vocab * hidden <= num_params
+
+    hidden = max(128, int((num_params * 128 / 12) ** (1 / 3)) // 128 * 128)
+    while hidden > 128 and not fits(hidden):
+        hidden -= 128
+    while fits(hidden + 128):
+        hidden += 128
+    return hidden
 
 
 def _generic_rows(cfg: dict[str, Any]) -> list[list[Any]]:
