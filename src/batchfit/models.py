@@ -6,7 +6,6 @@ catalog are built on the meta device (``_meta.py``) to count parameters exactly.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from batchfit import catalog
+from batchfit._config import read_config_file
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
@@ -377,22 +377,31 @@ def catalog_names() -> list[str]:
     return [entry["name"] for entry in catalog.load("models")["models"]]
 
 
-def resolve_model(spec: str, task: str | None = None) -> ModelInfo:
+def resolve_model(spec: str | os.PathLike[str], task: str | None = None) -> ModelInfo:
     """Resolve MODEL: a catalog name or hub id, a config.json path or folder, or a size (7B).
 
     Example:
         >>> info = resolve_model("gpt2")
         >>> info.task, info.total_params
         ('causal-lm', 124439808)
+
+    Raises:
+        TypeError: ``spec`` is not a string or a path.
+        UsageError: MODEL names nothing readable, or its config.json is malformed.
     """
-    text = spec.strip()
+    if not isinstance(spec, str | os.PathLike):
+        raise TypeError(
+            f"MODEL must be a str or a path (a catalog name, a config.json, or a size such as "
+            f"'7B'), got {type(spec).__name__} {spec!r}"
+        )
+    text = os.fspath(spec).strip()
     if not text:
         raise UsageError("MODEL is empty: give a catalog name, a config.json path, or a size")
     entry = _catalog_index().get(normalise(text))
     if entry is not None:
         return _from_catalog(entry, task)
-    path = Path(text).expanduser()
-    if path.exists():
+    path = _existing_path(text)
+    if path is not None:
         return _from_config_file(path, task)
     if looks_like_count(text):
         return _from_size(parse_count(text), task)
@@ -403,6 +412,22 @@ def resolve_model(spec: str, task: str | None = None) -> ModelInfo:
         f"unknown model {spec!r}{suggest(text, catalog_names())}: give a catalog name "
         "(`batchfit models`), a path to a config.json or its folder, or a size such as 7B"
     )
+
+
+def _existing_path(text: str) -> Path | None:
+    """``text`` as a path when something is there; OS errors as one line, not a traceback."""
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # pathlib: "Could not determine home directory" for ~nosuchuser
+        raise UsageError(f"MODEL {shown!r}: no such user's home directory") from None
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:  # ENAMETOOLONG, EACCES, ELOOP, ...
+        raise UsageError(f"MODEL {shown!r}: {e.strerror or e}") from None
+    return path
 
 
 def _check_task(task: str | None, cfg: dict[str, Any]) -> Task:
@@ -438,29 +463,15 @@ def _groups(rows: Iterable[list[Any]]) -> tuple[ParamGroup, ...]:
     return tuple(ParamGroup(r[0], tuple(r[1]), int(r[2]), r[3]) for r in rows)
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a config.json (or a folder holding one), with one-line errors."""
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{path} has no config.json") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {file}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{file} is not valid JSON (line {e.lineno}): {e.msg}") from None
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise UsageError(f'{file} has no "model_type": is it a Hugging Face config.json?')
-    return cfg
-
-
 def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -> ModelInfo:
     from batchfit import _meta
 
     raw = read_config_file(path)
     chosen = _check_task(task, raw)
-    model = _meta.build_on_meta(raw, chosen)
-    full = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
+    rows = _meta.count_params(raw, chosen)
+    full = {
+        k: v for k, v in _meta.make_config(raw, chosen).to_dict().items() if not k.startswith("_")
+    }
     full["model_type"] = raw["model_type"]
     try:
         arch = arch_from_config(full)
@@ -473,7 +484,7 @@ def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -
         config=full,
         arch=arch,
         task=chosen,
-        params=_groups(_meta.param_table(model)),
+        params=_groups(rows),
         warnings=_defaults_used(raw, arch),
     )
 
@@ -518,8 +529,16 @@ def _hub_cache_config(hub_id: str) -> Path | None:
         os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
     )
     snapshots = Path(root) / f"models--{hub_id.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    try:
+        if not snapshots.is_dir():
+            return None
+        configs = [d / "config.json" for d in snapshots.iterdir()]
+        found = sorted((p.stat().st_mtime, p) for p in configs if p.exists())
+    except OSError as e:  # an unreadable cache folder: say which, in one line
+        raise UsageError(
+            f"cannot read the Hugging Face cache at {snapshots}: {e.strerror or e}"
+        ) from None
+    return found[-1][1] if found else None
 
 
 # Generic decoder for a bare size: Llama-2 proportions (hidden/layers = 128, SwiGLU with
