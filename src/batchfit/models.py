@@ -183,7 +183,6 @@ class Architecture:
     experts_per_token: int
     attention_dropout: float
     hidden_dropout: float
-    sliding_window: int | None
 
 
 @dataclass(frozen=True)
@@ -192,7 +191,6 @@ class ModelInfo:
 
     name: str
     hub_id: str | None
-    origin: str  # catalog | config | size
     config: dict[str, Any]
     arch: Architecture
     task: Task
@@ -342,7 +340,6 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
             )
         ),
         hidden_dropout=dropout,
-        sliding_window=first("sliding_window"),
     )
 
 
@@ -451,7 +448,6 @@ def _from_catalog(entry: dict[str, Any], task: str | None) -> ModelInfo:
     return ModelInfo(
         name=entry["name"],
         hub_id=entry["hub_id"],
-        origin="catalog",
         config=cfg,
         arch=arch_from_config(cfg),
         task=chosen,
@@ -480,7 +476,6 @@ def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -
     return ModelInfo(
         name=hub_id or str(path),
         hub_id=hub_id,
-        origin="config",
         config=full,
         arch=arch,
         task=chosen,
@@ -616,7 +611,6 @@ def _from_size(num_params: int, task: str | None) -> ModelInfo:
     info = ModelInfo(
         name=f"generic-{human_count(num_params)}",
         hub_id=None,
-        origin="size",
         config=cfg,
         arch=arch,
         task=chosen,
