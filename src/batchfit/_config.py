@@ -1,4 +1,5 @@
-"""Read a config.json given as MODEL and check its values before transformers sees them.
+"""Find and read the config.json a MODEL names (a path, or the Hugging Face cache), and check
+its values before transformers sees them.
 
 transformers takes a config's values on trust: NaN, strings, floats or zero where a size goes
 surface as tracebacks from deep inside a model's constructor, or as a silent estimate of a
@@ -196,3 +197,39 @@ def _bad(file: os.PathLike[str] | str, key: str, value: Any, wanted: str) -> Non
     if len(shown) > 60:
         shown = shown[:57] + "..."
     raise UsageError(f"{file}: {key} is {shown}, expected {wanted}")
+
+
+def existing_path(text: str) -> Path | None:
+    """``text`` as a path when something is there; OS errors as one line, not a traceback."""
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # pathlib: "Could not determine home directory" for ~nosuchuser
+        raise UsageError(f"MODEL {shown!r}: no such user's home directory") from None
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:  # ENAMETOOLONG, EACCES, ELOOP, ...
+        raise UsageError(f"MODEL {shown!r}: {e.strerror or e}") from None
+    return path
+
+
+def hub_cache_config(hub_id: str) -> Path | None:
+    """A config.json for ``org/name`` in the local Hugging Face cache, if one is there."""
+    if hub_id.count("/") != 1:
+        return None
+    root = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
+    snapshots = Path(root) / f"models--{hub_id.replace('/', '--')}" / "snapshots"
+    try:
+        if not snapshots.is_dir():
+            return None
+        configs = [d / "config.json" for d in snapshots.iterdir()]
+        found = sorted((p.stat().st_mtime, p) for p in configs if p.exists())
+    except OSError as e:  # an unreadable cache folder: say which, in one line
+        raise UsageError(
+            f"cannot read the Hugging Face cache at {snapshots}: {e.strerror or e}"
+        ) from None
+    return found[-1][1] if found else None

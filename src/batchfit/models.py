@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from batchfit import catalog
-from batchfit._config import read_config_file
+from batchfit._config import existing_path, hub_cache_config, read_config_file
+from batchfit._generic import generic_decoder_config, generic_rows
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
@@ -397,34 +398,18 @@ def resolve_model(spec: str | os.PathLike[str], task: str | None = None) -> Mode
     entry = _catalog_index().get(normalise(text))
     if entry is not None:
         return _from_catalog(entry, task)
-    path = _existing_path(text)
+    path = existing_path(text)
     if path is not None:
         return _from_config_file(path, task)
     if looks_like_count(text):
         return _from_size(parse_count(text), task)
-    cached = _hub_cache_config(text)
+    cached = hub_cache_config(text)
     if cached is not None:
         return _from_config_file(cached, task, hub_id=text)
     raise UsageError(
         f"unknown model {spec!r}{suggest(text, catalog_names())}: give a catalog name "
         "(`batchfit models`), a path to a config.json or its folder, or a size such as 7B"
     )
-
-
-def _existing_path(text: str) -> Path | None:
-    """``text`` as a path when something is there; OS errors as one line, not a traceback."""
-    shown = text if len(text) <= 80 else text[:77] + "..."
-    try:
-        path = Path(text).expanduser()
-    except RuntimeError:  # pathlib: "Could not determine home directory" for ~nosuchuser
-        raise UsageError(f"MODEL {shown!r}: no such user's home directory") from None
-    try:
-        os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:  # ENAMETOOLONG, EACCES, ELOOP, ...
-        raise UsageError(f"MODEL {shown!r}: {e.strerror or e}") from None
-    return path
 
 
 def _check_task(task: str | None, cfg: dict[str, Any]) -> Task:
@@ -516,92 +501,6 @@ def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
     )
 
 
-def _hub_cache_config(hub_id: str) -> Path | None:
-    """A config.json for ``org/name`` in the local Hugging Face cache, if one is there."""
-    if hub_id.count("/") != 1:
-        return None
-    root = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
-    )
-    snapshots = Path(root) / f"models--{hub_id.replace('/', '--')}" / "snapshots"
-    try:
-        if not snapshots.is_dir():
-            return None
-        configs = [d / "config.json" for d in snapshots.iterdir()]
-        found = sorted((p.stat().st_mtime, p) for p in configs if p.exists())
-    except OSError as e:  # an unreadable cache folder: say which, in one line
-        raise UsageError(
-            f"cannot read the Hugging Face cache at {snapshots}: {e.strerror or e}"
-        ) from None
-    return found[-1][1] if found else None
-
-
-# Generic decoder for a bare size: Llama-2 proportions (hidden/layers = 128, SwiGLU with
-# intermediate = 8/3 hidden rounded to 256, 128-wide MHA heads, 32k vocabulary).
-_GENERIC_VOCAB = 32000
-
-
-def generic_decoder_config(num_params: int) -> dict[str, Any]:
-    """A Llama-style config.json of about ``num_params`` parameters."""
-    vocab = _GENERIC_VOCAB
-    # 12 h^2 per layer (4 h^2 attention + 3 h * 8h/3 MLP) + 2 V h embeddings, with L = h / 128.
-    hidden = _generic_hidden(num_params, vocab)
-    inter = int(math.ceil(8 * hidden / 3 / 256) * 256)
-    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
-    layers = max(1, round((num_params - 2 * vocab * hidden) / per_layer))
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": max(1, hidden // 128),
-        "num_key_value_heads": max(1, hidden // 128),
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": 1e-5,
-    }
-
-
-def _generic_hidden(num_params: int, vocab: int) -> int:
-    """The largest multiple of 128 (at least 128) whose next step would pass ``num_params``.
-
-    Starts from the cube root, so a size of 10^30 costs a few steps, not 10^8.
-    """
-
-    def fits(hidden: int) -> bool:
-        return 12 * hidden**3 / 128 + 2 * vocab * hidden <= num_params
-
-    hidden = max(128, int((num_params * 128 / 12) ** (1 / 3)) // 128 * 128)
-    while hidden > 128 and not fits(hidden):
-        hidden -= 128
-    while fits(hidden + 128):
-        hidden += 128
-    return hidden
-
-
-def _generic_rows(cfg: dict[str, Any]) -> list[list[Any]]:
-    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    n = cfg["num_hidden_layers"]
-    layer = "model.layers.*."
-    return [
-        ["model.embed_tokens.weight", [v, h], 1, "Embedding"],
-        *[
-            [f"{layer}self_attn.{p}.weight", [h, h], n, "Linear"]
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj")
-        ],
-        [f"{layer}mlp.gate_proj.weight", [f, h], n, "Linear"],
-        [f"{layer}mlp.up_proj.weight", [f, h], n, "Linear"],
-        [f"{layer}mlp.down_proj.weight", [h, f], n, "Linear"],
-        [f"{layer}input_layernorm.weight", [h], n, "LlamaRMSNorm"],
-        [f"{layer}post_attention_layernorm.weight", [h], n, "LlamaRMSNorm"],
-        ["model.norm.weight", [h], 1, "LlamaRMSNorm"],
-        ["lm_head.weight", [v, h], 1, "Linear"],
-    ]
-
-
 def _from_size(num_params: int, task: str | None) -> ModelInfo:
     cfg = generic_decoder_config(num_params)
     chosen = _check_task(task, cfg)
@@ -614,7 +513,7 @@ def _from_size(num_params: int, task: str | None) -> ModelInfo:
         config=cfg,
         arch=arch,
         task=chosen,
-        params=_groups(_generic_rows(cfg)),
+        params=_groups(generic_rows(cfg)),
     )
     note = (
         f"{human_count(num_params)} is a bare size: assuming a Llama-style decoder with "
