@@ -111,7 +111,7 @@ def test_derived_table_regenerates_identically():
     ],
 )
 def test_names_and_hub_ids_resolve_case_insensitively(name):
-    assert resolve_model(name).origin == "catalog"
+    assert resolve_model(name).name in catalog_names()
 
 
 def test_unknown_names_suggest_close_matches():
@@ -199,4 +199,4 @@ def test_malformed_configs_are_usage_errors(tmp_path, content, needle):
 def test_bare_size_is_a_generic_decoder_with_a_warning():
     info = resolve_model("7B")
     assert abs(info.total_params - 7e9) / 7e9 < 0.05
-    assert info.origin == "size" and "assuming" in info.warnings[0]
+    assert info.name.startswith("generic-") and "assuming" in info.warnings[0]

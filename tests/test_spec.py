@@ -25,6 +25,11 @@ def test_defaults_and_frozen():
         ({"lora_rank": 0}, "--lora-rank"),
         ({"lora_dropout": 1.0}, "--lora-dropout"),
         ({"lora_targets": ()}, "--lora-targets"),
+        ({"lora_alpha": float("nan")}, "--lora-alpha must be a finite number"),
+        ({"lora_alpha": float("inf")}, "--lora-alpha must be a finite number"),
+        ({"lora_alpha": "8"}, "--lora-alpha must be a finite number"),
+        ({"lora_dropout": float("nan")}, "--lora-dropout must be a finite number"),
+        ({"lora_dropout": float("-inf")}, "--lora-dropout must be a finite number"),
     ],
 )
 def test_contradictions_and_bad_values_raise(kwargs, needle):

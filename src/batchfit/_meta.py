@@ -83,3 +83,75 @@ def param_table(model: Any) -> list[list[Any]]:
         else:
             rows[key] = [pattern, list(param.shape), 1, owner.get(name, "")]
     return list(rows.values())
+
+
+# Stacks deeper than this are counted from a few layers: a meta build of 100,000 layers takes
+# minutes and gigabytes, and every row's count is affine in the depth, one period of layer
+# types at a time. Shallower stacks are built whole, as before.
+EXTRAPOLATE_ABOVE_LAYERS = 256
+# Small builds start this deep, past the special first layers some models have (DeepSeek's
+# first_k_dense_replace, T5's relative attention bias in block 0).
+_BASE_LAYERS = 8
+# Periods of alternating layer types to try (Gemma 2: 2; Gemma 3: 6; Llama 4 MoE steps: 2, 4).
+_PERIODS = (1, 2, 3, 4, 6, 8)
+
+
+def count_params(
+    config: dict[str, Any], task: str, *, extrapolate_above: int = EXTRAPOLATE_ABOVE_LAYERS
+) -> list[list[Any]]:
+    """``param_table`` of the model, counting stacks deeper than ``extrapolate_above`` exactly
+    from a few small builds instead of building every layer.
+
+    For a period ``p`` the stack is built at depths ``n``, ``n + p`` and ``n + 2p`` (``n`` as
+    deep as ``L`` modulo ``p``); the third build checks that the counts grow linearly, and
+    per-layer lists in the config must repeat with period ``p``. When no period checks out,
+    the whole model is built.
+    """
+    from batchfit._config import LAYER_KEYS
+
+    floor = max(extrapolate_above, _BASE_LAYERS)
+    depths: dict[int, list[str]] = {}
+    for key, value in config.items():
+        if key in LAYER_KEYS and isinstance(value, int) and value > floor:
+            depths.setdefault(value, []).append(key)
+    for period in _PERIODS if depths else ():
+        rows = _extrapolate(config, task, depths, period)
+        if rows is not None:
+            return rows
+    return param_table(build_on_meta(config, task))
+
+
+def _extrapolate(
+    config: dict[str, Any], task: str, depths: dict[int, list[str]], period: int
+) -> list[list[Any]] | None:
+    lists = {k: v for k, v in config.items() if isinstance(v, list) and len(v) in depths}
+    for values in lists.values():
+        if any(values[i] != values[i - period] for i in range(_BASE_LAYERS + period, len(values))):
+            return None
+    start = {depth: _BASE_LAYERS + (depth - _BASE_LAYERS) % period for depth in depths}
+
+    def table(shift: dict[int, int]) -> dict[tuple[str, tuple[int, ...]], list[Any]]:
+        small = dict(config)
+        for depth, keys in depths.items():
+            small.update(dict.fromkeys(keys, start[depth] + shift.get(depth, 0)))
+        for key, values in lists.items():
+            small[key] = values[: start[len(values)] + shift.get(len(values), 0)]
+        rows = param_table(build_on_meta(small, task))
+        return {(r[0], tuple(r[1])): r for r in rows}
+
+    base = table({})
+    steps = {depth: table({depth: period}) for depth in depths}
+    check = table(dict.fromkeys(depths, 2 * period))
+    out: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for key in [*base, *(k for s in (*steps.values(), check) for k in s)]:
+        if key in out:
+            continue
+        count0 = base[key][2] if key in base else 0
+        grow = {d: (s[key][2] if key in s else 0) - count0 for d, s in steps.items()}
+        checked = check[key][2] if key in check else 0
+        if checked != count0 + 2 * sum(grow.values()):
+            return None
+        count = count0 + sum(g * (d - start[d]) // period for d, g in grow.items())
+        row = base.get(key) or next(s[key] for s in (*steps.values(), check) if key in s)
+        out[key] = [row[0], row[1], count, row[3]]
+    return [row for row in out.values() if row[2]]

@@ -6,7 +6,6 @@ catalog are built on the meta device (``_meta.py``) to count parameters exactly.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from batchfit import catalog
+from batchfit._config import existing_path, hub_cache_config, read_config_file
+from batchfit._generic import generic_decoder_config, generic_rows
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
@@ -183,7 +184,6 @@ class Architecture:
     experts_per_token: int
     attention_dropout: float
     hidden_dropout: float
-    sliding_window: int | None
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,6 @@ class ModelInfo:
 
     name: str
     hub_id: str | None
-    origin: str  # catalog | config | size
     config: dict[str, Any]
     arch: Architecture
     task: Task
@@ -342,7 +341,6 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
             )
         ),
         hidden_dropout=dropout,
-        sliding_window=first("sliding_window"),
     )
 
 
@@ -377,26 +375,35 @@ def catalog_names() -> list[str]:
     return [entry["name"] for entry in catalog.load("models")["models"]]
 
 
-def resolve_model(spec: str, task: str | None = None) -> ModelInfo:
+def resolve_model(spec: str | os.PathLike[str], task: str | None = None) -> ModelInfo:
     """Resolve MODEL: a catalog name or hub id, a config.json path or folder, or a size (7B).
 
     Example:
         >>> info = resolve_model("gpt2")
         >>> info.task, info.total_params
         ('causal-lm', 124439808)
+
+    Raises:
+        TypeError: ``spec`` is not a string or a path.
+        UsageError: MODEL names nothing readable, or its config.json is malformed.
     """
-    text = spec.strip()
+    if not isinstance(spec, str | os.PathLike):
+        raise TypeError(
+            f"MODEL must be a str or a path (a catalog name, a config.json, or a size such as "
+            f"'7B'), got {type(spec).__name__} {spec!r}"
+        )
+    text = os.fspath(spec).strip()
     if not text:
         raise UsageError("MODEL is empty: give a catalog name, a config.json path, or a size")
     entry = _catalog_index().get(normalise(text))
     if entry is not None:
         return _from_catalog(entry, task)
-    path = Path(text).expanduser()
-    if path.exists():
+    path = existing_path(text)
+    if path is not None:
         return _from_config_file(path, task)
     if looks_like_count(text):
         return _from_size(parse_count(text), task)
-    cached = _hub_cache_config(text)
+    cached = hub_cache_config(text)
     if cached is not None:
         return _from_config_file(cached, task, hub_id=text)
     raise UsageError(
@@ -426,7 +433,6 @@ def _from_catalog(entry: dict[str, Any], task: str | None) -> ModelInfo:
     return ModelInfo(
         name=entry["name"],
         hub_id=entry["hub_id"],
-        origin="catalog",
         config=cfg,
         arch=arch_from_config(cfg),
         task=chosen,
@@ -438,29 +444,15 @@ def _groups(rows: Iterable[list[Any]]) -> tuple[ParamGroup, ...]:
     return tuple(ParamGroup(r[0], tuple(r[1]), int(r[2]), r[3]) for r in rows)
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a config.json (or a folder holding one), with one-line errors."""
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{path} has no config.json") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {file}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{file} is not valid JSON (line {e.lineno}): {e.msg}") from None
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise UsageError(f'{file} has no "model_type": is it a Hugging Face config.json?')
-    return cfg
-
-
 def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -> ModelInfo:
     from batchfit import _meta
 
     raw = read_config_file(path)
     chosen = _check_task(task, raw)
-    model = _meta.build_on_meta(raw, chosen)
-    full = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
+    rows = _meta.count_params(raw, chosen)
+    full = {
+        k: v for k, v in _meta.make_config(raw, chosen).to_dict().items() if not k.startswith("_")
+    }
     full["model_type"] = raw["model_type"]
     try:
         arch = arch_from_config(full)
@@ -469,11 +461,10 @@ def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -
     return ModelInfo(
         name=hub_id or str(path),
         hub_id=hub_id,
-        origin="config",
         config=full,
         arch=arch,
         task=chosen,
-        params=_groups(_meta.param_table(model)),
+        params=_groups(rows),
         warnings=_defaults_used(raw, arch),
     )
 
@@ -510,69 +501,6 @@ def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
     )
 
 
-def _hub_cache_config(hub_id: str) -> Path | None:
-    """A config.json for ``org/name`` in the local Hugging Face cache, if one is there."""
-    if hub_id.count("/") != 1:
-        return None
-    root = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
-    )
-    snapshots = Path(root) / f"models--{hub_id.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
-# Generic decoder for a bare size: Llama-2 proportions (hidden/layers = 128, SwiGLU with
-# intermediate = 8/3 hidden rounded to 256, 128-wide MHA heads, 32k vocabulary).
-_GENERIC_VOCAB = 32000
-
-
-def generic_decoder_config(num_params: int) -> dict[str, Any]:
-    """A Llama-style config.json of about ``num_params`` parameters."""
-    vocab = _GENERIC_VOCAB
-    # 12 h^2 per layer (4 h^2 attention + 3 h * 8h/3 MLP) + 2 V h embeddings, with L = h / 128.
-    hidden = 128
-    while 12 * (hidden + 128) ** 3 / 128 + 2 * vocab * (hidden + 128) <= num_params:
-        hidden += 128
-    inter = int(math.ceil(8 * hidden / 3 / 256) * 256)
-    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
-    layers = max(1, round((num_params - 2 * vocab * hidden) / per_layer))
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": max(1, hidden // 128),
-        "num_key_value_heads": max(1, hidden // 128),
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": 1e-5,
-    }
-
-
-def _generic_rows(cfg: dict[str, Any]) -> list[list[Any]]:
-    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    n = cfg["num_hidden_layers"]
-    layer = "model.layers.*."
-    return [
-        ["model.embed_tokens.weight", [v, h], 1, "Embedding"],
-        *[
-            [f"{layer}self_attn.{p}.weight", [h, h], n, "Linear"]
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj")
-        ],
-        [f"{layer}mlp.gate_proj.weight", [f, h], n, "Linear"],
-        [f"{layer}mlp.up_proj.weight", [f, h], n, "Linear"],
-        [f"{layer}mlp.down_proj.weight", [h, f], n, "Linear"],
-        [f"{layer}input_layernorm.weight", [h], n, "LlamaRMSNorm"],
-        [f"{layer}post_attention_layernorm.weight", [h], n, "LlamaRMSNorm"],
-        ["model.norm.weight", [h], 1, "LlamaRMSNorm"],
-        ["lm_head.weight", [v, h], 1, "Linear"],
-    ]
-
-
 def _from_size(num_params: int, task: str | None) -> ModelInfo:
     cfg = generic_decoder_config(num_params)
     chosen = _check_task(task, cfg)
@@ -582,11 +510,10 @@ def _from_size(num_params: int, task: str | None) -> ModelInfo:
     info = ModelInfo(
         name=f"generic-{human_count(num_params)}",
         hub_id=None,
-        origin="size",
         config=cfg,
         arch=arch,
         task=chosen,
-        params=_groups(_generic_rows(cfg)),
+        params=_groups(generic_rows(cfg)),
     )
     note = (
         f"{human_count(num_params)} is a bare size: assuming a Llama-style decoder with "

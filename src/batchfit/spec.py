@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import math
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from batchfit.errors import UsageError
@@ -34,13 +35,24 @@ ATTENTIONS: tuple[str, ...] = get_args(Attention)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 
-# Optimizers whose update keeps Adam's two moments.
+# Optimizers that plan.scale_learning_rate scales by the square root of the batch ratio.
+# Malladi et al. 2022 (SDE scaling rule) is the source for Adam and AdamW, and the 8-bit
+# variants keep the same two moments. Lion (one momentum buffer, sign update) and Adafactor
+# (factored second moment, no first moment by default) keep other state and have no sourced
+# rule: they are here only so they get the square-root rule rather than none.
 ADAM_FAMILY = frozenset({"adam", "adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion"})
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"{name} {value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_finite(name: str, value: object) -> float:
+    """A real, finite number (NaN and infinity compare False with every bound, so check first)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UsageError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,9 @@ class TrainingSetup:
             raise UsageError(f"--num-gpus must be a positive integer, got {self.num_gpus!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
             raise UsageError(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
-        if self.lora_alpha <= 0:
+        if _check_finite("--lora-alpha", self.lora_alpha) <= 0:
             raise UsageError(f"--lora-alpha must be positive, got {self.lora_alpha!r}")
-        if not 0.0 <= self.lora_dropout < 1.0:
+        if not 0.0 <= _check_finite("--lora-dropout", self.lora_dropout) < 1.0:
             raise UsageError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.lora_targets is not None and not self.lora_targets:
             raise UsageError("--lora-targets is empty: name modules, e.g. q_proj,v_proj")
@@ -111,11 +123,6 @@ class TrainingSetup:
     @property
     def is_lora(self) -> bool:
         return self.method in ("lora", "qlora")
-
-    @property
-    def shards_states(self) -> bool:
-        """Whether optimizer states are divided across GPUs."""
-        return self.sharding in ("zero1", "zero2", "zero3", "fsdp") and self.num_gpus > 1
 
     def resolved(self, *, device: Literal["cpu", "cuda"], bf16_supported: bool) -> TrainingSetup:
         """Return a copy with ``precision="auto"`` and ``attention="auto"`` made concrete.
@@ -138,14 +145,3 @@ class TrainingSetup:
         if sharding == "none" and self.num_gpus > 1:
             sharding = "ddp"  # several GPUs without sharding are data parallel (DDP)
         return replace(self, precision=precision, attention=attention, sharding=sharding)
-
-    def describe(self) -> str:
-        """A one-line summary of the non-default choices."""
-        default = TrainingSetup()
-        parts = []
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value != getattr(default, field.name):
-                shown = ",".join(value) if isinstance(value, tuple) else value
-                parts.append(f"{field.name.replace('_', '-')}={shown}")
-        return " ".join(parts) or "defaults"
