@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from batchfit._divisors import MAX_N, divisors_near, largest_divisor_at_most
 from batchfit._fit_table import FitRow, fit_table
 from batchfit._ladder import Combo, Technique, apply, ladder
 from batchfit._lr_scaling import scale_learning_rate
@@ -73,7 +74,12 @@ def _nearest(value: int, unit: int) -> str:
     return " or ".join(f"{v:,}" for v in options)
 
 
-def _check_micro_batch(micro_batch_size: int | None, per_gpu: int) -> None:
+def _check_per_gpu(micro_batch_size: int | None, per_gpu: int) -> None:
+    if per_gpu > MAX_N:  # the divisor search factors it: keep its cost bounded
+        raise UsageError(
+            f"{per_gpu:,} samples per GPU per step is past what batchfit plans (2**64); "
+            "give a smaller --global-batch or --global-batch-tokens"
+        )
     if micro_batch_size is None:
         return
     if micro_batch_size < 1:
@@ -81,7 +87,7 @@ def _check_micro_batch(micro_batch_size: int | None, per_gpu: int) -> None:
     if per_gpu % micro_batch_size:
         raise UsageError(
             f"--micro-batch {micro_batch_size} does not divide the {per_gpu} samples each "
-            f"GPU takes per step; try {_divisors_near(per_gpu, micro_batch_size)}"
+            f"GPU takes per step; try {divisors_near(per_gpu, micro_batch_size)}"
         )
 
 
@@ -206,7 +212,7 @@ def make_plan(
     """
     global_samples = samples_from_target(global_batch, global_batch_tokens, seq_len, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
-    _check_micro_batch(micro_batch_size, per_gpu)
+    _check_per_gpu(micro_batch_size, per_gpu)
     if (base_lr is None) != (base_batch is None):
         raise UsageError(
             "give --base-lr and --base-batch together (the LR was tuned at that batch)"
@@ -216,7 +222,7 @@ def make_plan(
     fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)  # by the ladder's analytic figures
     if engine == "trace" and fit.techniques:
         fit = replace(fit, max_micro_batch=target.max_micro(fit.setup, engine))
-    micro = micro_batch_size or _largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
+    micro = micro_batch_size or largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
     accum = per_gpu // micro
     _, est = fits(model, fit.setup, gpu, micro, seq_len, accum, headroom_bytes, engine)
     # --base-batch is in the unit of the target: tokens when the target is in tokens
@@ -253,15 +259,5 @@ def make_plan(
     )
 
 
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    """Largest divisor of ``n`` not above ``limit``, so accumulation stays an integer."""
-    for d in range(min(n, limit), 0, -1):
-        if n % d == 0:
-            return d
-    return 1
-
-
-def _divisors_near(n: int, around: int) -> str:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    divisors.sort(key=lambda d: abs(d - around))
-    return ", ".join(str(d) for d in sorted(divisors[:3]))
+# integrations/lightning.py imports it under this name
+_largest_divisor_at_most = largest_divisor_at_most
