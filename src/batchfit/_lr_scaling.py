@@ -22,8 +22,10 @@ def scale_learning_rate(
         >>> scale_learning_rate(0.1, 256, 1024, "sgd")[0]
         0.4
     """
-    if base_lr <= 0 or base_batch <= 0:
-        raise UsageError("--base-lr and --base-batch must be positive")
+    for flag, value in (("--base-lr", base_lr), ("--base-batch", base_batch)):
+        # `not value > 0` also refuses NaN, which compares false with everything
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} must be a finite positive number, got {value}")
     ratio = global_batch / base_batch
     if optimizer in ADAM_FAMILY:
         return base_lr * math.sqrt(ratio), (
