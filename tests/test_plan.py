@@ -45,7 +45,10 @@ def test_every_plan_is_exact(global_batch, num_gpus, gpu):
 
 def test_largest_fitting_micro_batch_is_chosen_when_it_divides():
     p = make_plan(GPT2, get_gpu("a100-80gb"), TrainingSetup(), seq_len=1024, global_batch=512)
-    assert p.micro_batch_size == p.max_micro_batch or 512 % p.max_micro_batch
+    # the largest divisor of 512 that fits: the fitting maximum itself when it divides
+    fitting_divisors = [d for d in range(1, p.max_micro_batch + 1) if 512 % d == 0]
+    assert p.micro_batch_size == max(fitting_divisors)
+    assert (p.micro_batch_size == p.max_micro_batch) == (512 % p.max_micro_batch == 0)
     bigger = make_plan(
         GPT2,
         get_gpu("a100-80gb"),
