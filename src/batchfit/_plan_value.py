@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from batchfit._ladder import Combo
@@ -52,7 +52,6 @@ class Plan:
     alternatives: tuple[Alternative, ...]
     warnings: tuple[str, ...]
     lora_targets: tuple[str, ...] = ()
-    exports: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:
@@ -85,5 +84,4 @@ class Plan:
             "engine": est.engine,
             "setup": est.to_json()["setup"],
             "warnings": list(self.warnings),
-            "exports": dict(self.exports),
         }

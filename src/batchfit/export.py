@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from batchfit.plan import Plan
 from batchfit.spec import TrainingSetup
 
-ExportKind = Literal["hf", "deepspeed", "accelerate", "lightning"]
 EXPORT_KINDS: tuple[str, ...] = ("hf", "deepspeed", "accelerate", "lightning")
 
 # TrainingArguments(optim=...) names (transformers.training_args.OptimizerNames).
