@@ -73,7 +73,8 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "optim": _HF_OPTIM[setup.optimizer],
-        "gradient_checkpointing": setup.grad_ckpt,
+        # `activation_checkpointing`: transformers 5.x deprecates `gradient_checkpointing` for it
+        "activation_checkpointing": setup.grad_ckpt,
         "bf16": setup.precision in ("amp-bf16", "bf16"),
         "fp16": setup.precision in ("amp-fp16", "fp16"),
     }
@@ -85,10 +86,17 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         kwargs["learning_rate"] = plan.learning_rate
     # fp16 weights training against an fp32 master copy: DeepSpeed (stage 0 is enough) does it;
     # a plain Trainer's GradScaler refuses fp16 parameters.
+    # The DeepSpeed config goes inline (TrainingArguments takes a dict): no second file to write.
     if setup.sharding in ("zero1", "zero2", "zero3") or setup.precision == "fp16":
-        kwargs["deepspeed"] = "ds_config.json"
+        kwargs["deepspeed"] = deepspeed_config(plan)
     elif setup.sharding == "fsdp":
-        kwargs["fsdp"] = "full_shard auto_wrap" + (" offload" if setup.offload != "none" else "")
+        # fsdp=True + fsdp_config: the string form ("full_shard auto_wrap offload") is deprecated.
+        # FSDP2's reshard_after_forward=True is full_shard; auto_wrap is its default policy.
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = {
+            "reshard_after_forward": True,
+            "cpu_offload": setup.offload != "none",
+        }
     return kwargs
 
 
@@ -239,3 +247,4 @@ def render(data: dict[str, Any], kind: str) -> str:
 
         return str(yaml.safe_dump(data, sort_keys=False))
     return json.dumps(data, indent=2) + "\n"
+
