@@ -114,7 +114,7 @@ def plan_json(name: str) -> dict[str, Any]:
     model, gpu, setup_kwargs, kwargs = CASES[name]
     setup = TrainingSetup(**setup_kwargs)
     plan = make_plan(resolve_model(model, setup.task), get_gpu(gpu), setup, **kwargs)
-    return json.loads(json.dumps(plan.to_json()))
+    return dict(json.loads(json.dumps(plan.to_json())))
 
 
 def fit_json(name: str) -> list[dict[str, Any]]:
@@ -123,7 +123,7 @@ def fit_json(name: str) -> list[dict[str, Any]]:
     rows = fit_table(
         resolve_model(model, setup.task), setup, [get_gpu(g) for g in gpus], seq_len=seq_len
     )
-    return json.loads(json.dumps([r.to_json() for r in rows]))
+    return list(json.loads(json.dumps([r.to_json() for r in rows])))
 
 
 def _golden() -> dict[str, Any]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
+from pathlib import Path
 from typing import Any
 
+from batchfit.errors import UsageError
 from batchfit.plan import Plan
 from batchfit.spec import TrainingSetup
 
@@ -248,3 +252,34 @@ def render(data: dict[str, Any], kind: str) -> str:
         return str(yaml.safe_dump(data, sort_keys=False))
     return json.dumps(data, indent=2) + "\n"
 
+
+def write_export(plan: Plan, kind: str, out: Path) -> dict[str, str]:
+    """Write the export of ``kind`` to ``out``, the one file it needs; ``{kind: path}`` written.
+
+    Atomic: the text goes to a temporary file beside ``out``, then replaces it in one rename, so
+    an interrupted or failed write leaves ``out`` as it was. A symlink is written through.
+    An ``OSError`` becomes a ``UsageError`` naming ``out``.
+    """
+    text = render(export(plan, kind), kind)
+    try:
+        _write_atomically(Path(os.path.realpath(out)), text)
+    except OSError as e:
+        raise UsageError(f"cannot write --out {out}: {e.strerror or e}") from None
+    return {kind: str(out)}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # 0o666 less the umask, as open(path, "w") gives; an existing file keeps its own mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.is_file():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave the half-written temporary behind
+        raise
