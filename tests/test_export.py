@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import warnings
 from functools import cache
 from typing import Any, get_args
 
@@ -232,7 +234,7 @@ def test_deepspeed_checks_the_world_size(name: str, monkeypatch: pytest.MonkeyPa
 
 
 def _training_arguments(plan: Plan, tmp_path, monkeypatch: pytest.MonkeyPatch, kwargs=None):
-    """``TrainingArguments(**kwargs)``; the DeepSpeed file it names is the deepspeed export."""
+    """``TrainingArguments(**kwargs)``, the DeepSpeed config inline as the export gives it."""
     transformers = pytest.importorskip("transformers")
     if kwargs is None:
         kwargs = export(plan, "hf")["training_arguments"]
@@ -241,8 +243,6 @@ def _training_arguments(plan: Plan, tmp_path, monkeypatch: pytest.MonkeyPatch, k
         kwargs["use_cpu"] = True  # else bf16=True is refused: "Your setup doesn't support bf16/gpu"
     if "deepspeed" in kwargs:
         pytest.importorskip("deepspeed")
-        monkeypatch.chdir(tmp_path)  # the export names the file relative to the launch directory
-        (tmp_path / kwargs["deepspeed"]).write_text(render(export(plan, "deepspeed"), "deepspeed"))
         # TrainingArguments checks the DeepSpeed config against world_size x micro x accumulation;
         # on this machine that would be 1 process, not the plan's GPUs.
         monkeypatch.setattr(
@@ -273,17 +273,46 @@ def test_hf_training_arguments_construct(plan: Plan, tmp_path, monkeypatch: pyte
     for key, value in kwargs.items():
         if key == "output_dir":
             continue
-        if key == "fsdp":  # the legacy string is folded into fsdp=True + fsdp_config
-            options = value.split()
-            assert args.fsdp is True
-            assert args.fsdp_config.get("cpu_offload", False) == ("offload" in options)
-            assert ("full_shard" in options) == (plan.setup.sharding == "fsdp")
+        if key == "fsdp_config":  # TrainingArguments adds its defaults to the dict
+            assert value.items() <= args.fsdp_config.items()
+            assert args.fsdp_config["cpu_offload"] == (plan.setup.offload != "none")
+            assert args.fsdp_plugin_args["reshard_after_forward"] is True  # full_shard
             continue
         assert getattr(args, key) == value, key
     if plan.setup.sharding.startswith("zero"):
         assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == int(
             plan.setup.sharding[-1]
         )
+
+
+def test_hf_export_is_accepted_without_a_warning(
+    plan: Plan, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """No deprecated argument: `gradient_checkpointing` (a FutureWarning) and the `fsdp` string
+    (a logged deprecation) were both written before issue #9."""
+    transformers = pytest.importorskip("transformers")
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            args = _training_arguments(plan, tmp_path, monkeypatch)
+    finally:
+        logger.removeHandler(handler)
+    assert isinstance(args, transformers.TrainingArguments)
+    assert args.activation_checkpointing == plan.setup.grad_ckpt
+    assert [r.getMessage() for r in logged if "deprecat" in r.getMessage().lower()] == []
+
+
+def test_hf_export_names_no_other_file(plan: Plan):
+    """The DeepSpeed config is inline: the hf export is one self-contained file."""
+    kwargs = export(plan, "hf")["training_arguments"]
+    if "deepspeed" in kwargs:
+        assert kwargs["deepspeed"] == export(plan, "deepspeed")
+    assert not any(isinstance(v, str) and v.endswith((".json", ".yaml")) for v in kwargs.values())
 
 
 @pytest.mark.parametrize("name", ZERO_PLANS)

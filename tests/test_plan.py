@@ -45,7 +45,10 @@ def test_every_plan_is_exact(global_batch, num_gpus, gpu):
 
 def test_largest_fitting_micro_batch_is_chosen_when_it_divides():
     p = make_plan(GPT2, get_gpu("a100-80gb"), TrainingSetup(), seq_len=1024, global_batch=512)
-    assert p.micro_batch_size == p.max_micro_batch or 512 % p.max_micro_batch
+    # the largest divisor of 512 that fits: the fitting maximum itself when it divides
+    fitting_divisors = [d for d in range(1, p.max_micro_batch + 1) if 512 % d == 0]
+    assert p.micro_batch_size == max(fitting_divisors)
+    assert (p.micro_batch_size == p.max_micro_batch) == (512 % p.max_micro_batch == 0)
     bigger = make_plan(
         GPT2,
         get_gpu("a100-80gb"),
@@ -133,3 +136,30 @@ def test_fit_table_covers_every_gpu():
     assert len(rows) == len(all_gpus())
     by_name = {r.gpu.name: r for r in rows}
     assert by_name["h200"].max_micro_batch > by_name["t4"].max_micro_batch > 0
+
+
+@pytest.mark.parametrize(
+    ("base_lr", "base_batch", "flag"),
+    [
+        (float("inf"), 32, "--base-lr"),
+        (float("nan"), 32, "--base-lr"),
+        (-1e-4, 32, "--base-lr"),
+        (1e-4, float("inf"), "--base-batch"),
+        (1e-4, float("nan"), "--base-batch"),
+        (1e-4, 0, "--base-batch"),
+    ],
+)
+def test_non_finite_learning_rate_inputs_are_refused(base_lr, base_batch, flag):
+    # Issue #9: inf/nan were accepted and `plan --json` printed Infinity / NaN.
+    with pytest.raises(ValueError, match=f"{flag} must be a finite positive number"):
+        scale_learning_rate(base_lr, base_batch, 64, "adamw")
+    with pytest.raises(UsageError, match=flag):
+        make_plan(
+            GPT2,
+            get_gpu("t4"),
+            TrainingSetup(),
+            seq_len=256,
+            global_batch=32,
+            base_lr=base_lr,
+            base_batch=base_batch,
+        )

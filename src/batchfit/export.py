@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import os
+import secrets
+from pathlib import Path
+from typing import Any
 
+from batchfit.errors import UsageError
 from batchfit.plan import Plan
 from batchfit.spec import TrainingSetup
 
-ExportKind = Literal["hf", "deepspeed", "accelerate", "lightning"]
 EXPORT_KINDS: tuple[str, ...] = ("hf", "deepspeed", "accelerate", "lightning")
 
 # TrainingArguments(optim=...) names (transformers.training_args.OptimizerNames).
@@ -74,7 +77,8 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "optim": _HF_OPTIM[setup.optimizer],
-        "gradient_checkpointing": setup.grad_ckpt,
+        # `activation_checkpointing`: transformers 5.x deprecates `gradient_checkpointing` for it
+        "activation_checkpointing": setup.grad_ckpt,
         "bf16": setup.precision in ("amp-bf16", "bf16"),
         "fp16": setup.precision in ("amp-fp16", "fp16"),
     }
@@ -86,10 +90,17 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         kwargs["learning_rate"] = plan.learning_rate
     # fp16 weights training against an fp32 master copy: DeepSpeed (stage 0 is enough) does it;
     # a plain Trainer's GradScaler refuses fp16 parameters.
+    # The DeepSpeed config goes inline (TrainingArguments takes a dict): no second file to write.
     if setup.sharding in ("zero1", "zero2", "zero3") or setup.precision == "fp16":
-        kwargs["deepspeed"] = "ds_config.json"
+        kwargs["deepspeed"] = deepspeed_config(plan)
     elif setup.sharding == "fsdp":
-        kwargs["fsdp"] = "full_shard auto_wrap" + (" offload" if setup.offload != "none" else "")
+        # fsdp=True + fsdp_config: the string form ("full_shard auto_wrap offload") is deprecated.
+        # FSDP2's reshard_after_forward=True is full_shard; auto_wrap is its default policy.
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = {
+            "reshard_after_forward": True,
+            "cpu_offload": setup.offload != "none",
+        }
     return kwargs
 
 
@@ -240,3 +251,35 @@ def render(data: dict[str, Any], kind: str) -> str:
 
         return str(yaml.safe_dump(data, sort_keys=False))
     return json.dumps(data, indent=2) + "\n"
+
+
+def write_export(plan: Plan, kind: str, out: Path) -> dict[str, str]:
+    """Write the export of ``kind`` to ``out``, the one file it needs; ``{kind: path}`` written.
+
+    Atomic: the text goes to a temporary file beside ``out``, then replaces it in one rename, so
+    an interrupted or failed write leaves ``out`` as it was. A symlink is written through.
+    An ``OSError`` becomes a ``UsageError`` naming ``out``.
+    """
+    text = render(export(plan, kind), kind)
+    try:
+        _write_atomically(Path(os.path.realpath(out)), text)
+    except OSError as e:
+        raise UsageError(f"cannot write --out {out}: {e.strerror or e}") from None
+    return {kind: str(out)}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # 0o666 less the umask, as open(path, "w") gives; an existing file keeps its own mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.is_file():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave the half-written temporary behind
+        raise

@@ -1,0 +1,62 @@
+"""``batchfit gpus MODEL``: for every GPU, the largest micro-batch or what it takes to fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchfit._ladder import Combo, apply, ladder
+from batchfit._max_micro_batch import DEFAULT_HEADROOM_BYTES, fits, max_micro_batch
+from batchfit.hardware import GpuSpec
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """One GPU of ``batchfit gpus MODEL``: the largest micro-batch, or what it takes to fit."""
+
+    gpu: GpuSpec
+    precision: str
+    max_micro_batch: int
+    device_total_bytes: int  # at micro-batch max(1, max_micro_batch)
+    techniques: Combo
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu.name,
+            "gpu_bytes": self.gpu.memory_bytes,
+            "precision": self.precision,
+            "max_micro_batch": self.max_micro_batch,
+            "device_total_bytes": self.device_total_bytes,
+            "techniques": [{"name": t.name, "kind": t.kind} for t in self.techniques],
+        }
+
+
+def fit_table(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpus: list[GpuSpec],
+    *,
+    seq_len: int,
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+) -> list[FitRow]:
+    """For every GPU: the largest micro-batch that fits, else the first ladder rung that does.
+
+    The seed guides' "batch size by model & GPU" tables, computed.
+    """
+    rows = []
+    for gpu in gpus:
+        chosen = setup
+        techniques: Combo = ()
+        best = max_micro_batch(model, setup, gpu, seq_len, None, headroom_bytes)
+        if best == 0:
+            for combo in ladder(setup, gpu):
+                alt = apply(setup, combo)
+                best = max_micro_batch(model, alt, gpu, seq_len, None, headroom_bytes)
+                if best:
+                    chosen, techniques = alt, combo
+                    break
+        _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes)
+        rows.append(FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques))
+    return rows

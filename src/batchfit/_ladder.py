@@ -1,0 +1,143 @@
+"""The technique ladder: what to switch on, in order, when a model does not fit (DESIGN.md).
+
+A ``Technique`` is a value that carries its name, its kind (``exact``: the same training, only
+slower or spread wider; ``changes-training``: what is learned differs) and the change it makes
+to a ``TrainingSetup``. ``ladder`` lists the combinations to try, exact ones first, cheapest in
+time first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import reduce
+from typing import Literal
+
+from batchfit.hardware import GpuSpec
+from batchfit.spec import TrainingSetup
+
+Kind = Literal["exact", "changes-training"]
+Combo = tuple["Technique", ...]
+
+
+@dataclass(frozen=True)
+class Technique:
+    """A rung of the ladder: ``exact`` ones change nothing about what is learned."""
+
+    name: str
+    kind: Kind
+    why: str
+    transform: Callable[[TrainingSetup], TrainingSetup] = field(compare=False, repr=False)
+
+    def __call__(self, setup: TrainingSetup) -> TrainingSetup:
+        """The setup with this technique switched on."""
+        return self.transform(setup)
+
+
+GRAD_CKPT = Technique(
+    "gradient-checkpointing",
+    "exact",
+    "recompute each layer in backward",
+    lambda s: replace(s, grad_ckpt=True),
+)
+ZeroStage = Literal["zero1", "zero2", "zero3"]
+_ZERO_STAGES: tuple[ZeroStage, ...] = ("zero1", "zero2", "zero3")
+
+
+def zero(stage: ZeroStage, why: str) -> Technique:
+    """Shard optimizer state (1), also gradients (2), also weights (3) over the GPUs."""
+    return Technique(stage, "exact", why, lambda s: replace(s, sharding=stage))
+
+
+OFFLOAD_OPTIMIZER = Technique(
+    "offload-optimizer",
+    "exact",
+    "optimizer state in CPU RAM",
+    lambda s: replace(s, offload="optimizer"),
+)
+OFFLOAD_ALL = Technique(
+    "offload-optimizer+params",
+    "exact",
+    "optimizer state and weights in CPU RAM",
+    lambda s: replace(s, offload="optimizer+params"),
+)
+ADAMW_8BIT = Technique(
+    "adamw-8bit",
+    "changes-training",
+    "8-bit optimizer states",
+    lambda s: replace(s, optimizer="adamw-8bit"),
+)
+PURE_BF16 = Technique(
+    "pure-bf16",
+    "changes-training",
+    "bf16 weights and states, no fp32 master",
+    lambda s: replace(s, precision="bf16"),
+)
+LORA = Technique(
+    "lora", "changes-training", "train low-rank adapters", lambda s: replace(s, method="lora")
+)
+
+
+def qlora(gpu: GpuSpec) -> Technique:
+    """4-bit frozen base + adapters, computing in 16-bit: bf16 where ``gpu`` has it, else fp16."""
+
+    def to_qlora(s: TrainingSetup) -> TrainingSetup:
+        precision = s.precision
+        if precision in ("auto", "fp32"):
+            precision = "amp-bf16" if gpu.bf16 else "amp-fp16"
+        return replace(
+            s,
+            method="qlora",
+            precision=precision,
+            sharding="none" if s.sharding in ("zero3", "fsdp") else s.sharding,
+            offload="none",
+        )
+
+    return Technique("qlora", "changes-training", "4-bit frozen base + adapters", to_qlora)
+
+
+def apply(setup: TrainingSetup, techniques: Combo) -> TrainingSetup:
+    """The setup with the techniques switched on, in order."""
+    return reduce(lambda s, t: t(s), techniques, setup)
+
+
+def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
+    rungs: list[Combo] = []
+    if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+        why = f"shard across {setup.num_gpus} GPUs"
+        rungs += [(*base, zero(stage, why)) for stage in _ZERO_STAGES]
+    if setup.offload == "none" and setup.method != "qlora":
+        rungs.append((*base, zero("zero2", "ZeRO-Offload needs ZeRO"), OFFLOAD_OPTIMIZER))
+        rungs.append((*base, zero("zero3", "parameter offload needs ZeRO-3"), OFFLOAD_ALL))
+    return rungs
+
+
+def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Combo]:
+    changing: list[Technique] = []
+    if setup.optimizer in ("adam", "adamw"):
+        changing.append(ADAMW_8BIT)
+    if setup.precision != "bf16" and gpu.bf16 and setup.method == "full":
+        changing.append(PURE_BF16)
+    rungs: list[Combo] = [(*base, tech) for tech in changing]
+    if len(changing) == 2:
+        rungs.append((*base, *changing))
+    if setup.method == "full":
+        rungs.append((*base, LORA))
+    if setup.method != "qlora" and setup.precision != "fp32":
+        rungs.append((*base, qlora(gpu)))
+    return rungs
+
+
+def ladder(setup: TrainingSetup, gpu: GpuSpec) -> tuple[Combo, ...]:
+    """Technique combinations to try, exact ones first, cheapest in time first (DESIGN.md).
+
+    Gradient checkpointing comes first and stays on under every later rung.
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> [[t.name for t in combo] for combo in ladder(TrainingSetup(), get_gpu("t4"))][:2]
+        [['gradient-checkpointing'], ['gradient-checkpointing', 'zero2', 'offload-optimizer']]
+    """
+    base: Combo = () if setup.grad_ckpt else (GRAD_CKPT,)
+    first: list[Combo] = [] if setup.grad_ckpt else [(GRAD_CKPT,)]
+    return (*first, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))

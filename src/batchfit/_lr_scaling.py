@@ -1,0 +1,38 @@
+"""Learning-rate scaling: an LR tuned at one global batch, moved to another."""
+
+from __future__ import annotations
+
+import math
+
+from batchfit.errors import UsageError
+from batchfit.spec import ADAM_FAMILY
+
+
+def scale_learning_rate(
+    base_lr: float, base_batch: int, global_batch: int, optimizer: str
+) -> tuple[float, str]:
+    """Scale a learning rate tuned at ``base_batch`` to ``global_batch``.
+
+    Linear for SGD (Goyal et al. 2017), square root for Adam-family optimizers (Malladi et al.
+    2022); both hold only below the critical batch size.
+
+    Example:
+        >>> scale_learning_rate(1e-4, 256, 1024, "adamw")[0]
+        0.0002
+        >>> scale_learning_rate(0.1, 256, 1024, "sgd")[0]
+        0.4
+    """
+    for flag, value in (("--base-lr", base_lr), ("--base-batch", base_batch)):
+        # `not value > 0` also refuses NaN, which compares false with everything
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} must be a finite positive number, got {value}")
+    ratio = global_batch / base_batch
+    if optimizer in ADAM_FAMILY:
+        return base_lr * math.sqrt(ratio), (
+            f"square-root scaling for {optimizer} (Malladi et al. 2022): "
+            f"{base_lr:g} x sqrt({global_batch}/{base_batch})"
+        )
+    return base_lr * ratio, (
+        f"linear scaling for {optimizer} (Goyal et al. 2017): "
+        f"{base_lr:g} x {global_batch}/{base_batch}"
+    )

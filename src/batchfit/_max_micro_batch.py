@@ -1,0 +1,84 @@
+"""The largest micro-batch that fits a GPU with headroom to spare, by an engine's estimate."""
+
+from __future__ import annotations
+
+from batchfit._units import BYTES_IN_GIB
+from batchfit.hardware import GpuSpec
+from batchfit.memory.estimate import estimate
+from batchfit.memory.types import MemoryEstimate
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
+
+DEFAULT_HEADROOM_BYTES = BYTES_IN_GIB // 2
+
+
+def fits(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    micro: int,
+    seq_len: int,
+    accum: int,
+    headroom: int,
+    engine: str = "analytic",
+) -> tuple[bool, MemoryEstimate]:
+    """Whether ``micro`` leaves ``headroom`` bytes free on ``gpu``; the estimate that says so."""
+    est = estimate(
+        model,
+        setup,
+        micro_batch_size=micro,
+        seq_len=seq_len,
+        device="cuda",
+        gpu=gpu,
+        grad_accum_steps=accum,
+        engine=engine,  # type: ignore[arg-type]
+    )
+    return gpu.memory_bytes - est.device_total_bytes >= headroom, est
+
+
+def max_micro_batch(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int | None,
+    headroom: int,
+) -> int:
+    """Largest micro-batch that fits (0 if even 1 does not), searching up to ``per_gpu_batch``.
+
+    Memory grows with the micro-batch, so doubling then bisecting finds the boundary.
+    """
+    cap = per_gpu_batch or 1 << 16
+
+    def ok(m: int) -> bool:
+        accum = (per_gpu_batch // m) if per_gpu_batch else 1
+        return fits(model, setup, gpu, m, seq_len, max(accum, 1), headroom)[0]
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def max_micro_batch_traced(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int,
+    headroom: int,
+) -> int:
+    """Largest micro-batch by the trace engine: an affine fit over traced sizes, confirmed."""
+    from batchfit.memory.fit import fit_micro_batch
+
+    def at(m: int) -> MemoryEstimate:
+        accum = max(per_gpu_batch // m, 1)
+        return fits(model, setup, gpu, m, seq_len, min(accum, 2), headroom, "trace")[1]
+
+    return fit_micro_batch(at, gpu.memory_bytes - headroom, limit=per_gpu_batch).micro_batch_size
