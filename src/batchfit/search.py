@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import is_oom, release_memory
+from batchfit._rng import RngState
 from batchfit._units import human_bytes
 
 Choose = Literal["throughput", "max"]
@@ -110,9 +110,7 @@ class _State:
         self.weights = copy.deepcopy(model.state_dict()) if model is not None else None
         self.opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
         self.training = model.training if model is not None else None
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.py_rng = random.getstate()
+        self.rng = RngState.capture()
 
     def restore(self) -> None:
         if self.model is not None and self.weights is not None:
@@ -121,10 +119,7 @@ class _State:
             self.model.train(bool(self.training))
         if self.optimizer is not None and self.opt_state is not None:
             self.optimizer.load_state_dict(self.opt_state)
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
+        self.rng.restore()
 
 
 def _fit_limit(

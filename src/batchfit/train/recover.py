@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from batchfit._oom import OutOfMemoryError, is_oom, release_memory
+from batchfit._rng import RngState
 from batchfit.train import _dist
 from batchfit.train._batches import batch_len, slice_batch
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
@@ -133,7 +132,7 @@ class MicroBatcher:
         n = batch_len(batch)
         if n == 0:
             raise ValueError("the global batch is empty: give MicroBatcher.run at least one sample")
-        rng = _RngState.capture()
+        rng = RngState.capture()
         ooms = 0
         while True:
             micro = min(self._size, n)
@@ -227,35 +226,3 @@ class MicroBatcher:
             grown,
         )
         self._size, self._clean_steps = grown, 0
-
-
-@dataclass(frozen=True)
-class _RngState:
-    """The random state at the start of a global batch, to redo it with the same draws."""
-
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
-    python: Any
-    numpy: Any
-
-    @classmethod
-    def capture(cls) -> _RngState:
-        cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = torch.cuda.get_rng_state_all()
-        numpy = sys.modules.get("numpy")
-        return cls(
-            cpu=torch.get_rng_state(),
-            cuda=cuda,
-            python=random.getstate(),
-            numpy=numpy.random.get_state() if numpy is not None else None,
-        )
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None and self.numpy is not None:
-            numpy.random.set_state(self.numpy)
