@@ -253,7 +253,8 @@ class Accumulator:
                 "reduction='sum'"
             )
         count = _check_items(num_items)
-        (loss_sum if self.scaler is None else self.scaler.scale(loss_sum)).backward()
+        scaled = loss_sum if self.scaler is None else self.scaler.scale(loss_sum)
+        scaled.backward()  # type: ignore[no-untyped-call, unused-ignore]
         self._backward_called = True
         self._losses.append(loss_sum.detach())
         if isinstance(count, torch.Tensor):
