@@ -169,12 +169,11 @@ class MicroBatcher:
         self, batch: Any, n: int, micro: int, step_fn: StepFn
     ) -> tuple[StepResult | None, str]:
         acc = self.accumulator
-        ddp = acc._ddp
+        ddp = acc.ddp
         device = _dist.collective_device(ddp) if ddp is not None else None
         if ddp is not None and device is not None:
             _dist.check_same(acc.grad_accum_steps, "micro-steps per global batch", ddp, device)
-        acc._defer = True
-        try:
+        with acc.deferred():
             for start in range(0, n, micro):
                 message = self._micro_step(step_fn, slice_batch(batch, start, start + micro))
                 oom = message is not None
@@ -185,8 +184,6 @@ class MicroBatcher:
             if ddp is not None:
                 _dist.sum_grads(ddp.parameters(), ddp)
             return acc.finish(), ""
-        finally:
-            acc._defer = False
 
     def _micro_step(self, step_fn: StepFn, micro_batch: Any) -> str | None:
         """None when the micro-step ran; the error's first line when it ran out of memory."""
