@@ -1,9 +1,10 @@
 """``MicroBatcher``: run each global batch in micro-batches that fit; on OOM, halve and redo.
 
 An out-of-memory error in the middle of a global batch drops its partial gradients, halves the
-micro-batch and redoes the global batch from its first sample, with the random state it started
-with: no sample is lost or counted twice, the optimizer, scheduler and scaler only move when the
-whole global batch is done, and dropout draws what a run at the smaller size would have drawn.
+micro-batch and redoes the global batch from its first sample, with the random state and the
+module buffers it started with: no sample is lost or counted twice (in the gradients or in
+BatchNorm's running statistics), the optimizer, scheduler and scaler only move when the whole
+global batch is done, and dropout draws what a run at the smaller size would have drawn.
 
 Composer's auto-microbatching does the same on GPUs; accelerate's ``find_executable_batch_size``
 instead shrinks the batch itself (the global batch changes) and reruns the whole function.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +45,11 @@ class MicroBatcher:
     once, after the last micro-step, and only when no rank ran out of memory (DDP's own sync
     inside backward could not be abandoned half way). Every rank must run the same number of
     micro-steps: give each the same number of samples per global batch.
+
+    Each global batch starts with a copy of the model's floating-point and integer buffers
+    (BatchNorm's running statistics and batch counts), on their own device, put back when the
+    batch is redone. Its cost: the buffers' bytes once more (for BatchNorm, two floats per
+    channel) and one device-side copy per global batch; nothing for a model without buffers.
 
     Args:
         accumulator: Does the backward passes and the optimizer step; its
@@ -132,7 +138,7 @@ class MicroBatcher:
         n = batch_len(batch)
         if n == 0:
             raise ValueError("the global batch is empty: give MicroBatcher.run at least one sample")
-        rng = RngState.capture()
+        start = _BatchStart.capture(acc.model)
         ooms = 0
         while True:
             micro = min(self._size, n)
@@ -161,7 +167,7 @@ class MicroBatcher:
                 n,
                 self._size,
             )
-            rng.restore()
+            start.restore(acc.model)
         self._maybe_grow(ooms)
         return replace(result, micro_batch_size=micro, ooms=ooms)
 
@@ -223,3 +229,36 @@ class MicroBatcher:
             grown,
         )
         self._size, self._clean_steps = grown, 0
+
+
+# Buffers a forward pass may update in place: running statistics (float), batch counts (int).
+_BUFFER_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+    | {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+)
+
+
+@dataclass(frozen=True)
+class _BatchStart:
+    """What a global batch started with and a redo puts back: random state and buffers."""
+
+    rng: RngState
+    buffers: dict[str, torch.Tensor]  # name -> copy, on the buffer's device
+
+    @classmethod
+    def capture(cls, model: torch.nn.Module) -> _BatchStart:
+        with torch.no_grad():
+            buffers = {
+                name: buf.clone()
+                for name, buf in model.named_buffers()
+                if buf.dtype in _BUFFER_DTYPES
+            }
+        return cls(rng=RngState.capture(), buffers=buffers)
+
+    def restore(self, model: torch.nn.Module) -> None:
+        # In place: DDP holds references to the buffer tensors it broadcasts.
+        live = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, saved in self.buffers.items():
+                live[name].copy_(saved)
+        self.rng.restore()
