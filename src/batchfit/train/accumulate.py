@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from batchfit.train import _dist
+from batchfit.train._checks import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,12 @@ class Accumulator:
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"grad_accum_steps must be a positive integer (micro-batches per optimizer "
-                f"step), got {value!r}; use 1 for no accumulation"
-            )
+        check_positive_int(
+            "grad_accum_steps",
+            value,
+            meaning="micro-batches per optimizer step",
+            fix="use 1 for no accumulation",
+        )
         if self._done or self._open:
             raise RuntimeError(
                 f"grad_accum_steps changed in the middle of a global step ({self._done} of "

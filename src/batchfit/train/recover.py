@@ -24,6 +24,7 @@ from batchfit._oom import OutOfMemoryError, is_oom, release_memory
 from batchfit._rng import RngState
 from batchfit.train import _dist
 from batchfit.train._batches import batch_len, slice_batch
+from batchfit.train._checks import check_positive_int
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
 
 logger = logging.getLogger(__name__)
@@ -82,24 +83,19 @@ class MicroBatcher:
         grow_after_steps: int | None = None,
         min_micro_batch_size: int = 1,
     ) -> None:
-        for name, value in (
-            ("micro_batch_size", micro_batch_size),
-            ("min_micro_batch_size", min_micro_batch_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int("micro_batch_size", micro_batch_size, meaning="samples")
+        check_positive_int("min_micro_batch_size", min_micro_batch_size, meaning="samples")
         if min_micro_batch_size > micro_batch_size:
             raise ValueError(
                 f"min_micro_batch_size {min_micro_batch_size} is above micro_batch_size "
                 f"{micro_batch_size}: lower it, or start from a larger micro-batch"
             )
-        if grow_after_steps is not None and (
-            isinstance(grow_after_steps, bool)
-            or not isinstance(grow_after_steps, int)
-            or grow_after_steps < 1
-        ):
-            raise ValueError(
-                f"grow_after_steps must be a positive integer or None, got {grow_after_steps!r}"
+        if grow_after_steps is not None:
+            check_positive_int(
+                "grow_after_steps",
+                grow_after_steps,
+                meaning="clean global steps",
+                fix="pass None to keep a reduced size",
             )
         self.accumulator = accumulator
         self.initial_micro_batch_size = micro_batch_size

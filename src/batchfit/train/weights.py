@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from batchfit.train._checks import check_positive_int
+
 logger = logging.getLogger(__name__)
 
 Scheme = Literal["inverse", "sqrt_inverse", "effective_number"]
@@ -138,11 +140,12 @@ def _num_classes(num_classes: int | None, top: int) -> int:
                 "really has that many outputs, or map the labels to 0..K-1 first"
             )
         return top + 1
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(
-            f"num_classes must be a positive integer (the model's output classes), got "
-            f"{num_classes!r}; pass None to take the largest label + 1"
-        )
+    check_positive_int(
+        "num_classes",
+        num_classes,
+        meaning="the model's output classes",
+        fix="pass None to take the largest label + 1",
+    )
     if top >= num_classes:
         raise ValueError(f"label {top} is out of range for num_classes={num_classes}")
     return num_classes
