@@ -83,8 +83,10 @@ class MicroBatcher:
         grow_after_steps: int | None = None,
         min_micro_batch_size: int = 1,
     ) -> None:
-        check_positive_int("micro_batch_size", micro_batch_size, meaning="samples")
-        check_positive_int("min_micro_batch_size", min_micro_batch_size, meaning="samples")
+        check_positive_int("micro_batch_size", micro_batch_size, meaning="samples per micro-batch")
+        check_positive_int(
+            "min_micro_batch_size", min_micro_batch_size, meaning="the smallest micro-batch to try"
+        )
         if min_micro_batch_size > micro_batch_size:
             raise ValueError(
                 f"min_micro_batch_size {min_micro_batch_size} is above micro_batch_size "
