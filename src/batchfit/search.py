@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 from batchfit._fitline import next_size
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import release_memory
+from batchfit._rng import RngState
 from batchfit._trialrun import TrialRun
 from batchfit._units import human_bytes
 from batchfit.errors import NoFitError
@@ -111,9 +111,7 @@ class _State:
         self.weights = copy.deepcopy(model.state_dict()) if model is not None else None
         self.opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
         self.training = model.training if model is not None else None
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.py_rng = random.getstate()
+        self.rng = RngState.capture()
 
     def restore(self) -> None:
         if self.model is not None and self.weights is not None:
@@ -122,10 +120,7 @@ class _State:
             self.model.train(bool(self.training))
         if self.optimizer is not None and self.opt_state is not None:
             self.optimizer.load_state_dict(self.opt_state)
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
+        self.rng.restore()
 
 
 class _Search:

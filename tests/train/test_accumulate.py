@@ -287,6 +287,26 @@ def test_nested_micro_steps() -> None:
         pass
 
 
+def test_deferred_does_not_nest_or_start_inside_a_micro_step() -> None:
+    _, acc = _acc()
+    with pytest.raises(RuntimeError, match="inside deferred"), acc.deferred(), acc.deferred():
+        pass
+    with pytest.raises(RuntimeError, match="micro_step"), acc.micro_step(), acc.deferred():
+        pass
+
+
+def test_deferred_last_micro_step_waits_for_finish() -> None:
+    model, acc = _acc(2)
+    with acc.deferred():
+        for _ in range(2):
+            with acc.micro_step() as micro:
+                acc.backward(_loss(model), 2)
+        assert micro.result is None and acc.steps == 0
+        result = acc.finish()
+    assert (result.micro_steps, result.num_items, acc.steps) == (2, 4.0, 1)
+    assert acc.ddp is None
+
+
 def test_micro_step_without_backward() -> None:
     _, acc = _acc()
     with pytest.raises(RuntimeError, match=r"without acc\.backward"), acc.micro_step():

@@ -91,9 +91,11 @@ def test_repeated_real_ooms_leave_memory_flat(tmp_path: Path) -> None:
 # --- in-process: OOMs raised where real ones would be, on a small model with dropout ----------
 
 
-def _small(seed: int = 0) -> nn.Sequential:
+def _small(seed: int = 0, middle: str = "dropout") -> nn.Sequential:
+    """Linear, then dropout (draws random numbers) or BatchNorm (keeps running statistics)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Tanh(), nn.Linear(32, 1))
+    norm = nn.BatchNorm1d(32) if middle == "batchnorm" else nn.Dropout(0.5)
+    return nn.Sequential(nn.Linear(6, 32), norm, nn.Tanh(), nn.Linear(32, 1))
 
 
 def _data(n: int = 32, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +124,10 @@ def _raise_oom() -> None:
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (simulated)")
 
 
-def _reference(micro: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
-    model = _small()
+def _reference(
+    micro: int, batches: list[tuple[torch.Tensor, torch.Tensor]], middle: str = "dropout"
+) -> nn.Module:
+    model = _small(middle=middle)
     acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     batcher = MicroBatcher(acc, micro)
     step_fn = _step_fn(model)
@@ -133,10 +137,15 @@ def _reference(micro: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> 
     return model
 
 
-def test_oom_mid_backward_redoes_batch_exactly(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("middle", ["dropout", "batchnorm"])
+def test_oom_mid_backward_redoes_batch_exactly(
+    middle: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Parameters and buffers (BatchNorm's running statistics and batch count) equal a run at
+    the smaller size from the start: the aborted micro-batches leave nothing behind."""
     batches = [_data(seed=s) for s in range(3)]
-    reference = _reference(8, batches)
-    model = _small()
+    reference = _reference(8, batches, middle)
+    model = _small(middle=middle)
     batcher = MicroBatcher(Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2)), 16)
     calls: list[int] = []
 
@@ -155,8 +164,12 @@ def test_oom_mid_backward_redoes_batch_exactly(caplog: pytest.LogCaptureFixture)
     ]
     assert "out of memory at micro-batch 16" in caplog.text
     assert "redoing the global batch of 32 samples" in caplog.text
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    state, expected = model.state_dict(), reference.state_dict()
+    assert list(state) == list(expected)
+    for name, value in state.items():
+        torch.testing.assert_close(
+            value, expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_without_rng_restore_dropout_would_differ() -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,11 +75,71 @@ def test_absent_classes_and_ignore_index(caplog: pytest.LogCaptureFixture) -> No
         ([0, 5], {"num_classes": 3}, "out of range"),
         ([0, -1], {}, "negative class -1"),
         ([-100, -100], {}, "nothing to count"),
+        ([], {}, "labels is empty"),
+        (torch.tensor([], dtype=torch.long), {}, "labels is empty"),
+        ([True, False, True], {}, r"booleans.*labels\.long\(\)"),
+        (torch.tensor([0, 1]) > 0, {}, r"booleans.*labels\.long\(\)"),
+        ([0, 1], {"num_classes": True}, "num_classes must be a positive integer"),
+        ([0, 1], {"num_classes": 2.0}, "num_classes must be a positive integer"),
+        ([0, 2**24], {}, "pass num_classes="),
     ],
 )
 def test_bad_input(labels: object, kwargs: dict[str, object], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         class_weights(labels, **kwargs)  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("labels", [["a", "b"], None, [[0, 1], [2]]])
+def test_labels_that_are_not_numbers(labels: object) -> None:
+    with pytest.raises(TypeError, match="rectangular list of int class indices") as info:
+        class_weights(labels)  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+def test_large_ids_are_counted_by_sorting() -> None:
+    """Past the bincount table, the sort gives the same weights (and logs a bounded list)."""
+    labels = [3, 3, 100_000]
+    weights = class_weights(labels, 100_001)
+    assert weights.shape == (100_001,)
+    assert weights.nonzero().reshape(-1).tolist() == [3, 100_000]
+    torch.testing.assert_close(weights[[3, 100_000]], torch.tensor([2 / 3, 4 / 3]))
+    small = class_weights([0, 0, 1])
+    torch.testing.assert_close(small, weights[[3, 100_000]])
+
+
+def test_many_absent_classes_are_logged_briefly(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="batchfit.train.weights"):
+        class_weights([0, 2, 100_000], 200_000)
+    shown = "[1, 3, 4, 5, 6, 7, 8, 9, 10, 11]"
+    assert f"199997 classes have no samples in labels (the first: {shown})" in caplog.text
+    assert len(caplog.text) < 300
+
+
+def test_cost_follows_the_labels_not_their_values() -> None:
+    """Four labels, one of them 4,000,000: only the answer's 16 MB of float32 may be allocated
+    (under an OS limit of 48 MiB), and inferring 400,000,001 classes is refused, not tried."""
+    code = (
+        "import resource, torch\n"
+        "from pathlib import Path\n"
+        "from batchfit.train import class_weights\n"
+        "class_weights([0, 1, 1], 3)\n"  # warm up: allocator, thread pool, logging
+        "status = Path('/proc/self/status').read_text().split('VmData:')[1]\n"
+        "limit = int(status.split()[0]) * 1024 + 48 * 2**20\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))\n"
+        "w = class_weights([0, 1, 1, 4_000_000], 4_000_001)\n"
+        "print(w.shape[0], round(float(w.sum()), 4))\n"
+        "try:\n"
+        "    class_weights([0, 400_000_000])\n"
+        "except ValueError as e:\n"
+        "    print('refused', 'num_classes=' in str(e))\n"
+    )
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["4000001", "3.0", "refused", "True"]
 
 
 def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

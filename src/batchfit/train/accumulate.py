@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from batchfit.train import _dist
+from batchfit.train._checks import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class Accumulator:
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()
         )
         self._warned_batchnorm = False
-        self._defer = False  # MicroBatcher: sync and step only after all ranks agree
+        self._defer = False  # deferred(): the caller syncs and steps
         self._open = False
         self._backward_called = False
         self._done = 0
@@ -156,11 +158,12 @@ class Accumulator:
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"grad_accum_steps must be a positive integer (micro-batches per optimizer "
-                f"step), got {value!r}; use 1 for no accumulation"
-            )
+        check_positive_int(
+            "grad_accum_steps",
+            value,
+            meaning="micro-batches per optimizer step",
+            fix="use 1 for no accumulation",
+        )
         if self._done or self._open:
             raise RuntimeError(
                 f"grad_accum_steps changed in the middle of a global step ({self._done} of "
@@ -178,6 +181,44 @@ class Accumulator:
     def micro_steps_done(self) -> int:
         """Micro-steps finished in the current global step."""
         return self._done
+
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        """The model's ``DistributedDataParallel`` wrapper; None when the model is not one."""
+        return self._ddp
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold back the gradient sync and the optimizer step, for a caller that ends the step.
+
+        Inside the block every micro-step runs in DDP's ``no_sync()`` (no collective inside
+        ``backward``, so a rank can still abandon the step) and the last one does not step.
+        The caller sums the gradients over the ranks itself, without averaging (or leaves
+        them per rank), and calls :meth:`finish` before the block ends. ``MicroBatcher`` runs
+        each attempt at a global batch this way, so that all ranks agree on an OOM first.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            >>> with acc.deferred():
+            ...     with acc.micro_step() as micro:
+            ...         acc.backward(model(torch.ones(3, 2)).sum(), num_items=3)
+            ...     print(micro.result)  # the last micro-step did not step
+            ...     result = acc.finish()
+            None
+            >>> result.micro_steps, result.num_items
+            (1, 3.0)
+        """
+        if self._defer or self._open:
+            raise RuntimeError(
+                "deferred() inside deferred() or inside a micro_step() block: enter it once, "
+                "before the global step's first micro-step"
+            )
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
 
     @contextlib.contextmanager
     def micro_step(self) -> Iterator[MicroStep]:
@@ -207,7 +248,7 @@ class Accumulator:
         finally:
             self._open = False
             if not finished:
-                # A MicroBatcher logs the OOM and the redo itself.
+                # Under deferred() the caller (MicroBatcher) logs the failure and the redo.
                 logger.log(
                     logging.DEBUG if self._defer else logging.INFO,
                     "dropping the partial global step (%d of %d micro-steps done): a "
@@ -253,7 +294,8 @@ class Accumulator:
                 "reduction='sum'"
             )
         count = _check_items(num_items)
-        (loss_sum if self.scaler is None else self.scaler.scale(loss_sum)).backward()
+        scaled = loss_sum if self.scaler is None else self.scaler.scale(loss_sum)
+        scaled.backward()  # type: ignore[no-untyped-call, unused-ignore]
         self._backward_called = True
         self._losses.append(loss_sum.detach())
         if isinstance(count, torch.Tensor):

@@ -1,9 +1,10 @@
 """``MicroBatcher``: run each global batch in micro-batches that fit; on OOM, halve and redo.
 
 An out-of-memory error in the middle of a global batch drops its partial gradients, halves the
-micro-batch and redoes the global batch from its first sample, with the random state it started
-with: no sample is lost or counted twice, the optimizer, scheduler and scaler only move when the
-whole global batch is done, and dropout draws what a run at the smaller size would have drawn.
+micro-batch and redoes the global batch from its first sample, with the random state and the
+module buffers it started with: no sample is lost or counted twice (in the gradients or in
+BatchNorm's running statistics), the optimizer, scheduler and scaler only move when the whole
+global batch is done, and dropout draws what a run at the smaller size would have drawn.
 
 Composer's auto-microbatching does the same on GPUs; accelerate's ``find_executable_batch_size``
 instead shrinks the batch itself (the global batch changes) and reruns the whole function.
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,8 +21,10 @@ from typing import Any
 import torch
 
 from batchfit._oom import OutOfMemoryError, is_oom, release_memory
+from batchfit._rng import RngState
 from batchfit.train import _dist
 from batchfit.train._batches import batch_len, slice_batch
+from batchfit.train._checks import check_positive_int
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class MicroBatcher:
     once, after the last micro-step, and only when no rank ran out of memory (DDP's own sync
     inside backward could not be abandoned half way). Every rank must run the same number of
     micro-steps: give each the same number of samples per global batch.
+
+    Each global batch starts with a copy of the model's floating-point and integer buffers
+    (BatchNorm's running statistics and batch counts), on their own device, put back when the
+    batch is redone. Its cost: the buffers' bytes once more (for BatchNorm, two floats per
+    channel) and one device-side copy per global batch; nothing for a model without buffers.
 
     Args:
         accumulator: Does the backward passes and the optimizer step; its
@@ -77,24 +83,21 @@ class MicroBatcher:
         grow_after_steps: int | None = None,
         min_micro_batch_size: int = 1,
     ) -> None:
-        for name, value in (
-            ("micro_batch_size", micro_batch_size),
-            ("min_micro_batch_size", min_micro_batch_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int("micro_batch_size", micro_batch_size, meaning="samples per micro-batch")
+        check_positive_int(
+            "min_micro_batch_size", min_micro_batch_size, meaning="the smallest micro-batch to try"
+        )
         if min_micro_batch_size > micro_batch_size:
             raise ValueError(
                 f"min_micro_batch_size {min_micro_batch_size} is above micro_batch_size "
                 f"{micro_batch_size}: lower it, or start from a larger micro-batch"
             )
-        if grow_after_steps is not None and (
-            isinstance(grow_after_steps, bool)
-            or not isinstance(grow_after_steps, int)
-            or grow_after_steps < 1
-        ):
-            raise ValueError(
-                f"grow_after_steps must be a positive integer or None, got {grow_after_steps!r}"
+        if grow_after_steps is not None:
+            check_positive_int(
+                "grow_after_steps",
+                grow_after_steps,
+                meaning="clean global steps",
+                fix="pass None to keep a reduced size",
             )
         self.accumulator = accumulator
         self.initial_micro_batch_size = micro_batch_size
@@ -133,7 +136,7 @@ class MicroBatcher:
         n = batch_len(batch)
         if n == 0:
             raise ValueError("the global batch is empty: give MicroBatcher.run at least one sample")
-        rng = _RngState.capture()
+        start = _BatchStart.capture(acc.model)
         ooms = 0
         while True:
             micro = min(self._size, n)
@@ -162,7 +165,7 @@ class MicroBatcher:
                 n,
                 self._size,
             )
-            rng.restore()
+            start.restore(acc.model)
         self._maybe_grow(ooms)
         return replace(result, micro_batch_size=micro, ooms=ooms)
 
@@ -170,12 +173,11 @@ class MicroBatcher:
         self, batch: Any, n: int, micro: int, step_fn: StepFn
     ) -> tuple[StepResult | None, str]:
         acc = self.accumulator
-        ddp = acc._ddp
+        ddp = acc.ddp
         device = _dist.collective_device(ddp) if ddp is not None else None
         if ddp is not None and device is not None:
             _dist.check_same(acc.grad_accum_steps, "micro-steps per global batch", ddp, device)
-        acc._defer = True
-        try:
+        with acc.deferred():
             for start in range(0, n, micro):
                 message = self._micro_step(step_fn, slice_batch(batch, start, start + micro))
                 oom = message is not None
@@ -186,8 +188,6 @@ class MicroBatcher:
             if ddp is not None:
                 _dist.sum_grads(ddp.parameters(), ddp)
             return acc.finish(), ""
-        finally:
-            acc._defer = False
 
     def _micro_step(self, step_fn: StepFn, micro_batch: Any) -> str | None:
         """None when the micro-step ran; the error's first line when it ran out of memory."""
@@ -229,33 +229,34 @@ class MicroBatcher:
         self._size, self._clean_steps = grown, 0
 
 
-@dataclass(frozen=True)
-class _RngState:
-    """The random state at the start of a global batch, to redo it with the same draws."""
+# Buffers a forward pass may update in place: running statistics (float), batch counts (int).
+_BUFFER_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+    | {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+)
 
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
-    python: Any
-    numpy: Any
+
+@dataclass(frozen=True)
+class _BatchStart:
+    """What a global batch started with and a redo puts back: random state and buffers."""
+
+    rng: RngState
+    buffers: dict[str, torch.Tensor]  # name -> copy, on the buffer's device
 
     @classmethod
-    def capture(cls) -> _RngState:
-        cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = torch.cuda.get_rng_state_all()
-        numpy = sys.modules.get("numpy")
-        return cls(
-            cpu=torch.get_rng_state(),
-            cuda=cuda,
-            python=random.getstate(),
-            numpy=numpy.random.get_state() if numpy is not None else None,
-        )
+    def capture(cls, model: torch.nn.Module) -> _BatchStart:
+        with torch.no_grad():
+            buffers = {
+                name: buf.clone()
+                for name, buf in model.named_buffers()
+                if buf.dtype in _BUFFER_DTYPES
+            }
+        return cls(rng=RngState.capture(), buffers=buffers)
 
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None and self.numpy is not None:
-            numpy.random.set_state(self.numpy)
+    def restore(self, model: torch.nn.Module) -> None:
+        # In place: DDP holds references to the buffer tensors it broadcasts.
+        live = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, saved in self.buffers.items():
+                live[name].copy_(saved)
+        self.rng.restore()

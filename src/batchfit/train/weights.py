@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from batchfit.train._checks import check_positive_int
+
 logger = logging.getLogger(__name__)
 
 Scheme = Literal["inverse", "sqrt_inverse", "effective_number"]
@@ -37,9 +39,13 @@ def class_weights(
     eq. 3): beta = 0 weights every class alike, beta -> 1 tends to ``inverse``. A class absent
     from ``labels`` gets weight 0 (logged): there is nothing to count it by.
 
+    Counting costs time in proportion to the number of labels, whatever their values; the
+    answer itself takes 4 bytes per class.
+
     Args:
         labels: Class indices, any shape; entries equal to ``ignore_index`` are skipped.
-        num_classes: Number of classes; defaults to the largest label + 1.
+        num_classes: Number of classes; defaults to the largest label + 1 (refused above
+            2**24, where a label is more likely an id than a class: pass it explicitly).
         scheme: How a count becomes a weight.
         beta: For ``effective_number``, in [0, 1).
         ignore_index: Label of padding / unlabelled items.
@@ -58,37 +64,108 @@ def class_weights(
         raise ValueError(f"scheme {scheme!r} is not one of: {', '.join(SCHEMES)}")
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must be in [0, 1), got {beta!r}; Cui et al. use 0.9 to 0.9999")
-    labels = torch.as_tensor(labels)
-    if labels.is_floating_point() or labels.is_complex():
-        raise ValueError(f"labels must hold class indices (integers), got {labels.dtype}")
-    labels = labels.reshape(-1)
-    labels = labels[labels != ignore_index]
-    if labels.numel() == 0:
+    flat = _labels_tensor(labels).reshape(-1)
+    flat = flat[flat != ignore_index]
+    if flat.numel() == 0:
         raise ValueError("labels holds no class index besides ignore_index: nothing to count")
-    if int(labels.min()) < 0:
-        raise ValueError(
-            f"labels holds negative class {int(labels.min())}; set ignore_index to skip it"
-        )
-    top = int(labels.max())
-    if num_classes is None:
-        num_classes = top + 1
-    elif top >= num_classes:
-        raise ValueError(f"label {top} is out of range for num_classes={num_classes}")
-    counts = torch.bincount(labels.cpu(), minlength=num_classes).to(torch.float64)
-    present = counts > 0
-    weights = torch.zeros(num_classes, dtype=torch.float64)
-    n = counts[present]
+    low, top = int(flat.min()), int(flat.max())
+    if low < 0:
+        raise ValueError(f"labels holds negative class {low}; set ignore_index to skip it")
+    num_classes = _num_classes(num_classes, top)
+    classes, counts = _present_counts(flat, top)
+    n = counts.to(torch.float64)
     if scheme == "inverse":
-        weights[present] = 1.0 / n
+        raw = 1.0 / n
     elif scheme == "sqrt_inverse":
-        weights[present] = n.rsqrt()
+        raw = n.rsqrt()
     else:
-        weights[present] = (1.0 - beta) / (1.0 - beta**n)
-    weights *= int(present.sum()) / weights.sum()
-    if not bool(present.all()):
-        absent = torch.nonzero(~present).reshape(-1).tolist()
-        logger.warning("classes %s have no samples in labels: their weight is 0", absent)
-    return weights.to(torch.float32)
+        raw = (1.0 - beta) / (1.0 - beta**n)
+    raw *= len(classes) / raw.sum()
+    weights = torch.zeros(num_classes, dtype=torch.float32)
+    weights[classes] = raw.to(torch.float32)
+    if len(classes) < num_classes:
+        _warn_absent(classes.tolist(), num_classes)
+    return weights
+
+
+# Inferring more classes than this from the largest label is refused: 2**24 weights are 64 MiB,
+# 64x the largest vocabulary in use (Gemma's 262,144 tokens); a larger id is not a class index.
+_MAX_INFERRED_CLASSES = 2**24
+# Labels are counted with bincount while its table (largest label + 1 entries) is no longer
+# than the labels or this; with a sort beyond.
+_SMALL_TABLE = 2**16
+_ABSENT_SHOWN = 10
+
+
+def _labels_tensor(labels: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``labels`` as a tensor of integer class indices, or a one-line error naming the fix."""
+    try:
+        tensor = torch.as_tensor(labels)
+    except (TypeError, ValueError, RuntimeError) as e:  # what as_tensor raises on non-numbers
+        raise TypeError(
+            f"labels must be a tensor or a rectangular list of int class indices, got "
+            f"{type(labels).__name__} ({e})"
+        ) from e
+    if tensor.numel() == 0:
+        raise ValueError("labels is empty: pass the class index of every sample to count")
+    if tensor.dtype == torch.bool:
+        raise ValueError(
+            "labels are booleans, not class indices: pass labels.long() to count False as "
+            "class 0 and True as class 1"
+        )
+    if tensor.is_floating_point() or tensor.is_complex():
+        raise ValueError(f"labels must hold class indices (integers), got {tensor.dtype}")
+    return tensor
+
+
+def _present_counts(labels: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classes present in ``labels`` (ascending, on the CPU) and how many times each occurs.
+
+    The cost follows the number of labels, not the value of the largest (``top``): a
+    bincount (fast) while its table is no longer than the labels, a sort (``unique``) beyond.
+    """
+    if top < max(labels.numel(), _SMALL_TABLE):
+        table = torch.bincount(labels).cpu()
+        classes = table.nonzero().reshape(-1)
+        return classes, table[classes]
+    classes, counts = torch.unique(labels, return_counts=True)
+    return classes.cpu(), counts.cpu()
+
+
+def _num_classes(num_classes: int | None, top: int) -> int:
+    if num_classes is None:
+        if top >= _MAX_INFERRED_CLASSES:
+            raise ValueError(
+                f"label {top} would make {top + 1} classes: pass num_classes= if the model "
+                "really has that many outputs, or map the labels to 0..K-1 first"
+            )
+        return top + 1
+    check_positive_int(
+        "num_classes",
+        num_classes,
+        meaning="the model's output classes",
+        fix="pass None to take the largest label + 1",
+    )
+    if top >= num_classes:
+        raise ValueError(f"label {top} is out of range for num_classes={num_classes}")
+    return num_classes
+
+
+def _warn_absent(present: list[int], num_classes: int) -> None:
+    """Log the classes without samples; the first few by name (there may be millions)."""
+    seen = set(present)
+    # Among the first len(present) + _ABSENT_SHOWN ids at least that many are absent.
+    scan = range(min(num_classes, len(present) + _ABSENT_SHOWN))
+    shown = [c for c in scan if c not in seen][:_ABSENT_SHOWN]
+    absent = num_classes - len(present)
+    if absent == len(shown):
+        logger.warning("classes %s have no samples in labels: their weight is 0", shown)
+    else:
+        logger.warning(
+            "%d classes have no samples in labels (the first: %s): their weight is 0",
+            absent,
+            shown,
+        )
 
 
 def cross_entropy_sum(
