@@ -39,7 +39,7 @@ OFFLOADS: tuple[str, ...] = get_args(Offload)
 # Malladi et al. 2022 (SDE scaling rule) is the source for Adam and AdamW, and the 8-bit
 # variants keep the same two moments. Lion (one momentum buffer, sign update) and Adafactor
 # (factored second moment, no first moment by default) keep other state and have no sourced
-# rule: they are here only so they get the square-root rule rather than none.
+# rule: they get the square-root rule as a guess, and the plan says so (_lr_scaling).
 ADAM_FAMILY = frozenset({"adam", "adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion"})
 
 
