@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -13,6 +13,14 @@ from batchfit._units import BYTES_IN_MIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory import analytic, trace
+from batchfit.memory._activations import EAGER_ONLY_TYPES
+from batchfit.memory._device import (
+    CUBLAS_HANDLES,
+    StepMemory,
+    assemble,
+    device_totals,
+    gpu_extras,
+)
 from batchfit.memory._optim import make_optimizer
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
@@ -68,8 +76,8 @@ def _attn_impl(model: ModelInfo, attention: str) -> str:
     if attention in ("sdpa", "flash"):
         # On fake CPU tensors SDPA takes the CPU flash kernel, which keeps what CUDA's flash
         # kernel keeps: the output and an fp32 log-sum-exp per head (DESIGN.md).
-        if model.arch.model_type in ("gemma2", "t5", "mt5"):
-            return "eager"  # soft-capping / position bias are eager-only in transformers
+        if model.arch.model_type in EAGER_ONLY_TYPES:
+            return "eager"
         return "sdpa"
     return "eager"
 
@@ -156,10 +164,11 @@ def _build(
         if setup.grad_ckpt:
             net.enable_input_require_grads()
     net.train()
-    return net
+    return cast(torch.nn.Module, net)
 
 
-def _batch_fn(model: ModelInfo, micro: int, seq: int) -> Any:
+def batch_fn(model: ModelInfo, micro: int, seq: int) -> Callable[[], dict[str, Any]]:
+    """A factory of random batches of ``micro`` sequences of ``seq`` tokens, with labels."""
     vocab = model.arch.vocab_size
 
     def make() -> dict[str, Any]:
@@ -201,7 +210,7 @@ def step_parts(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
-    return StepParts(net, opt, _batch_fn(model, micro, seq), autocast)
+    return StepParts(net, opt, batch_fn(model, micro, seq), autocast)
 
 
 def trace_once(
@@ -223,9 +232,9 @@ def trace_once(
 
     def cuda_workspaces(tracker: Any) -> None:
         if emulate_cuda:
-            workspace, _, _ = analytic._gpu_extras(gpu, setup)
-            for _ in range(analytic.CUBLAS_HANDLES):
-                keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES, dtype=torch.uint8))
+            workspace = gpu_extras(gpu, setup).workspace
+            for _ in range(CUBLAS_HANDLES):
+                keep.append(torch.empty(workspace // CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
     kernels = emulation(emulate_cuda)
@@ -269,9 +278,7 @@ def estimate_trace(
     full_depth: bool = False,
 ) -> MemoryEstimate:
     """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
-    resolved = replace(
-        setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True), task=model.task
-    )
+    resolved = analytic.resolve_setup(model, setup, device, gpu)
     formulas = analytic.estimate_analytic(
         model,
         setup,
@@ -342,21 +349,18 @@ def _estimate_traced(
     peak = result.peak
     components = dict(peak.components)
     peak_bytes = sum(components.values())
+    reserved = max(result.reserved_bytes, peak_bytes)
+    totals = device_totals(peak_bytes, reserved, device, gpu, resolved)
     lines = [
         Line(c, f"at the peak ({peak.phase})", v, "counted in a dry run of the real step")
         for c, v in components.items()
     ]
     if device == "cuda":
-        _, context, nccl = analytic._gpu_extras(gpu, resolved)
-        reserved = analytic.cap_reserved(
-            peak_bytes, max(result.reserved_bytes, peak_bytes), gpu, context + nccl
-        )
-        device_total = reserved + context + nccl
         lines.append(
             Line(
                 "other",
                 "allocator: reserved beyond allocated",
-                reserved - peak_bytes,
+                totals.reserved - peak_bytes,
                 "caching allocator simulation (segments, rounding, splits)",
             )
         )
@@ -364,31 +368,20 @@ def _estimate_traced(
             Line(
                 "other",
                 "CUDA context (outside the allocator)",
-                context,
-                f"{context // BYTES_IN_MIB} MiB",
+                totals.context,
+                f"{totals.context // BYTES_IN_MIB} MiB",
             )
         )
-    else:
-        reserved = device_total = peak_bytes
     trainable = _trainable(model, resolved)
     notes = []
     if extrapolated:
         notes.append(f"traced {low} and {high} layers, extrapolated to {depth}")
-    return MemoryEstimate(
-        model=model.name,
-        engine="trace",
-        device="cpu" if device == "cpu" else (f"cuda:{gpu.name}" if gpu else "cuda"),
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        setup=resolved,
+    step = StepMemory(
         components=components,
-        peak_bytes=peak_bytes,
-        reserved_bytes=reserved,
-        device_total_bytes=device_total,
-        total_params=model.total_params + (trainable if resolved.is_lora else 0),
-        trainable_params=trainable,
         peak_phase=peak.phase,
         activation_peak_bytes=max(p.components["activations"] for p in result.phases),
+        total_params=model.total_params + (trainable if resolved.is_lora else 0),
+        trainable_params=trainable,
         lines=tuple(lines),
         warnings=tuple(model.warnings),
         extras={
@@ -396,6 +389,16 @@ def _estimate_traced(
             "trace_seconds": result.seconds,
             "notes": notes,
         },
+    )
+    return assemble(
+        step,
+        totals,
+        model=model.name,
+        engine="trace",
+        setup=resolved,
+        workload=(micro_batch_size, seq_len),
+        device=device,
+        gpu=gpu,
     )
 
 
