@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
+from torch._subclasses import fake_tensor
 
 from batchfit._units import BYTES_IN_MIB
 from batchfit.errors import UsageError
@@ -25,6 +26,29 @@ from batchfit.memory._optim import make_optimizer
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
+
+# What a dry run cannot do, as opposed to a bug: FakeTensor's operators without a fake kernel
+# and its data-dependent outputs (``.item()``, ``nonzero``), operators without a meta kernel
+# (NotImplementedError from the dispatcher), and transformers' refusals of a config, an attention
+# implementation or checkpointing (ValueError, modeling_utils.py). Anything else is raised.
+TRACE_LIMITS: tuple[type[Exception], ...] = (
+    fake_tensor.UnsupportedOperatorException,
+    fake_tensor.UnsupportedFakeTensorException,
+    fake_tensor.DynamicOutputShapeException,
+    fake_tensor.DataDependentOutputException,
+    NotImplementedError,
+    ValueError,
+)
+
+
+def _is_trace_limit(exc: BaseException) -> bool:
+    """Whether ``exc`` says the dry run cannot model this step (not a bug to raise)."""
+    if isinstance(exc, TRACE_LIMITS):
+        return True
+    # A model whose __init__ reads a value (``.item()``) while it is built on the meta device:
+    # aten raises a plain RuntimeError, "Tensor.item() cannot be called on meta tensors".
+    return isinstance(exc, RuntimeError) and "on meta tensors" in str(exc)
+
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
 # alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
@@ -305,8 +329,11 @@ def estimate_trace(
             )
         except UsageError:
             raise
-        except (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError) as e:
-            why_not = f"the dry run failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        except Exception as e:
+            if not _is_trace_limit(e):
+                raise
+            first_line = (str(e).splitlines() or [""])[0][:160]
+            why_not = f"the dry run failed ({type(e).__name__}: {first_line})"
         else:
             # The formulas' checks of the setup (bf16 support, kernels) apply to the trace too.
             return replace(traced, warnings=tuple(dict.fromkeys(formulas.warnings)))
