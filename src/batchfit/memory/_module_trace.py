@@ -82,6 +82,7 @@ def estimate_module(
                 net = model_fn()
         finally:
             torch.set_default_dtype(previous)
+        _check_module(net, model_fn)
         with trace.fake_mode(), kernels:
             net = materialize_fake(net)
             net.train()
@@ -128,3 +129,11 @@ def estimate_module(
 
 def _name(model_fn: ModelFn) -> str:
     return getattr(model_fn, "__qualname__", type(model_fn).__name__)
+
+
+def _check_module(net: object, model_fn: ModelFn) -> None:
+    if not isinstance(net, torch.nn.Module):
+        raise TypeError(
+            f"model_fn {_name(model_fn)} returned a {type(net).__name__}, not an nn.Module: "
+            "pass a function that builds and returns your model, e.g. lambda: MyNet()"
+        )
