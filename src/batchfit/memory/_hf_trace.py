@@ -17,6 +17,7 @@ from batchfit.memory import analytic, trace
 from batchfit.memory._activations import EAGER_ONLY_TYPES
 from batchfit.memory._device import (
     CUBLAS_HANDLES,
+    DeviceTotals,
     StepMemory,
     assemble,
     device_totals,
@@ -358,7 +359,7 @@ def _estimate_traced(
     full_depth: bool,
 ) -> MemoryEstimate:
     depth = model.arch.num_layers
-    kw = {
+    kw: dict[str, Any] = {
         "micro": micro_batch_size,
         "seq": seq_len,
         "device": device,
@@ -366,50 +367,26 @@ def _estimate_traced(
         "grad_accum_steps": min(grad_accum_steps, 2),
     }
     low, high = trace_depths(model)
-    extrapolated = not full_depth and depth > high
-    if not extrapolated:
-        result = trace_once(model, resolved, depth=None, **kw)  # type: ignore[arg-type]
+    notes = []
+    if full_depth or depth <= high:
+        result = trace_once(model, resolved, depth=None, **kw)
     else:
-        shallow = trace_once(model, resolved, depth=low, **kw)  # type: ignore[arg-type]
-        deep = trace_once(model, resolved, depth=high, **kw)  # type: ignore[arg-type]
+        shallow = trace_once(model, resolved, depth=low, **kw)
+        deep = trace_once(model, resolved, depth=high, **kw)
         result = trace.extrapolate(shallow, deep, low, high, depth)
-    peak = result.peak
-    components = dict(peak.components)
+        notes.append(f"traced {low} and {high} layers, extrapolated to {depth}")
+    components = dict(result.peak.components)
     peak_bytes = sum(components.values())
     reserved = max(result.reserved_bytes, peak_bytes)
     totals = device_totals(peak_bytes, reserved, device, gpu, resolved)
-    lines = [
-        Line(c, f"at the peak ({peak.phase})", v, "counted in a dry run of the real step")
-        for c, v in components.items()
-    ]
-    if device == "cuda":
-        lines.append(
-            Line(
-                "other",
-                "allocator: reserved beyond allocated",
-                totals.reserved - peak_bytes,
-                "caching allocator simulation (segments, rounding, splits)",
-            )
-        )
-        lines.append(
-            Line(
-                "other",
-                "CUDA context (outside the allocator)",
-                totals.context,
-                f"{totals.context // BYTES_IN_MIB} MiB",
-            )
-        )
     trainable = _trainable(model, resolved)
-    notes = []
-    if extrapolated:
-        notes.append(f"traced {low} and {high} layers, extrapolated to {depth}")
     step = StepMemory(
         components=components,
-        peak_phase=peak.phase,
+        peak_phase=result.peak.phase,
         activation_peak_bytes=max(p.components["activations"] for p in result.phases),
         total_params=model.total_params + (trainable if resolved.is_lora else 0),
         trainable_params=trainable,
-        lines=tuple(lines),
+        lines=_trace_lines(components, result.peak.phase, totals, device),
         warnings=tuple(model.warnings),
         extras={
             "top_modules": list(result.top_modules),
@@ -427,6 +404,34 @@ def _estimate_traced(
         device=device,
         gpu=gpu,
     )
+
+
+def _trace_lines(
+    components: dict[str, int], phase: str, totals: DeviceTotals, device: str
+) -> tuple[Line, ...]:
+    """The accounting of a traced step: components at the peak, then the device's totals."""
+    lines = [
+        Line(c, f"at the peak ({phase})", v, "counted in a dry run of the real step")
+        for c, v in components.items()
+    ]
+    if device == "cuda":
+        lines.append(
+            Line(
+                "other",
+                "allocator: reserved beyond allocated",
+                totals.reserved - totals.peak,
+                "caching allocator simulation (segments, rounding, splits)",
+            )
+        )
+        lines.append(
+            Line(
+                "other",
+                "CUDA context (outside the allocator)",
+                totals.context,
+                f"{totals.context // BYTES_IN_MIB} MiB",
+            )
+        )
+    return tuple(lines)
 
 
 def _trainable(model: ModelInfo, setup: TrainingSetup) -> int:

@@ -74,15 +74,8 @@ def estimate_module(
     from batchfit.memory.kernels import emulation
 
     kernels = emulation(emulate_cuda)
-    previous = torch.get_default_dtype()
     with trace.quiet():
-        torch.set_default_dtype(store)
-        try:
-            with torch.device("meta"):
-                net = model_fn()
-        finally:
-            torch.set_default_dtype(previous)
-        _check_module(net, model_fn)
+        net = _build_on_meta(model_fn, store)
         with trace.fake_mode(), kernels:
             net = materialize_fake(net)
             net.train()
@@ -131,9 +124,18 @@ def _name(model_fn: ModelFn) -> str:
     return getattr(model_fn, "__qualname__", type(model_fn).__name__)
 
 
-def _check_module(net: object, model_fn: ModelFn) -> None:
+def _build_on_meta(model_fn: ModelFn, dtype: torch.dtype) -> torch.nn.Module:
+    """``model_fn()`` on the meta device, its floating tensors created in ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            net: object = model_fn()
+    finally:
+        torch.set_default_dtype(previous)
     if not isinstance(net, torch.nn.Module):
         raise TypeError(
             f"model_fn {_name(model_fn)} returned a {type(net).__name__}, not an nn.Module: "
             "pass a function that builds and returns your model, e.g. lambda: MyNet()"
         )
+    return net
