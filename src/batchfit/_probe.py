@@ -121,7 +121,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
 
         def make(n: int) -> Any:
             with torch.device(device):
-                return _hf_trace._batch_fn(info, n, seq)()
+                return _hf_trace.batch_fn(info, n, seq)()
 
         def step(batch: Any) -> None:
             # the loop the estimators trace: outputs live through backward, as in most loops

@@ -223,16 +223,27 @@ class ModelInfo:
         Raises:
             UsageError: no module matches the targets.
         """
+        return sum(rank * sum(g.shape[:2]) * g.count for g in self.lora_groups(targets))
+
+    def lora_groups(self, targets: Iterable[str] | None = None) -> list[ParamGroup]:
+        """The weights peft wraps for ``targets``: a LoRA-capable module's 2-D weight whose
+        path is a target or ends with ``.target`` (peft's ``check_target_module_exists``).
+
+        Raises:
+            UsageError: a target matches no module (the default targets when None).
+        """
         wanted = tuple(targets) if targets is not None else self.default_lora_targets()
-        total = 0
+        groups = []
         matched = set()
         for group in self.params:
             if not group.pattern.endswith("weight") or group.module not in _LORA_MODULES:
                 continue
+            if len(group.shape) != 2:
+                continue
             path = group.pattern.rsplit(".", 1)[0]
             for target in wanted:
                 if path == target or path.endswith("." + target):
-                    total += rank * sum(group.shape[:2]) * group.count
+                    groups.append(group)
                     matched.add(target)
                     break
         missing = [t for t in wanted if t not in matched]
@@ -242,7 +253,7 @@ class ModelInfo:
                 f"--lora-targets {','.join(missing)} match no linear module of {self.name}; "
                 f"its linear modules are: {', '.join(leaves)}"
             )
-        return total
+        return groups
 
     def quantizable_params(self) -> int:
         """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head.

@@ -165,11 +165,12 @@ def test_flash_substitution_saves_output_and_lse_only():
     out = FlashAttentionMemory.apply(q, q, q)
     saved = {tuple(t.shape): t.dtype for t in out.grad_fn.saved_tensors}
     assert saved == {(2, 4, 64, 16): torch.float32, (2, 4, 64): torch.float32}
+    original = torch.nn.functional.scaled_dot_product_attention
     with cuda_kernels():
-        assert torch.nn.functional.scaled_dot_product_attention is not None
+        assert torch.nn.functional.scaled_dot_product_attention is not original  # swapped in
         y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
         assert y.grad_fn.name().startswith("FlashAttentionMemoryBackward")
-    assert "FlashAttention" not in str(torch.nn.functional.scaled_dot_product_attention)
+    assert torch.nn.functional.scaled_dot_product_attention is original  # and put back
 
 
 def test_cuda_emulation_drops_the_score_matrix(tiny):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchfit.models import Architecture
+from batchfit.memory.types import Line
+from batchfit.models import Architecture, ModelInfo
+from batchfit.spec import TrainingSetup
 
 # Leaf names of each linear role, per model type (peft matches targets by these names).
 ROLE_LEAVES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -65,6 +67,9 @@ for _alias, _base in (
 ):
     ROLE_LEAVES[_alias] = ROLE_LEAVES[_base]
 ROLES = ("qkv", "o", "up", "down")
+# Gemma-2's logit soft-capping and T5's relative position bias are eager-only in transformers:
+# asked for SDPA, they run eager attention.
+EAGER_ONLY_TYPES = frozenset({"gemma2", "t5", "mt5"})
 # Python-level GELU (NewGELUActivation: 0.5*x*(1+tanh(c*(x+0.044715*x^3)))) saves x, tanh(.),
 # 0.5*x and 1+tanh(.) for backward; F.gelu saves only its input.
 _PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_pytorch"})
@@ -104,7 +109,8 @@ def trainable_roles(model_type: str, lora_targets: tuple[str, ...] | None) -> di
     return {role: bool(wanted & set(leaves[role])) for role in ROLES}
 
 
-def _norm(arch: Architecture, rg: Regime) -> tuple[str, float]:
+def norm_term(arch: Architecture, rg: Regime) -> tuple[str, float]:
+    """The label and bytes per token a normalisation layer saves for backward."""
     h = arch.hidden_size
     if arch.norm == "rmsnorm":
         # HF RMSNorm: x.to(fp32) saved by pow/mul, x*rsqrt(var) cast back saved by weight*.
@@ -125,7 +131,7 @@ def _attention(
     qd = a * arch.head_dim
     kvd = arch.num_kv_heads * arch.head_dim
     terms: list[tuple[str, float]] = []
-    name, size = _norm(arch, rg)
+    name, size = norm_term(arch, rg)
     terms.append((name, size))
     if roles["qkv"]:
         terms.append(("q/k/v projection input", e * h))
@@ -152,7 +158,7 @@ def _attention(
     if arch.hidden_dropout > 0:
         terms.append(("dropout mask after attention", h))
     if arch.model_type == "gemma2":
-        name, size = _norm(arch, rg)
+        name, size = norm_term(arch, rg)
         terms.append(("post-attention " + name, size))
     return terms
 
@@ -160,7 +166,7 @@ def _attention(
 def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[str, float]]:
     e, h, f = rg.compute_bytes, arch.hidden_size, arch.intermediate_size
     terms: list[tuple[str, float]] = []
-    name, size = _norm(arch, rg)
+    name, size = norm_term(arch, rg)
     terms.append((name, size))
     routed = max(arch.experts_per_token, 1)
     if roles["up"]:
@@ -189,7 +195,7 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
     if arch.hidden_dropout > 0:
         terms.append(("dropout mask after MLP", h))
     if arch.model_type == "gemma2":
-        name, size = _norm(arch, rg)
+        name, size = norm_term(arch, rg)
         terms.append(("post-MLP " + name, size))
     return terms
 
@@ -244,3 +250,185 @@ def loss_terms(vocab: int, rg: Regime) -> tuple[float, float]:
     """
     held = rg.compute_bytes * vocab + 4 * vocab
     return held, 8 * vocab
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch at the two moments of backward, with their lines."""
+
+    at_backward_start: float  # everything saved, the loss's buffers: activations' own peak
+    at_backward_end: float  # with checkpointing, one recomputed layer; else all freed
+    lines: tuple[Line, ...]
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """Bytes one encoder (or decoder-only) layer and one decoder layer keep, for all tokens."""
+
+    terms: list[tuple[str, float]]  # per token, of an encoder / decoder-only layer
+    per_layer: float
+    decoder_layer: float  # 0 unless encoder-decoder
+
+
+def step_activations(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    rg: Regime,
+    *,
+    on_cpu: bool,
+    micro_batch_size: int,
+    seq_len: int,
+    lora_targets: tuple[str, ...] | None,
+) -> Activations:
+    """What one micro-batch's forward keeps for backward (``setup`` resolved).
+
+    ``lora_targets`` is None when every parameter trains.
+    """
+    arch, tokens = model.arch, micro_batch_size * seq_len
+    stack = _stack(arch, setup, rg, on_cpu, seq_len, tokens, lora_targets)
+    final, final_line = _final_norm(arch, rg, tokens, head_trainable=lora_targets is None)
+    held, bwd_extra, loss_lines = _loss(model, rg, tokens)
+    amp_copies = _amp_copies(model, rg, lora=lora_targets is not None)
+    if setup.grad_ckpt:
+        kept, copies, end, lines = _checkpointed(arch, rg, stack, tokens, amp_copies)
+    else:
+        kept, copies, end, lines = _stored(arch, stack, tokens, amp_copies)
+    lines += [final_line, *loss_lines]
+    if amp_copies:
+        why = "2 B per matmul weight, saved for backward"
+        if setup.grad_ckpt:
+            why = "one recomputed layer's weights at a time, 2 B each"
+        lines.append(Line("activations", "autocast 16-bit weight copies", int(copies), why))
+    start = kept + final + held + bwd_extra + copies
+    return Activations(start, end, tuple(lines))
+
+
+def _stack(
+    arch: Architecture,
+    setup: TrainingSetup,
+    rg: Regime,
+    on_cpu: bool,
+    seq_len: int,
+    tokens: int,
+    lora_targets: tuple[str, ...] | None,
+) -> _Stack:
+    roles = trainable_roles(arch.model_type, lora_targets)
+    impl: str = setup.attention
+    if on_cpu and impl in ("sdpa", "flash") and arch.attention_dropout > 0:
+        impl = "math"  # CPU SDPA falls back to its math path when dropout is on (measured)
+    terms = layer_terms(arch, rg, impl, seq_len, roles)
+    if lora_targets is not None:
+        terms += lora_terms(arch, lora_targets, setup.lora_rank, setup.lora_dropout)
+    decoder_layer = 0.0
+    if arch.family == "encoder-decoder":
+        dec_terms = layer_terms(arch, rg, impl, seq_len, roles, cross_attention=True)
+        decoder_layer = sum(v for _, v in dec_terms) * tokens
+    return _Stack(terms, sum(v for _, v in terms) * tokens, decoder_layer)
+
+
+def _final_norm(
+    arch: Architecture, rg: Regime, tokens: int, *, head_trainable: bool
+) -> tuple[float, Line]:
+    """The final norm's saved input and, when the head trains, the head's input."""
+    norm_name, norm_size = norm_term(arch, rg)
+    final = (norm_size + (rg.compute_bytes * arch.hidden_size if head_trainable else 0)) * tokens
+    line = Line(
+        "activations",
+        f"final {norm_name.split(':')[0]} + head input",
+        int(final),
+        f"{final / tokens:g} B/token x {tokens:,} tokens",
+    )
+    return final, line
+
+
+def _loss(model: ModelInfo, rg: Regime, tokens: int) -> tuple[float, float, list[Line]]:
+    """Logits and loss buffers held through backward, and the extra at its start."""
+    if model.task == "classification":
+        return 0.0, 0.0, []
+    vocab = model.arch.vocab_size
+    held_pt, extra_pt = loss_terms(vocab, rg)
+    held, bwd_extra = held_pt * tokens, extra_pt * tokens
+    lines = []
+    if held:
+        lines = [
+            Line(
+                "activations",
+                "logits + fp32 log-softmax",
+                int(held),
+                f"{tokens:,} tokens x {vocab:,} vocab x ({rg.compute_bytes} + 4) B",
+            ),
+            Line(
+                "activations",
+                "loss backward (fp32 grads of logits)",
+                int(bwd_extra),
+                f"{tokens:,} x {vocab:,} x 8 B, at the start of backward",
+            ),
+        ]
+    return held, bwd_extra, lines
+
+
+def _amp_copies(model: ModelInfo, rg: Regime, *, lora: bool) -> float:
+    """Autocast casts each matmul's fp32 weight to 16-bit; the copy is saved for backward."""
+    if not rg.amp or lora:
+        return 0.0
+    copies = 2 * sum(g.total for g in model.params if g.is_matrix_weight)
+    if model.arch.tied_embeddings and model.task != "classification":
+        copies += 2 * model.arch.vocab_size * model.arch.hidden_size
+    return copies
+
+
+def _checkpointed(
+    arch: Architecture, rg: Regime, stack: _Stack, tokens: int, amp_copies: float
+) -> tuple[float, float, float, list[Line]]:
+    """Layer inputs kept, weight copies, bytes at backward's end, lines: with checkpointing."""
+    layers = arch.num_layers + arch.num_decoder_layers
+    ckpt = rg.stream_bytes * arch.hidden_size * tokens * layers
+    one_layer = max(stack.per_layer, stack.decoder_layer)
+    layer_copies = amp_copies / max(layers, 1)
+    end = one_layer + layer_copies + rg.stream_bytes * arch.hidden_size * tokens
+    lines = [
+        Line(
+            "activations",
+            "checkpointed layer inputs",
+            int(ckpt),
+            f"{layers} layers x {rg.stream_bytes} B x {arch.hidden_size} x {tokens:,} tokens",
+        ),
+        Line(
+            "activations",
+            "one layer recomputed in backward",
+            int(one_layer),
+            _layer_formula(stack.terms, tokens),
+        ),
+    ]
+    return ckpt, layer_copies, end, lines
+
+
+def _stored(
+    arch: Architecture, stack: _Stack, tokens: int, amp_copies: float
+) -> tuple[float, float, float, list[Line]]:
+    """Layer activations kept, weight copies, bytes at backward's end, lines: all stored."""
+    n, n_dec = arch.num_layers, arch.num_decoder_layers
+    layers_total = stack.per_layer * n + stack.decoder_layer * n_dec
+    lines = [
+        Line(
+            "activations",
+            f"{n} layers",
+            int(stack.per_layer * n),
+            f"{n} x {_layer_formula(stack.terms, tokens)}",
+        )
+    ]
+    if stack.decoder_layer:
+        lines.append(
+            Line(
+                "activations",
+                f"{n_dec} decoder layers",
+                int(stack.decoder_layer * n_dec),
+                "self-attention + cross-attention + MLP per layer",
+            )
+        )
+    return layers_total, amp_copies, 0.0, lines
+
+
+def _layer_formula(terms: list[tuple[str, float]], tokens: int) -> str:
+    per_token = sum(v for _, v in terms)
+    return f"{per_token:,.0f} B/token x {tokens:,} tokens"

@@ -5,18 +5,51 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
+from torch._subclasses import fake_tensor
 
 from batchfit._units import BYTES_IN_MIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory import analytic, trace
+from batchfit.memory._activations import EAGER_ONLY_TYPES
+from batchfit.memory._device import (
+    CUBLAS_HANDLES,
+    DeviceTotals,
+    StepMemory,
+    assemble,
+    device_totals,
+    gpu_extras,
+)
 from batchfit.memory._optim import make_optimizer
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
+
+# What a dry run cannot do, as opposed to a bug: FakeTensor's operators without a fake kernel
+# and its data-dependent outputs (``.item()``, ``nonzero``), operators without a meta kernel
+# (NotImplementedError from the dispatcher), and transformers' refusals of a config, an attention
+# implementation or checkpointing (ValueError, modeling_utils.py). Anything else is raised.
+TRACE_LIMITS: tuple[type[Exception], ...] = (
+    fake_tensor.UnsupportedOperatorException,
+    fake_tensor.UnsupportedFakeTensorException,
+    fake_tensor.DynamicOutputShapeException,
+    fake_tensor.DataDependentOutputException,
+    NotImplementedError,
+    ValueError,
+)
+
+
+def _is_trace_limit(exc: BaseException) -> bool:
+    """Whether ``exc`` says the dry run cannot model this step (not a bug to raise)."""
+    if isinstance(exc, TRACE_LIMITS):
+        return True
+    # A model whose __init__ reads a value (``.item()``) while it is built on the meta device:
+    # aten raises a plain RuntimeError, "Tensor.item() cannot be called on meta tensors".
+    return isinstance(exc, RuntimeError) and "on meta tensors" in str(exc)
+
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
 # alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
@@ -68,8 +101,8 @@ def _attn_impl(model: ModelInfo, attention: str) -> str:
     if attention in ("sdpa", "flash"):
         # On fake CPU tensors SDPA takes the CPU flash kernel, which keeps what CUDA's flash
         # kernel keeps: the output and an fp32 log-sum-exp per head (DESIGN.md).
-        if model.arch.model_type in ("gemma2", "t5", "mt5"):
-            return "eager"  # soft-capping / position bias are eager-only in transformers
+        if model.arch.model_type in EAGER_ONLY_TYPES:
+            return "eager"
         return "sdpa"
     return "eager"
 
@@ -156,10 +189,11 @@ def _build(
         if setup.grad_ckpt:
             net.enable_input_require_grads()
     net.train()
-    return net
+    return cast(torch.nn.Module, net)
 
 
-def _batch_fn(model: ModelInfo, micro: int, seq: int) -> Any:
+def batch_fn(model: ModelInfo, micro: int, seq: int) -> Callable[[], dict[str, Any]]:
+    """A factory of random batches of ``micro`` sequences of ``seq`` tokens, with labels."""
     vocab = model.arch.vocab_size
 
     def make() -> dict[str, Any]:
@@ -201,7 +235,7 @@ def step_parts(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
-    return StepParts(net, opt, _batch_fn(model, micro, seq), autocast)
+    return StepParts(net, opt, batch_fn(model, micro, seq), autocast)
 
 
 def trace_once(
@@ -223,9 +257,9 @@ def trace_once(
 
     def cuda_workspaces(tracker: Any) -> None:
         if emulate_cuda:
-            workspace, _, _ = analytic._gpu_extras(gpu, setup)
-            for _ in range(analytic.CUBLAS_HANDLES):
-                keep.append(torch.empty(workspace // analytic.CUBLAS_HANDLES, dtype=torch.uint8))
+            workspace = gpu_extras(gpu, setup).workspace
+            for _ in range(CUBLAS_HANDLES):
+                keep.append(torch.empty(workspace // CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
     kernels = emulation(emulate_cuda)
@@ -269,9 +303,7 @@ def estimate_trace(
     full_depth: bool = False,
 ) -> MemoryEstimate:
     """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
-    resolved = replace(
-        setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True), task=model.task
-    )
+    resolved = analytic.resolve_setup(model, setup, device, gpu)
     formulas = analytic.estimate_analytic(
         model,
         setup,
@@ -298,8 +330,11 @@ def estimate_trace(
             )
         except UsageError:
             raise
-        except (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError) as e:
-            why_not = f"the dry run failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        except Exception as e:
+            if not _is_trace_limit(e):
+                raise
+            first_line = (str(e).splitlines() or [""])[0][:160]
+            why_not = f"the dry run failed ({type(e).__name__}: {first_line})"
         else:
             # The formulas' checks of the setup (bf16 support, kernels) apply to the trace too.
             return replace(traced, warnings=tuple(dict.fromkeys(formulas.warnings)))
@@ -324,7 +359,7 @@ def _estimate_traced(
     full_depth: bool,
 ) -> MemoryEstimate:
     depth = model.arch.num_layers
-    kw = {
+    kw: dict[str, Any] = {
         "micro": micro_batch_size,
         "seq": seq_len,
         "device": device,
@@ -332,64 +367,26 @@ def _estimate_traced(
         "grad_accum_steps": min(grad_accum_steps, 2),
     }
     low, high = trace_depths(model)
-    extrapolated = not full_depth and depth > high
-    if not extrapolated:
-        result = trace_once(model, resolved, depth=None, **kw)  # type: ignore[arg-type]
-    else:
-        shallow = trace_once(model, resolved, depth=low, **kw)  # type: ignore[arg-type]
-        deep = trace_once(model, resolved, depth=high, **kw)  # type: ignore[arg-type]
-        result = trace.extrapolate(shallow, deep, low, high, depth)
-    peak = result.peak
-    components = dict(peak.components)
-    peak_bytes = sum(components.values())
-    lines = [
-        Line(c, f"at the peak ({peak.phase})", v, "counted in a dry run of the real step")
-        for c, v in components.items()
-    ]
-    if device == "cuda":
-        _, context, nccl = analytic._gpu_extras(gpu, resolved)
-        reserved = analytic.cap_reserved(
-            peak_bytes, max(result.reserved_bytes, peak_bytes), gpu, context + nccl
-        )
-        device_total = reserved + context + nccl
-        lines.append(
-            Line(
-                "other",
-                "allocator: reserved beyond allocated",
-                reserved - peak_bytes,
-                "caching allocator simulation (segments, rounding, splits)",
-            )
-        )
-        lines.append(
-            Line(
-                "other",
-                "CUDA context (outside the allocator)",
-                context,
-                f"{context // BYTES_IN_MIB} MiB",
-            )
-        )
-    else:
-        reserved = device_total = peak_bytes
-    trainable = _trainable(model, resolved)
     notes = []
-    if extrapolated:
+    if full_depth or depth <= high:
+        result = trace_once(model, resolved, depth=None, **kw)
+    else:
+        shallow = trace_once(model, resolved, depth=low, **kw)
+        deep = trace_once(model, resolved, depth=high, **kw)
+        result = trace.extrapolate(shallow, deep, low, high, depth)
         notes.append(f"traced {low} and {high} layers, extrapolated to {depth}")
-    return MemoryEstimate(
-        model=model.name,
-        engine="trace",
-        device="cpu" if device == "cpu" else (f"cuda:{gpu.name}" if gpu else "cuda"),
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        setup=resolved,
+    components = dict(result.peak.components)
+    peak_bytes = sum(components.values())
+    reserved = max(result.reserved_bytes, peak_bytes)
+    totals = device_totals(peak_bytes, reserved, device, gpu, resolved)
+    trainable = _trainable(model, resolved)
+    step = StepMemory(
         components=components,
-        peak_bytes=peak_bytes,
-        reserved_bytes=reserved,
-        device_total_bytes=device_total,
+        peak_phase=result.peak.phase,
+        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
         total_params=model.total_params + (trainable if resolved.is_lora else 0),
         trainable_params=trainable,
-        peak_phase=peak.phase,
-        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
-        lines=tuple(lines),
+        lines=_trace_lines(components, result.peak.phase, totals, device),
         warnings=tuple(model.warnings),
         extras={
             "top_modules": list(result.top_modules),
@@ -397,6 +394,44 @@ def _estimate_traced(
             "notes": notes,
         },
     )
+    return assemble(
+        step,
+        totals,
+        model=model.name,
+        engine="trace",
+        setup=resolved,
+        workload=(micro_batch_size, seq_len),
+        device=device,
+        gpu=gpu,
+    )
+
+
+def _trace_lines(
+    components: dict[str, int], phase: str, totals: DeviceTotals, device: str
+) -> tuple[Line, ...]:
+    """The accounting of a traced step: components at the peak, then the device's totals."""
+    lines = [
+        Line(c, f"at the peak ({phase})", v, "counted in a dry run of the real step")
+        for c, v in components.items()
+    ]
+    if device == "cuda":
+        lines.append(
+            Line(
+                "other",
+                "allocator: reserved beyond allocated",
+                totals.reserved - totals.peak,
+                "caching allocator simulation (segments, rounding, splits)",
+            )
+        )
+        lines.append(
+            Line(
+                "other",
+                "CUDA context (outside the allocator)",
+                totals.context,
+                f"{totals.context // BYTES_IN_MIB} MiB",
+            )
+        )
+    return tuple(lines)
 
 
 def _trainable(model: ModelInfo, setup: TrainingSetup) -> int:

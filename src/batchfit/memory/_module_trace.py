@@ -9,7 +9,8 @@ from typing import Any, Literal
 import torch
 
 from batchfit.hardware import GpuSpec
-from batchfit.memory import analytic, trace
+from batchfit.memory import trace
+from batchfit.memory._device import StepMemory, assemble, device_totals
 from batchfit.memory._hf_trace import materialize_fake
 from batchfit.memory._optim import make_optimizer
 from batchfit.memory.types import Line, MemoryEstimate
@@ -73,14 +74,8 @@ def estimate_module(
     from batchfit.memory.kernels import emulation
 
     kernels = emulation(emulate_cuda)
-    previous = torch.get_default_dtype()
     with trace.quiet():
-        torch.set_default_dtype(store)
-        try:
-            with torch.device("meta"):
-                net = model_fn()
-        finally:
-            torch.set_default_dtype(previous)
+        net = _build_on_meta(model_fn, store)
         with trace.fake_mode(), kernels:
             net = materialize_fake(net)
             net.train()
@@ -96,36 +91,51 @@ def estimate_module(
                 grad_accum_steps=grad_accum_steps,
             )
     peak = result.peak
-    peak_bytes = peak.total
-    reserved = device_total = peak_bytes
+    reserved = peak.total
     if emulate_cuda:
         from batchfit.memory.allocator import simulate
 
-        _, context, nccl = analytic._gpu_extras(gpu, resolved)
-        reserved = analytic.cap_reserved(
-            peak_bytes, max(simulate(result.events).reserved_bytes, peak_bytes), gpu, context + nccl
-        )
-        device_total = reserved + context + nccl
-    trainable = sum(p.numel() for p in params)
-    name = getattr(model_fn, "__qualname__", type(model_fn).__name__)
-    return MemoryEstimate(
-        model=name,
-        engine="trace",
-        device="cpu" if device == "cpu" else (f"cuda:{gpu.name}" if gpu else "cuda"),
-        micro_batch_size=shape[0],
-        seq_len=shape[1],
-        setup=replace(resolved, task=None),
+        reserved = max(simulate(result.events).reserved_bytes, peak.total)
+    step = StepMemory(
         components=dict(peak.components),
-        peak_bytes=peak_bytes,
-        reserved_bytes=reserved,
-        device_total_bytes=device_total,
-        total_params=sum(p.numel() for p in net.parameters()),
-        trainable_params=trainable,
         peak_phase=peak.phase,
         activation_peak_bytes=max(p.components["activations"] for p in result.phases),
+        total_params=sum(p.numel() for p in net.parameters()),
+        trainable_params=sum(p.numel() for p in params),
         lines=tuple(
             Line(c, f"at the peak ({peak.phase})", v, "dry run of your module")
             for c, v in peak.components.items()
         ),
         extras={"top_modules": list(result.top_modules), "trace_seconds": result.seconds},
     )
+    return assemble(
+        step,
+        device_totals(peak.total, reserved, device, gpu, resolved),
+        model=_name(model_fn),
+        engine="trace",
+        setup=replace(resolved, task=None),
+        workload=shape,
+        device=device,
+        gpu=gpu,
+    )
+
+
+def _name(model_fn: ModelFn) -> str:
+    return getattr(model_fn, "__qualname__", type(model_fn).__name__)
+
+
+def _build_on_meta(model_fn: ModelFn, dtype: torch.dtype) -> torch.nn.Module:
+    """``model_fn()`` on the meta device, its floating tensors created in ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            net: object = model_fn()
+    finally:
+        torch.set_default_dtype(previous)
+    if not isinstance(net, torch.nn.Module):
+        raise TypeError(
+            f"model_fn {_name(model_fn)} returned a {type(net).__name__}, not an nn.Module: "
+            "pass a function that builds and returns your model, e.g. lambda: MyNet()"
+        )
+    return net

@@ -94,7 +94,7 @@ def make_optimizer(
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
-        return Adafactor(
+        return Adafactor(  # type: ignore[no-untyped-call, unused-ignore]
             params, lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False
         )
     raise ValueError(f"unknown optimizer {name!r}")

@@ -66,11 +66,11 @@ class Timeline:
         return out
 
 
-class AllocationTracker(TorchDispatchMode):
+class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unused-ignore]
     """Dispatch mode that tracks live storage bytes and records a :class:`Timeline`."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.timeline = Timeline()
         self.phase = "setup"
         self.module = ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
@@ -12,6 +12,7 @@ from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 
 Engine = Literal["analytic", "trace"]
+ENGINES: tuple[str, ...] = get_args(Engine)
 
 
 def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> list[str]:
@@ -75,7 +76,13 @@ def estimate(
         ...                loss_fn=lambda out, batch: out.square().mean())
         >>> est.trainable_params, est.components["optimizer_state"] >= 8 * est.trainable_params
         (8393728, True)
+
+    Raises:
+        UsageError: an unknown ``engine``, a missing ``batch_fn`` or workload, bad sizes.
+        TypeError: ``model`` is a factory that does not return an ``nn.Module``.
     """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r} is not one of: {', '.join(ENGINES)}")
     setup = setup or TrainingSetup()
     if not isinstance(model, ModelInfo):
         if not callable(model) or batch_fn is None:
@@ -97,7 +104,7 @@ def estimate(
     if micro_batch_size is None or seq_len is None:
         raise UsageError("give micro_batch_size and seq_len for a resolved model")
     warnings = check_workload(model, micro_batch_size, seq_len)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
         "device": device,
@@ -107,13 +114,11 @@ def estimate(
     if engine == "trace":
         from batchfit.memory._hf_trace import estimate_trace
 
-        result = estimate_trace(model, setup, **kwargs)  # type: ignore[arg-type]
-    elif engine == "analytic":
+        result = estimate_trace(model, setup, **kwargs)
+    else:
         from batchfit.memory.analytic import estimate_analytic
 
-        result = estimate_analytic(model, setup, **kwargs)  # type: ignore[arg-type]
-    else:
-        raise UsageError(f"--engine {engine!r} is not one of: trace, analytic")
+        result = estimate_analytic(model, setup, **kwargs)
     if warnings:
         from dataclasses import replace
 

@@ -51,7 +51,7 @@ def _cuda_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    result: torch.Tensor = FlashAttentionMemory.apply(query, key, value)
+    result: torch.Tensor = FlashAttentionMemory.apply(query, key, value)  # type: ignore[no-untyped-call, unused-ignore]
     return result
 
 

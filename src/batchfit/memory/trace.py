@@ -96,7 +96,7 @@ def training_steps(
                     out = model(batch)
                 loss = loss_of(out, batch)
             on_phase("backward")
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
             del out, loss, batch
         on_phase("optimizer-step")
         optimizer.step()
@@ -130,7 +130,7 @@ def run_steps(
     for p in model.parameters():
         if p.requires_grad:
             handles.append(
-                p.register_post_accumulate_grad_hook(
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call, unused-ignore]
                     lambda param: tracker.label(param.grad, "gradients")
                 )
             )
@@ -244,7 +244,7 @@ def quiet() -> contextlib.AbstractContextManager[Any]:
         from transformers.utils import logging as hf_logging
 
         level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
+        hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call, unused-ignore]
         stack.callback(hf_logging.set_verbosity, level)
     except ImportError:
         pass

@@ -1,0 +1,191 @@
+"""What the device adds to a step's allocated peak, and the ``MemoryEstimate`` that reports it.
+
+Every engine (formulas, a trace of a Hugging Face model, a trace of the user's module) ends the
+same way: cuBLAS workspaces inside the allocator, the caching allocator's reserve capped by the
+card, the CUDA context and NCCL buffers outside it. This module is that ending, written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from batchfit._units import BYTES_IN_MIB
+from batchfit.hardware import GpuSpec
+from batchfit.memory.types import Line, MemoryEstimate
+from batchfit.spec import TrainingSetup
+
+Device = Literal["cpu", "cuda"]
+
+# cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp, default
+# CUBLAS_WORKSPACE_CONFIG): 4096 KiB * 2 + 16 KiB * 8 before Hopper, 32 MiB on sm90+.
+# One handle per thread: the forward thread and autograd's backward thread.
+CUBLAS_WORKSPACE_BYTES = {
+    "pre-hopper": 4096 * 1024 * 2 + 16 * 1024 * 8,
+    "hopper+": 32 * BYTES_IN_MIB,
+}
+CUBLAS_HANDLES = 2
+# CUDA context with lazy module loading (default since CUDA 11.7 / PyTorch 1.13): DESIGN.md
+# gives 250-700 MiB; we take the upper middle per generation until measured (issue 3).
+CUDA_CONTEXT_MIB = {
+    "pascal": 300,
+    "volta": 350,
+    "turing": 350,
+    "ampere": 450,
+    "ada": 450,
+    "hopper": 550,
+    "blackwell": 600,
+    "cdna2": 450,
+    "cdna3": 550,
+}
+# NCCL: NCCL_BUFFSIZE 4 MiB per channel and peer, both directions, up to 32 channels, plus
+# its kernels; an assumption until measured.
+NCCL_BYTES = 512 * BYTES_IN_MIB
+# Reserved over allocated for the analytic engine: segment rounding and fragmentation.
+# An assumption; the trace engine replays allocations through an allocator simulation.
+FRAGMENTATION = 0.05
+
+
+class GpuExtras(NamedTuple):
+    """cuBLAS workspaces (allocated), CUDA context and NCCL buffers (outside the allocator)."""
+
+    workspace: int
+    context: int
+    nccl: int
+
+
+def gpu_extras(gpu: GpuSpec | None, setup: TrainingSetup) -> GpuExtras:
+    """The fixed CUDA costs of a step on ``gpu`` (an Ampere card when unknown).
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> gpu_extras(get_gpu("h100-80gb"), TrainingSetup()).workspace == 2 * 32 * 2**20
+        True
+    """
+    arch = gpu.architecture if gpu else "ampere"
+    hopper_plus = arch in ("hopper", "blackwell")
+    workspace = CUBLAS_HANDLES * CUBLAS_WORKSPACE_BYTES["hopper+" if hopper_plus else "pre-hopper"]
+    context = CUDA_CONTEXT_MIB.get(arch, 500) * BYTES_IN_MIB
+    nccl = NCCL_BYTES if setup.num_gpus > 1 else 0
+    return GpuExtras(workspace, context, nccl)
+
+
+def workspace_line(workspace: int) -> Line:
+    """The accounting row of the cuBLAS workspaces."""
+    return Line(
+        "other",
+        "cuBLAS workspaces",
+        workspace,
+        f"{CUBLAS_HANDLES} handles x {workspace // CUBLAS_HANDLES:,} B",
+    )
+
+
+def cap_reserved(peak: int, reserved: int, gpu: GpuSpec | None, outside_allocator: int) -> int:
+    """What the caching allocator reserves on a real card of ``gpu``'s size.
+
+    When a cudaMalloc fails, PyTorch's allocator frees its cached, unused segments and retries
+    before raising out-of-memory (``release_cached_blocks`` in CUDACachingAllocator.cpp). So a
+    step whose allocated peak fits never fails for cached memory alone: the reserve fills up to
+    the card and stops there.
+
+    Example:
+        >>> cap_reserved(10, 15, None, 0), cap_reserved(30 << 30, 45 << 30, None, 0) > 0
+        (15, True)
+    """
+    if gpu is None:
+        return reserved
+    capacity = gpu.memory_bytes - outside_allocator
+    if peak <= capacity < reserved:
+        return capacity
+    return reserved
+
+
+def analytic_reserve(peak: int) -> int:
+    """The analytic engine's guess of the reserve: the peak plus fragmentation, in 2 MiB."""
+    multiple = 2 * BYTES_IN_MIB
+    return -(-int(peak * (1 + FRAGMENTATION)) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DeviceTotals:
+    """A step's allocated peak, what the allocator reserves for it, and what sits outside."""
+
+    peak: int
+    reserved: int
+    context: int = 0
+    nccl: int = 0
+
+    @property
+    def device_total(self) -> int:
+        """What nvidia-smi shows: the reserve, the CUDA context and NCCL's buffers."""
+        return self.reserved + self.context + self.nccl
+
+
+def device_totals(
+    peak: int, reserved: int, device: Device, gpu: GpuSpec | None, setup: TrainingSetup
+) -> DeviceTotals:
+    """``reserved`` (an engine's guess) capped by the card, plus the costs outside the allocator.
+
+    On the CPU nothing is added: reserved and device total are the peak.
+    """
+    if device != "cuda":
+        return DeviceTotals(peak, peak)
+    extras = gpu_extras(gpu, setup)
+    capped = cap_reserved(peak, reserved, gpu, extras.context + extras.nccl)
+    return DeviceTotals(peak, capped, extras.context, extras.nccl)
+
+
+def device_name(device: Device, gpu: GpuSpec | None) -> str:
+    """``cpu``, ``cuda`` or ``cuda:<gpu>``, as MemoryEstimate.device reports it."""
+    if device == "cpu":
+        return "cpu"
+    return f"cuda:{gpu.name}" if gpu else "cuda"
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What an engine found for one step, before the device's totals are added."""
+
+    components: dict[str, int]
+    peak_phase: str
+    activation_peak_bytes: int
+    total_params: int
+    trainable_params: int
+    host_bytes: int = 0
+    lines: tuple[Line, ...] = ()
+    warnings: tuple[str, ...] = ()
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def assemble(
+    step: StepMemory,
+    totals: DeviceTotals,
+    *,
+    model: str,
+    engine: str,
+    setup: TrainingSetup,
+    workload: tuple[int, int],
+    device: Device,
+    gpu: GpuSpec | None,
+) -> MemoryEstimate:
+    """The one place a ``MemoryEstimate`` is put together; ``workload`` is (micro-batch, seq)."""
+    return MemoryEstimate(
+        model=model,
+        engine=engine,
+        device=device_name(device, gpu),
+        micro_batch_size=workload[0],
+        seq_len=workload[1],
+        setup=setup,
+        components=step.components,
+        peak_bytes=totals.peak,
+        reserved_bytes=totals.reserved,
+        device_total_bytes=totals.device_total,
+        total_params=step.total_params,
+        trainable_params=step.trainable_params,
+        peak_phase=step.peak_phase,
+        host_bytes=step.host_bytes,
+        activation_peak_bytes=step.activation_peak_bytes,
+        lines=step.lines,
+        warnings=step.warnings,
+        extras=step.extras,
+    )

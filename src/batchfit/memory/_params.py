@@ -1,0 +1,248 @@
+"""Parameters, gradients and optimizer state: what is stored, what is trained (before sharding)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from batchfit._units import human_count
+from batchfit.memory.types import Line
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
+
+# QLoRA NF4 with double quantisation: 4 bits + 8-bit absmax per 64-block + fp32 absmax per
+# 256 of those (Dettmers et al. 2023, QLoRA, section 3: 0.127 bits of constants per param).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# bitsandbytes 8-bit optimizers: 1 byte per state element plus an fp32 absmax per 256-block;
+# tensors under min_8bit_size=4096 elements keep 32-bit states (bnb/optim/optimizer.py).
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+
+Shapes = list[tuple[tuple[int, ...], int]]  # (shape, how many tensors of it)
+
+
+@dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per parameter of one precision setup (before sharding)."""
+
+    weight: int
+    grad: int
+    state_elem: int  # optimizer state element size
+    master: int  # separate fp32 master copy (fp16 mixed precision, ZeRO's K=12 includes it)
+
+
+# peft keeps adapters in fp32 (autocast_adapter_dtype=True) whatever the base dtype.
+ADAPTER_BYTES = ParamBytes(4, 4, 4, 0)
+
+
+def param_bytes(precision: str) -> ParamBytes:
+    """fp32 4/4/4; amp (fp32 weights, autocast) 4/4/4; bf16 2/2/2; fp16 2/2/4 + 4 master.
+
+    Example:
+        >>> param_bytes("bf16")
+        ParamBytes(weight=2, grad=2, state_elem=2, master=0)
+    """
+    if precision in ("fp32", "amp-fp16", "amp-bf16"):
+        return ParamBytes(4, 4, 4, 0)
+    if precision == "bf16":
+        return ParamBytes(2, 2, 2, 0)
+    return ParamBytes(2, 2, 4, 4)  # fp16 weights + fp32 master + fp32 states (ZeRO paper)
+
+
+def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str, state_elem: int) -> float:
+    """Optimizer state of one parameter tensor.
+
+    Example:
+        >>> optimizer_state_bytes((4096, 4096), "adamw", 4)
+        134217728
+        >>> optimizer_state_bytes((4096, 4096), "adafactor", 4)  # factored: rows + cols
+        32768
+    """
+    n = math.prod(shape)
+    if optimizer == "sgd":
+        return 0
+    if optimizer in ("sgd-momentum", "lion"):
+        return n * state_elem  # one momentum buffer
+    if optimizer in ("adam", "adamw"):
+        return 2 * n * state_elem  # exp_avg, exp_avg_sq
+    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        if n < BNB_MIN_8BIT_SIZE:
+            return 2 * n * 4
+        return 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
+    if optimizer == "adafactor":
+        # HF Adafactor (beta1=None): fp32 row and column second moments for >= 2-D tensors.
+        if len(shape) >= 2:
+            rows = math.prod(shape[:-1])
+            cols = math.prod(shape[:-2]) * shape[-1]
+            return 4 * (rows + cols)
+        return 4 * n
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """The weights step: stored bytes, what trains, and at what bytes per trained parameter."""
+
+    weights: float
+    trainable: int
+    shapes: Shapes
+    per_param: ParamBytes
+    lines: tuple[Line, ...]
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Params:
+    """Weights, gradients and optimizer state of one GPU before sharding, with their lines."""
+
+    weights: float
+    grads: float
+    states: float
+    trainable: int
+    trainable_shapes: Shapes
+    grad_bytes: int  # per trainable parameter
+    state_elem: int
+    lora_targets: tuple[str, ...] | None  # None when every parameter trains
+    lines: tuple[Line, ...]
+    warnings: tuple[str, ...]
+
+
+def parameters(model: ModelInfo, setup: TrainingSetup) -> Params:
+    """Weights stored, gradients and optimizer state of what trains (``setup`` resolved)."""
+    targets = (setup.lora_targets or model.default_lora_targets()) if setup.is_lora else None
+    w = _lora_weights(model, setup, targets) if targets is not None else _full_weights(model, setup)
+    grads = w.trainable * w.per_param.grad
+    lines = [
+        *w.lines,
+        Line("gradients", "gradients", grads, f"{w.trainable:,} trainable x {w.per_param.grad} B"),
+    ]
+    elem = w.per_param.state_elem
+    states = sum(optimizer_state_bytes(s, setup.optimizer, elem) * c for s, c in w.shapes)
+    lines.append(
+        Line(
+            "optimizer_state",
+            setup.optimizer,
+            int(states),
+            _state_formula(setup.optimizer, w.trainable, elem),
+        )
+    )
+    if w.per_param.master:
+        states += w.trainable * w.per_param.master
+        lines.append(
+            Line(
+                "optimizer_state",
+                "fp32 master weights",
+                w.trainable * w.per_param.master,
+                f"{w.trainable:,} x 4 B (fp16 weights train against an fp32 copy)",
+            )
+        )
+    return Params(
+        weights=w.weights,
+        grads=grads,
+        states=states,
+        trainable=w.trainable,
+        trainable_shapes=w.shapes,
+        grad_bytes=w.per_param.grad,
+        state_elem=elem,
+        lora_targets=targets,
+        lines=tuple(lines),
+        warnings=w.warnings,
+    )
+
+
+def _full_weights(model: ModelInfo, setup: TrainingSetup) -> _Weights:
+    pb, total = param_bytes(setup.precision), model.total_params
+    weights = total * pb.weight
+    why = f"{total:,} params x {pb.weight} B ({_weight_why(setup.precision)})"
+    return _Weights(
+        weights=weights,
+        trainable=total,
+        shapes=[(g.shape, g.count) for g in model.params],
+        per_param=pb,
+        lines=(Line("weights", "weights", weights, why),),
+    )
+
+
+def _lora_weights(model: ModelInfo, setup: TrainingSetup, targets: tuple[str, ...]) -> _Weights:
+    warnings = []
+    if setup.lora_targets is None and model.lora_targets_guessed:
+        warnings.append(
+            f"peft has no default LoRA targets for {model.arch.model_type}: assumed "
+            f"{','.join(targets)} (set --lora-targets)"
+        )
+    lora_n = model.lora_params(setup.lora_rank, targets)
+    base, lines = _frozen_base(model, setup)
+    lines.append(
+        Line(
+            "weights",
+            "LoRA adapters",
+            lora_n * 4,
+            f"{lora_n:,} params x 4 B (fp32), r={setup.lora_rank} on {','.join(targets)}",
+        )
+    )
+    return _Weights(
+        weights=base + lora_n * 4,
+        trainable=lora_n,
+        shapes=_lora_shapes(model, setup.lora_rank, targets),
+        per_param=ADAPTER_BYTES,
+        lines=tuple(lines),
+        warnings=tuple(warnings),
+    )
+
+
+def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Line]]:
+    """Bytes of the frozen base under LoRA (16-bit) or QLoRA (NF4), and its lines."""
+    total = model.total_params
+    if setup.method == "qlora":
+        q = model.quantizable_params()
+        return q * NF4_BYTES_PER_PARAM + (total - q) * 2, [
+            Line(
+                "weights",
+                "base, NF4 + double quant",
+                int(q * NF4_BYTES_PER_PARAM),
+                f"{q:,} params x {NF4_BYTES_PER_PARAM:.4f} B (4-bit + constants)",
+            ),
+            Line(
+                "weights",
+                "base, not quantised (16-bit)",
+                (total - q) * 2,
+                f"{total - q:,} params x 2 B (embeddings, norms, output head)",
+            ),
+        ]
+    # A frozen base needs no fp32 master: peft recipes load it in 16-bit unless fp32.
+    base_b = 4 if setup.precision == "fp32" else 2
+    why = f"{total:,} params x {base_b} B (frozen, no master copy)"
+    return total * base_b, [Line("weights", "frozen base", total * base_b, why)]
+
+
+def _lora_shapes(model: ModelInfo, rank: int, targets: tuple[str, ...]) -> Shapes:
+    """Shapes of the LoRA A (r x in) and B (out x r) matrices."""
+    shapes: Shapes = []
+    for group in model.lora_groups(targets):
+        d0, d1 = group.shape
+        shapes += [((rank, d1), group.count), ((d0, rank), group.count)]
+    return shapes
+
+
+def _weight_why(precision: str) -> str:
+    return {
+        "fp32": "fp32",
+        "amp-bf16": "fp32 master weights; autocast computes in bf16",
+        "amp-fp16": "fp32 master weights; autocast computes in fp16",
+        "bf16": "pure bf16",
+        "fp16": "fp16 weights; the fp32 master copy is optimizer state",
+    }[precision]
+
+
+def _state_formula(optimizer: str, trainable: int, elem: int) -> str:
+    per = {
+        "sgd": "no state",
+        "sgd-momentum": f"1 momentum x {elem} B",
+        "lion": f"1 momentum x {elem} B",
+        "adam": f"2 moments x {elem} B",
+        "adamw": f"2 moments x {elem} B",
+        "adamw-8bit": "2 moments x 1 B + fp32 absmax per 256 (tensors < 4096 elems: 2 x 4 B)",
+        "paged-adamw-8bit": "2 x 1 B + absmax per 256, paged (can spill to CPU under pressure)",
+        "adafactor": "factored fp32 row + column second moments",
+    }[optimizer]
+    return f"{human_count(trainable)} trainable: {per}"

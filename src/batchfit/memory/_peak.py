@@ -1,0 +1,94 @@
+"""The peak of a steady-state step: the largest of three moments (optimizer state allocated).
+
+The start of backward (all activations, the loss's fp32 buffers, and gradients of earlier
+micro-steps when accumulating), the end of backward (all gradients; with checkpointing, one
+recomputed layer), and ``optimizer.step()`` (gradients plus the optimizer's temporaries).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from batchfit.memory._activations import Activations
+from batchfit.memory._device import Device
+from batchfit.memory._params import Params, Shapes
+from batchfit.memory._sharding import Sharded
+from batchfit.memory.types import Line
+from batchfit.spec import TrainingSetup
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The moment of the peak and each component's bytes then."""
+
+    phase: str
+    components: dict[str, int]
+    lines: tuple[Line, ...]
+
+
+def step_temporaries(
+    shapes: Shapes, setup: TrainingSetup, state_elem: int, device: Device
+) -> tuple[float, str]:
+    """Bytes the optimizer's step allocates on top of its state, and why."""
+    opt, impl = setup.optimizer, setup.optimizer_impl
+    total = sum(math.prod(s) * c for s, c in shapes)
+    largest = max((math.prod(s) for s, _ in shapes), default=0)
+    torch_native = opt in ("sgd", "sgd-momentum", "adam", "adamw")
+    if impl == "auto":
+        # torch.optim picks foreach for CUDA tensors, the per-parameter loop on the CPU;
+        # HF's and bitsandbytes' optimizers are per-parameter loops.
+        impl = "foreach" if device == "cuda" and torch_native else "for-loop"
+    if opt in ("adam", "adamw"):
+        if impl == "foreach":
+            return total * state_elem, "foreach AdamW: _foreach_sqrt(exp_avg_sq) of every parameter"
+        if impl == "for-loop":
+            return largest * state_elem, "per-parameter AdamW: one sqrt(exp_avg_sq) at a time"
+        return 0, "fused AdamW: no temporaries"
+    if opt == "adafactor":
+        return 3 * 4 * largest, "Adafactor: grad^2, approximate update and its RMS, one tensor"
+    if opt == "lion":
+        return largest * state_elem, "Lion: one update tensor at a time"
+    return 0, "in place"
+
+
+def peak(
+    setup: TrainingSetup,
+    params: Params,
+    sharded: Sharded,
+    acts: Activations,
+    *,
+    fixed: float,
+    num_layers: int,
+    device: Device,
+    grad_accum_steps: int,
+) -> Peak:
+    """The largest of the three moments; ``fixed`` is what every moment holds besides."""
+    temps, temps_why = step_temporaries(params.trainable_shapes, setup, params.state_elem, device)
+    if setup.offload != "none":
+        temps = 0.0  # the step runs on the CPU
+    temps /= sharded.shard
+    grads = sharded.grads
+    # The first gradients backward produces (output head / last layer): about one layer's worth.
+    head_grad = 0.0
+    if params.lora_targets is None:
+        head_grad = params.trainable * params.grad_bytes / max(num_layers, 1)
+    grads_before = grads if grad_accum_steps > 1 else min(head_grad, grads)
+    phases = {
+        "backward": (grads_before, acts.at_backward_start, fixed),
+        "backward-end": (grads, acts.at_backward_end, fixed),
+        "optimizer-step": (grads, 0.0, fixed + temps),
+    }
+    phase = max(phases, key=lambda p: sum(phases[p]))
+    g_at, a_at, o_at = phases[phase]
+    lines = []
+    if temps and phase == "optimizer-step":
+        lines.append(Line("other", "optimizer step temporaries", int(temps), temps_why))
+    components = {
+        "weights": int(sharded.weights),
+        "gradients": int(g_at),
+        "optimizer_state": int(sharded.states),
+        "activations": int(a_at),
+        "other": int(o_at),
+    }
+    return Peak(phase, components, tuple(lines))

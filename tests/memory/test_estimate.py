@@ -1,0 +1,73 @@
+import pytest
+import torch
+from torch._subclasses import fake_tensor
+
+from batchfit.errors import UsageError
+from batchfit.memory import _hf_trace
+from batchfit.memory.estimate import estimate
+from batchfit.models import resolve_model
+from batchfit.spec import TrainingSetup
+
+GPT2 = resolve_model("gpt2")
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(4, 8)
+
+
+def _loss(out: torch.Tensor, _batch: object) -> torch.Tensor:
+    return out.square().mean()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model": GPT2, "micro_batch_size": 1, "seq_len": 32},
+        {"model": _net, "batch_fn": _batch, "loss_fn": _loss},
+    ],
+    ids=["catalog-model", "own-module"],
+)
+def test_unknown_engine_is_refused_naming_the_choices(kwargs):
+    with pytest.raises(UsageError, match=r"--engine 'bogus' is not one of: analytic, trace"):
+        estimate(setup=TrainingSetup(), device="cpu", engine="bogus", **kwargs)
+
+
+def test_a_factory_that_returns_no_module_is_a_type_error_naming_the_fix():
+    with pytest.raises(TypeError, match=r"returned a int, not an nn.Module: .*lambda: MyNet\(\)"):
+        estimate(lambda: 5, TrainingSetup(), batch_fn=_batch, loss_fn=_loss, device="cpu")
+
+
+@pytest.mark.parametrize("bug", [TypeError, AttributeError, KeyError, RuntimeError])
+def test_a_bug_in_the_dry_run_is_raised_not_answered_by_the_formulas(monkeypatch, bug):
+    def broken(*_args, **_kwargs):
+        raise bug("a bug in batchfit")
+
+    monkeypatch.setattr(_hf_trace, "trace_once", broken)
+    with pytest.raises(bug, match="a bug in batchfit"):
+        estimate(GPT2, TrainingSetup(), micro_batch_size=1, seq_len=32, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [
+        fake_tensor.DataDependentOutputException(torch.ops.aten.nonzero.default),
+        fake_tensor.UnsupportedOperatorException(torch.ops.aten.nonzero.default),
+        NotImplementedError(),
+        RuntimeError("Tensor.item() cannot be called on meta tensors"),
+        ValueError("GPT2LMHeadModel does not support activation checkpointing."),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_what_a_dry_run_cannot_do_falls_back_to_the_formulas(monkeypatch, limit):
+    def cannot(*_args, **_kwargs):
+        raise limit
+
+    monkeypatch.setattr(_hf_trace, "trace_once", cannot)
+    est = estimate(GPT2, TrainingSetup(), micro_batch_size=1, seq_len=32, device="cpu")
+    assert est.engine == "analytic"
+    assert est.warnings[0].startswith("the trace engine cannot run this setup yet: the dry run")
+    assert type(limit).__name__ in est.warnings[0]
