@@ -76,7 +76,7 @@ def main() -> None:
         # batchfit's probe step: the outputs (logits) stay alive through backward, as in
         # ``out = model(**batch); out.loss.backward()``
         opt.zero_grad(set_to_none=True)
-        batch = _hf_trace._batch_fn(info, n, seq)()
+        batch = _hf_trace.batch_fn(info, n, seq)()
         out = model(**batch)
         out.loss.backward()
         del out

@@ -36,6 +36,18 @@ def test_unknown_engine_is_refused_naming_the_choices(kwargs):
         estimate(setup=TrainingSetup(), device="cpu", engine="bogus", **kwargs)
 
 
+def test_the_analytic_engine_refuses_an_own_module_instead_of_tracing_it():
+    with pytest.raises(UsageError, match=r"engine='analytic' needs a catalog or config model"):
+        estimate(
+            lambda: torch.nn.Linear(4, 4),
+            TrainingSetup(),
+            batch_fn=_batch,
+            loss_fn=_loss,
+            device="cpu",
+            engine="analytic",
+        )
+
+
 def test_a_factory_that_returns_no_module_is_a_type_error_naming_the_fix():
     with pytest.raises(TypeError, match=r"returned a int, not an nn.Module: .*lambda: MyNet\(\)"):
         estimate(lambda: 5, TrainingSetup(), batch_fn=_batch, loss_fn=_loss, device="cpu")

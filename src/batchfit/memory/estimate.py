@@ -90,6 +90,11 @@ def estimate(
                 "estimate(model_fn, setup, batch_fn=...): give a factory of your "
                 "nn.Module and a batch_fn, or a model from resolve_model()"
             )
+        if engine != "trace":
+            raise UsageError(
+                f"engine={engine!r} needs a catalog or config model (its formulas read the "
+                "architecture); an own nn.Module is estimated by engine='trace'"
+            )
         from batchfit.memory._module_trace import estimate_module
 
         return estimate_module(
