@@ -74,20 +74,25 @@ def _nearest(value: int, unit: int) -> str:
     return " or ".join(f"{v:,}" for v in options)
 
 
-def _check_per_gpu(micro_batch_size: int | None, per_gpu: int) -> None:
+def _check_inputs(
+    micro_batch_size: int | None, per_gpu: int, base_lr: float | None, base_batch: int | None
+) -> None:
+    """Refuse what no plan can follow, before any estimate runs."""
     if per_gpu > MAX_N:  # the divisor search factors it: keep its cost bounded
         raise UsageError(
             f"{per_gpu:,} samples per GPU per step is past what batchfit plans (2**64); "
             "give a smaller --global-batch or --global-batch-tokens"
         )
-    if micro_batch_size is None:
-        return
-    if micro_batch_size < 1:
+    if micro_batch_size is not None and micro_batch_size < 1:
         raise UsageError(f"--micro-batch must be positive, got {micro_batch_size}")
-    if per_gpu % micro_batch_size:
+    if micro_batch_size is not None and per_gpu % micro_batch_size:
         raise UsageError(
             f"--micro-batch {micro_batch_size} does not divide the {per_gpu} samples each "
             f"GPU takes per step; try {divisors_near(per_gpu, micro_batch_size)}"
+        )
+    if (base_lr is None) != (base_batch is None):
+        raise UsageError(
+            "give --base-lr and --base-batch together (the LR was tuned at that batch)"
         )
 
 
@@ -186,6 +191,12 @@ def _learning_rate(
     return scale_learning_rate(base_lr, base_batch, target, optimizer)
 
 
+def _lora_targets(model: ModelInfo, setup: TrainingSetup) -> tuple[str, ...]:
+    if not setup.is_lora:
+        return ()
+    return setup.lora_targets or model.default_lora_targets()
+
+
 def make_plan(
     model: ModelInfo,
     gpu: GpuSpec,
@@ -212,11 +223,7 @@ def make_plan(
     """
     global_samples = samples_from_target(global_batch, global_batch_tokens, seq_len, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
-    _check_per_gpu(micro_batch_size, per_gpu)
-    if (base_lr is None) != (base_batch is None):
-        raise UsageError(
-            "give --base-lr and --base-batch together (the LR was tuned at that batch)"
-        )
+    _check_inputs(micro_batch_size, per_gpu, base_lr, base_batch)
     target = _Target(model, gpu, seq_len, per_gpu, headroom_bytes)
     fit = _climb(target, setup, micro_batch_size, engine)
     fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)  # by the ladder's analytic figures
@@ -253,9 +260,7 @@ def make_plan(
         techniques=fit.techniques,
         alternatives=fit.alternatives,
         warnings=tuple(dict.fromkeys(warnings)),
-        lora_targets=(fit.setup.lora_targets or model.default_lora_targets())
-        if fit.setup.is_lora
-        else (),
+        lora_targets=_lora_targets(model, fit.setup),
     )
 
 
