@@ -262,7 +262,3 @@ def make_plan(
         warnings=tuple(dict.fromkeys(warnings)),
         lora_targets=_lora_targets(model, fit.setup),
     )
-
-
-# integrations/lightning.py imports it under this name
-_largest_divisor_at_most = largest_divisor_at_most

@@ -15,8 +15,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
+from batchfit._divisors import largest_divisor_at_most
 from batchfit.export import export
-from batchfit.plan import Plan, _largest_divisor_at_most
+from batchfit.plan import Plan
+from batchfit.train._checks import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +54,9 @@ class MicroBatchCallback(pl.Callback):
         batch_arg_name: str = "batch_size",
     ) -> None:
         if isinstance(micro_batch_size, int):
-            _check_positive("micro_batch_size", micro_batch_size)
+            check_positive_int("micro_batch_size", micro_batch_size)
         if global_batch_size is not None:
-            _check_positive("global_batch_size", global_batch_size)
+            check_positive_int("global_batch_size", global_batch_size)
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.batch_arg_name = batch_arg_name
@@ -91,7 +93,7 @@ class MicroBatchCallback(pl.Callback):
             found = self.micro_batch_size(trainer, pl_module)
             if isinstance(found, bool) or not isinstance(found, int) or found < 1:
                 raise ValueError(f"the micro-batch finder returned {found!r}, not a size >= 1")
-        micro = _largest_divisor_at_most(per_device, found)
+        micro = largest_divisor_at_most(per_device, found)
         accum = per_device // micro
         if micro != found:
             logger.info(
@@ -140,8 +142,3 @@ def _reload_dataloaders(trainer: pl.Trainer) -> None:
     from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
 
     _reset_dataloaders(trainer)
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
