@@ -8,17 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchfit._divisors import (
+from batchfit.errors import UsageError
+from batchfit.hardware import get_gpu
+from batchfit.models import resolve_model
+from batchfit.plan import make_plan
+from batchfit.plan._divisors import (
     MAX_N,
     divisors,
     divisors_near,
     largest_divisor_at_most,
     prime_factors,
 )
-from batchfit.errors import UsageError
-from batchfit.hardware import get_gpu
-from batchfit.models import resolve_model
-from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
 
 LARGE_PRIME = 999_999_999_999_999_989  # the largest prime below 10**18

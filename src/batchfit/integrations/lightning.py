@@ -15,9 +15,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
-from batchfit._divisors import largest_divisor_at_most
 from batchfit.export import export
 from batchfit.plan import Plan
+from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.train._checks import check_positive_int
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchfit._ladder import Combo
 from batchfit.memory.types import MemoryEstimate
+from batchfit.plan._ladder import Combo
 from batchfit.spec import TrainingSetup
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchfit._ladder import Combo, apply, ladder
-from batchfit._max_micro_batch import DEFAULT_HEADROOM_BYTES, fits, max_micro_batch
 from batchfit.hardware import GpuSpec
 from batchfit.models import ModelInfo
+from batchfit.plan._ladder import Combo, apply, ladder
+from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES, fits, max_micro_batch
 from batchfit.spec import TrainingSetup
 
 

@@ -1,8 +1,8 @@
 """Plan: global batch -> micro-batch x accumulation x GPUs, exactly; the LR; what makes it fit.
 
-The planner's rooms: ``_ladder.py`` (the technique ladder), ``_max_micro_batch.py`` (the largest
+The planner's rooms, in this folder: ``_ladder.py`` (the technique ladder), ``_max_micro_batch.py`` (the largest
 micro-batch that fits), ``_divisors.py`` (micro-batches that divide the batch), ``_lr_scaling.py``
-(the LR rule), ``_plan_value.py`` (the ``Plan`` value) and ``_fit_table.py`` (``batchfit gpus``).
+(the LR rule), ``_value.py`` (the ``Plan`` value) and ``_fit_table.py`` (``batchfit gpus``).
 This module puts them together.
 """
 
@@ -10,20 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from batchfit._divisors import MAX_N, divisors_near, largest_divisor_at_most
-from batchfit._fit_table import FitRow, fit_table
-from batchfit._ladder import Combo, Technique, apply, ladder
-from batchfit._lr_scaling import scale_learning_rate
-from batchfit._max_micro_batch import (
+from batchfit.errors import UsageError
+from batchfit.hardware import GpuSpec
+from batchfit.models import ModelInfo
+from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
+from batchfit.plan._fit_table import FitRow, fit_table
+from batchfit.plan._ladder import Combo, Technique, apply, ladder
+from batchfit.plan._lr_scaling import scale_learning_rate
+from batchfit.plan._max_micro_batch import (
     DEFAULT_HEADROOM_BYTES,
     fits,
     max_micro_batch,
     max_micro_batch_traced,
 )
-from batchfit._plan_value import Alternative, Plan
-from batchfit.errors import UsageError
-from batchfit.hardware import GpuSpec
-from batchfit.models import ModelInfo
+from batchfit.plan._value import Alternative, Plan
 from batchfit.spec import TrainingSetup
 
 __all__ = [
