@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchfit import _meta, catalog
-from batchfit.models import ENCODER_DECODER_TYPES, ENCODER_TYPES
+from batchfit.models import ENCODER_DECODER_TYPES, ENCODER_TYPES, _meta, catalog
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "batchfit" / "catalog" / "derived.json"
 

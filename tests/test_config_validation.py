@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from batchfit._config import MAX_CONFIG_BYTES
 from batchfit.errors import UsageError
 from batchfit.models import resolve_model
+from batchfit.models._config import MAX_CONFIG_BYTES
 
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100}
 

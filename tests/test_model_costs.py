@@ -47,7 +47,7 @@ def _by_key(rows):
     ],
 )
 def test_counting_from_a_few_layers_equals_the_full_tables(name, task):
-    from batchfit import _meta, catalog
+    from batchfit.models import _meta, catalog
 
     entry = next(e for e in catalog.load("models")["models"] if e["name"] == name)
     want = catalog.load("derived")["models"][name][task]  # built layer by layer
@@ -55,7 +55,7 @@ def test_counting_from_a_few_layers_equals_the_full_tables(name, task):
 
 
 def test_alternating_layer_types_are_counted_by_their_period():
-    from batchfit import _meta
+    from batchfit.models import _meta
 
     cfg = {
         "model_type": "qwen2_moe",  # every second layer a mixture of experts

@@ -22,7 +22,7 @@ def test_lora_count_matches_peft_on_meta(name, targets):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from batchfit import _meta
+    from batchfit.models import _meta
 
     info = resolve_model(name)
     model = _meta.build_on_meta(info.config, info.task)

@@ -82,7 +82,7 @@ def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
 
 
 def _config(model: ModelInfo, depth: int | None) -> Any:
-    from batchfit import _meta
+    from batchfit.models import _meta
 
     cfg = _meta.make_config(model.config, model.task)
     if depth is not None:
@@ -143,7 +143,7 @@ def _build(
 ) -> torch.nn.Module:
     import transformers
 
-    from batchfit import _meta
+    from batchfit.models import _meta
 
     cfg = _config(model, depth)
     cfg._attn_implementation = _attn_impl(model, setup.attention)

@@ -1,8 +1,9 @@
 """Plan: global batch -> micro-batch x accumulation x GPUs, exactly; the LR; what makes it fit.
 
-The planner's rooms, in this folder: ``_ladder.py`` (the technique ladder), ``_max_micro_batch.py`` (the largest
-micro-batch that fits), ``_divisors.py`` (micro-batches that divide the batch), ``_lr_scaling.py``
-(the LR rule), ``_value.py`` (the ``Plan`` value) and ``_fit_table.py`` (``batchfit gpus``).
+The planner's rooms, in this folder: ``_ladder.py`` (the technique ladder),
+``_max_micro_batch.py`` (the largest micro-batch that fits), ``_divisors.py`` (micro-batches that
+divide the batch), ``_lr_scaling.py`` (the LR rule), ``_value.py`` (the ``Plan`` value) and
+``_fit_table.py`` (``batchfit gpus``).
 This module puts them together.
 """
 

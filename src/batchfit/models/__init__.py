@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from batchfit import catalog
-from batchfit._config import existing_path, hub_cache_config, read_config_file
-from batchfit._generic import generic_decoder_config, generic_rows
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
+from batchfit.models._config import existing_path, hub_cache_config, read_config_file
+from batchfit.models._generic import generic_decoder_config, generic_rows
 from batchfit.spec import Task
 
 ENCODER_TYPES = frozenset(
@@ -438,7 +438,7 @@ def _from_catalog(entry: dict[str, Any], task: str | None) -> ModelInfo:
     chosen = _check_task(task, cfg)
     rows = catalog.load("derived")["models"].get(entry["name"], {}).get(chosen)
     if rows is None:
-        from batchfit import _meta
+        from batchfit.models import _meta
 
         rows = _meta.param_table(_meta.build_on_meta(cfg, chosen))
     return ModelInfo(
@@ -456,7 +456,7 @@ def _groups(rows: Iterable[list[Any]]) -> tuple[ParamGroup, ...]:
 
 
 def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -> ModelInfo:
-    from batchfit import _meta
+    from batchfit.models import _meta
 
     raw = read_config_file(path)
     chosen = _check_task(task, raw)

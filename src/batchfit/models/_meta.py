@@ -107,7 +107,7 @@ def count_params(
     per-layer lists in the config must repeat with period ``p``. When no period checks out,
     the whole model is built.
     """
-    from batchfit._config import LAYER_KEYS
+    from batchfit.models._config import LAYER_KEYS
 
     floor = max(extrapolate_above, _BASE_LAYERS)
     depths: dict[int, list[str]] = {}
