@@ -73,40 +73,34 @@ def test_probe_bad_input_exits_2(capsys, args, needle):
 
 
 def _trial(n, ok, peak, speed, steps):
-    return {
-        "micro_batch_size": n,
-        "ok": ok,
-        "peak_bytes": peak,
-        "samples_per_s": speed,
-        "seconds": 1.0,
-        "steps": steps,
-        "error": None if ok else "out of memory",
-    }
+    from batchfit.search import Trial
+
+    return Trial(n, ok, peak, speed, 1.0, steps, None if ok else "out of memory")
+
+
+def _result():
+    from batchfit.search import SearchResult
+
+    trials = (
+        _trial(8, True, 3 << 30, 2.0, 2),
+        _trial(10, True, 4 << 30, None, 1),
+        _trial(11, False, None, None, 0),
+        _trial(10, True, 4 << 30, 2.5, 3),
+    )
+    return SearchResult(10, 10, trials, 30.0, "max")
 
 
 def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
+    from batchfit import _probe
     from batchfit.cli import render
     from batchfit.models import resolve_model
 
-    result = {
-        "micro_batch_size": 10,
-        "max_fitting_micro_batch": 10,
-        "choose": "max",
-        "steps_run": 6,
-        "ooms": 1,
-        "seconds": 30.0,
-        "trials": [
-            _trial(8, True, 3 << 30, 2.0, 2),
-            _trial(10, True, 4 << 30, None, 1),
-            _trial(11, False, None, None, 0),
-            _trial(10, True, 4 << 30, 2.5, 3),
-        ],
-        "notes": [],
-    }
+    result = _result()
     plot = tmp_path / "probe.png"
     render.probe_plot(result, plot, 5 << 30)
-    render.probe_table(resolve_model("gpt2"), result, 256, 5 << 30, 1000, plot)
+    report = _probe.report(result, global_batch=None, dataset_size=1000)
+    render.probe_table(resolve_model("gpt2"), report, 256, 5 << 30, plot)
     out = capsys.readouterr().out
     assert "measured " in out and "OOM" in out
     assert "measured: one step for its peak memory only" in out
