@@ -81,7 +81,7 @@ def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -
     from batchfit.search import SearchResult
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchfit._probe", json.dumps(spec)],
+        [sys.executable, "-m", "batchfit._probe", json.dumps(spec, allow_nan=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

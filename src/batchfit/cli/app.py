@@ -64,8 +64,14 @@ def _emit_json(obj: dict[str, Any]) -> None:
 
     from batchfit._version import versions
 
-    # strict JSON: a NaN or Infinity here is a bug, and raises rather than printing non-JSON
-    print(json.dumps({**obj, "versions": versions()}, indent=2, allow_nan=False))
+    try:  # strict JSON: never NaN or Infinity, which JSON readers reject
+        text = json.dumps({**obj, "versions": versions()}, indent=2, allow_nan=False)
+    except ValueError:
+        raise UsageError(
+            "a result overflowed to a non-finite number: an input is out of any real range "
+            "(e.g. --base-lr); give realistic values"
+        ) from None
+    print(text)
 
 
 def _check_output(path: Path, option: str) -> None:

@@ -460,10 +460,10 @@ def _duration(seconds: float) -> str:
 
 def require_matplotlib() -> None:
     """Refuse ``--plot`` without matplotlib before the trials, not after them."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install 'batchfit[plot]'")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'batchfit[plot]'") from None
 
 
 def probe_plot(result: SearchResult, path: Path, budget: int | None) -> None:
