@@ -14,8 +14,8 @@ import pytest
 from tests._cli import run_cli
 from tests.test_probe_cli import TINY
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-ENV = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1"}
+# children import batchfit from where this process does
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HF_HUB_OFFLINE": "1"}
 PLAN = ["plan", "gpt2", "--gpu", "t4", "-s", "128", "--global-batch", "64"]
 ESTIMATE = ["estimate", "gpt2", "-b", "1", "-s", "64", "--engine", "analytic"]
 GPUS = ["gpus", "gpt2", "-s", "64"]
