@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         _silence_stdout()
         if e.errno == errno.EPIPE:
             sys.exit(0)
-        if e.filename is not None:  # a file of the library's own: a bug, not an output error
-            raise
+        if e.filename is not None:  # a path the user gave (MODEL, a config): one line too
+            name = str(e.filename)
+            shown = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]}"
+            _fail(f"error: cannot use {shown}: {e.strerror or e}", EXIT_USAGE)
         _fail(f"error: cannot write the output: {e.strerror or e}", EXIT_USAGE)
