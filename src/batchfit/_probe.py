@@ -252,8 +252,10 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
             # search.py raises it); every other ValueError is a bug and propagates
             if not isinstance(e, NoFitError) and "does not fit" not in str(e):
                 raise
-            why = "" if need is None else f": the trace engine puts one step at micro-batch 1 at "
-            raise NoFitError(f"{e}{why}{human_bytes(need) if need is not None else ''}") from None
+            if need is None:
+                raise NoFitError(str(e)) from None
+            why = f"the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
+            raise NoFitError(f"{e}: {why}") from None
     notes = stand_ins(setup)
     if notes:
         result = dataclasses.replace(result, notes=result.notes + tuple(notes))
