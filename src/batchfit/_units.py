@@ -78,9 +78,14 @@ def looks_like_count(text: str) -> bool:
     return bool(match and match.group(2))
 
 
+def gib_figure(num_bytes: float, decimals: int = 2) -> str:
+    """Bytes as a number of GiB, for a column headed GiB: ``'14.96'``."""
+    return f"{num_bytes / BYTES_IN_GIB:,.{decimals}f}"
+
+
 def gib(num_bytes: float) -> str:
     """Format bytes as GiB for people: ``'14.96 GiB'``."""
-    return f"{num_bytes / BYTES_IN_GIB:,.2f} GiB"
+    return f"{gib_figure(num_bytes)} GiB"
 
 
 def human_bytes(num_bytes: float) -> str:

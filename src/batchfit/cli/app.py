@@ -1,4 +1,5 @@
-"""Commands: estimate, plan, models, gpus. Compute lives in the library; this file parses."""
+"""Commands: estimate, plan, models, gpus, probe. Compute lives in the library and the probe
+layer (``_probe.py``); this file parses options and checks them before anything runs."""
 
 from __future__ import annotations
 

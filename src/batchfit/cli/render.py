@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit._units import BYTES_IN_GIB, gib, human_count
+from batchfit._units import BYTES_IN_GIB, gib, gib_figure, human_count
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
@@ -32,10 +32,6 @@ def _warn(warnings: tuple[str, ...] | list[str]) -> None:
         err.print(f"[yellow]warning:[/] {escape(w)}")
 
 
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / BYTES_IN_GIB:,.2f}"
-
-
 def _breakdown(est: MemoryEstimate, title: str) -> Table:
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("component")
@@ -53,34 +49,39 @@ def _breakdown(est: MemoryEstimate, title: str) -> Table:
             table.add_row(
                 comp if first else "",
                 escape(line.label),
-                _gib(line.num_bytes),
+                gib_figure(line.num_bytes),
                 escape(line.formula),
             )
             first = False
     table.add_section()
     for comp in COMPONENTS:
         table.add_row(
-            f"[bold]{comp}[/]", f"at the peak ({est.peak_phase})", _gib(est.components[comp]), ""
+            f"[bold]{comp}[/]",
+            f"at the peak ({est.peak_phase})",
+            gib_figure(est.components[comp]),
+            "",
         )
     table.add_section()
     table.add_row(
         "[bold]peak allocated[/]",
         "",
-        f"[bold]{_gib(est.peak_bytes)}[/]",
+        f"[bold]{gib_figure(est.peak_bytes)}[/]",
         "comparable to torch.cuda.max_memory_allocated"
         if est.device != "cpu"
         else "bytes held by tensors",
     )
     if est.device != "cpu":
-        table.add_row("reserved", "", _gib(est.reserved_bytes), "caching allocator")
+        table.add_row("reserved", "", gib_figure(est.reserved_bytes), "caching allocator")
         table.add_row(
             "[bold]device total[/]",
             "",
-            f"[bold]{_gib(est.device_total_bytes)}[/]",
+            f"[bold]{gib_figure(est.device_total_bytes)}[/]",
             "what nvidia-smi shows: + CUDA context, NCCL",
         )
     if est.host_bytes:
-        table.add_row("host RAM", "", _gib(est.host_bytes), "offloaded state, per GPU process")
+        table.add_row(
+            "host RAM", "", gib_figure(est.host_bytes), "offloaded state, per GPU process"
+        )
     return table
 
 
@@ -115,7 +116,7 @@ def estimate(
             table.add_column("module")
             table.add_column("GiB", justify="right")
             for name, num_bytes in top:
-                table.add_row(escape(name) or "(model)", f"{num_bytes / BYTES_IN_GIB:.3f}")
+                table.add_row(escape(name) or "(model)", gib_figure(num_bytes, 3))
             out.print(table)
     if gpu is not None:
         free = gpu.memory_bytes - est.device_total_bytes
@@ -186,7 +187,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
                 " + ".join(t.name for t in alt.techniques),
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
-                _gib(alt.device_total_bytes),
+                gib_figure(alt.device_total_bytes),
             )
         out.print(table)
     _warn(p.warnings)
@@ -301,7 +302,7 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
             g.name,
             g.full_name,
             g.architecture,
-            _gib(g.memory_bytes),
+            gib_figure(g.memory_bytes),
             g.compute_capability or "",
             "yes" if g.bf16 else "no",
             "yes" if g.fp8 else "no",
@@ -335,10 +336,10 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
             needs += " (no native bf16 on this GPU)"
         table.add_row(
             r.gpu.name,
-            _gib(r.gpu.memory_bytes),
+            gib_figure(r.gpu.memory_bytes),
             r.precision,
             str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
-            _gib(r.device_total_bytes),
+            gib_figure(r.device_total_bytes),
             needs,
         )
     out.print(table)
@@ -407,7 +408,7 @@ def _trials_table(info: ModelInfo, report: ProbeReport, seq_len: int, budget: in
         row = [
             str(t.micro_batch_size),
             "[red]OOM[/]" if not t.ok else _verdict(t),
-            _gib(peak) if peak else "-",
+            gib_figure(peak) if peak else "-",
             f"{100 * peak / budget:.0f}%" if peak and budget else "-",
             f"{speed:,.2f}" if speed else "-",
             f"{speed * seq_len:,.0f}" if speed else "-",
