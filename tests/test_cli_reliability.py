@@ -229,7 +229,7 @@ def test_markup_in_paths_is_printed_as_written(tmp_path, capsys, name, command):
 @pytest.mark.parametrize("name", ["a[/]b", "[bold red]x"])
 def test_markup_in_the_probe_table_is_printed_as_written(tmp_path, capsys, name):
     from batchfit import _probe
-    from batchfit.cli import render
+    from batchfit.cli import render_probe as render
     from batchfit.models import resolve_model
     from tests.test_probe_cli import _result
 

@@ -93,7 +93,7 @@ def _result():
 def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from batchfit import _probe
-    from batchfit.cli import render
+    from batchfit.cli import render_probe as render
     from batchfit.models import resolve_model
 
     result = _result()

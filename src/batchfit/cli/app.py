@@ -423,7 +423,7 @@ def probe(
 ) -> None:
     """Find the fastest micro-batch on the real device, in a few real training steps."""
     from batchfit import _probe
-    from batchfit.cli import render
+    from batchfit.cli import render_probe
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
 
@@ -433,7 +433,7 @@ def probe(
     _check_probe_numbers(steps_per_trial, max_micro_batch, dataset_size, global_batch)
     if plot is not None:
         _check_output(plot, "--plot")
-        render.require_matplotlib()
+        render_probe.require_matplotlib()
     budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
     _check_device(device, budget, max_micro_batch)
     info = resolve_model(model, training.task)
@@ -442,15 +442,15 @@ def probe(
     spec = _probe.make_spec(
         model, training, device, seq_len, budget, choose, max_micro_batch, steps_per_trial
     )
-    with render.trial_progress(quiet=as_json) as on_trial:
+    with render_probe.trial_progress(quiet=as_json) as on_trial:
         result = _probe.run(spec, on_trial)
     report = _probe.report(result, global_batch=global_batch, dataset_size=dataset_size)
     if plot is not None:
-        render.probe_plot(result, plot, budget)
+        render_probe.probe_plot(result, plot, budget)
     if as_json:
         _emit_json({"model": info.name, "device": device, "seq_len": seq_len, **report.to_json()})
     else:
-        render.probe_table(info, report, seq_len, budget, plot)
+        render_probe.probe_table(info, report, seq_len, budget, plot)
 
 
 def _check_probe_numbers(
