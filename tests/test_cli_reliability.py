@@ -177,19 +177,23 @@ def test_child_dies_with_its_parent(tmp_path):
     assert result.stdout.strip() == str(int(signal.SIGKILL)), result.stderr
 
 
-def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch):
+@pytest.mark.parametrize(
+    "message",
+    ["even a micro-batch of 1 does not fit in 1 GiB", "the chosen micro-batch 4 no longer fits"],
+)
+def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch, message):
     # the CUDA path runs probe() in this process: the search's "does not fit" must arrive as
     # NoFitError (one line, exit 2), not a ValueError traceback
     from batchfit import _probe
     from batchfit.errors import NoFitError
 
     def nothing_fits(*_args, **_kwargs):
-        raise ValueError("even a micro-batch of 1 does not fit in 1 GiB")
+        raise ValueError(message)
 
     monkeypatch.setattr("batchfit.search.find_batch_size", nothing_fits)
     spec = _probe_spec(Path("unused"))
     spec.update(model="gpt2", memory_budget=None, high=2)
-    with pytest.raises(NoFitError, match="does not fit"):
+    with pytest.raises(NoFitError, match=message):
         _probe.probe(spec, lambda _message: None)
 
 

@@ -248,9 +248,11 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
                     restore=False,  # this process exits after the search
                 )
         except ValueError as e:
-            # find_batch_size says "even a micro-batch of N does not fit" (NoFitError once
-            # search.py raises it); every other ValueError is a bug and propagates
-            if not isinstance(e, NoFitError) and "does not fit" not in str(e):
+            # find_batch_size says "even a micro-batch of N does not fit" or "the chosen
+            # micro-batch N no longer fits" (NoFitError once search.py raises it); every other
+            # ValueError is a bug and propagates
+            fit_messages = ("does not fit", "no longer fits")
+            if not isinstance(e, NoFitError) and not any(m in str(e) for m in fit_messages):
                 raise
             if need is None:
                 raise NoFitError(str(e)) from None
