@@ -362,3 +362,9 @@ def test_export_writes_only_the_file_named(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds_config.json", "train.json"]
     assert mine.read_text() == "mine"
     json.loads(target.read_text())
+
+
+def test_a_model_path_the_os_refuses_is_one_line(capsys):
+    code, out, err = run_cli(["estimate", "a" * 5000, "-b", "1", "-s", "64"], capsys)
+    _one_line_error(code, out, err, "File name too long")
+    assert len(err) < 300  # the name is shortened
