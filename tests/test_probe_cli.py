@@ -73,42 +73,72 @@ def test_probe_bad_input_exits_2(capsys, args, needle):
 
 
 def _trial(n, ok, peak, speed, steps):
-    return {
-        "micro_batch_size": n,
-        "ok": ok,
-        "peak_bytes": peak,
-        "samples_per_s": speed,
-        "seconds": 1.0,
-        "steps": steps,
-        "error": None if ok else "out of memory",
-    }
+    from batchfit.search import Trial
+
+    return Trial(n, ok, peak, speed, 1.0, steps, None if ok else "out of memory")
+
+
+def _result():
+    from batchfit.search import SearchResult
+
+    trials = (
+        _trial(8, True, 3 << 30, 2.0, 2),
+        _trial(10, True, 4 << 30, None, 1),
+        _trial(11, False, None, None, 0),
+        _trial(10, True, 4 << 30, 2.5, 3),
+    )
+    return SearchResult(10, 10, trials, 30.0, "max")
 
 
 def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from batchfit.cli import render
+    from batchfit import _probe
+    from batchfit.cli import render_probe as render
     from batchfit.models import resolve_model
 
-    result = {
-        "micro_batch_size": 10,
-        "max_fitting_micro_batch": 10,
-        "choose": "max",
-        "steps_run": 6,
-        "ooms": 1,
-        "seconds": 30.0,
-        "trials": [
-            _trial(8, True, 3 << 30, 2.0, 2),
-            _trial(10, True, 4 << 30, None, 1),
-            _trial(11, False, None, None, 0),
-            _trial(10, True, 4 << 30, 2.5, 3),
-        ],
-        "notes": [],
-    }
+    result = _result()
     plot = tmp_path / "probe.png"
     render.probe_plot(result, plot, 5 << 30)
-    render.probe_table(resolve_model("gpt2"), result, 256, 5 << 30, 1000, plot)
+    report = _probe.report(result, global_batch=None, dataset_size=1000)
+    render.probe_table(resolve_model("gpt2"), report, 256, 5 << 30, plot)
     out = capsys.readouterr().out
     assert "measured " in out and "OOM" in out
     assert "measured: one step for its peak memory only" in out
     assert "640" in out  # 2.5 samples/s x 256 tokens
     assert plot.stat().st_size > 1000
+
+
+def test_report_plans_accumulation_from_sizes_that_ran():
+    from batchfit import _probe
+
+    result = _result()  # ran: 8 and 10 (chosen); 11 did not fit
+    plan = _probe.report(result, global_batch=40, dataset_size=None).plan
+    assert (plan.micro_batch_size, plan.grad_accum_steps, plan.global_batch_size) == (10, 4, 40)
+    plan = _probe.report(result, global_batch=16, dataset_size=None).plan
+    assert (plan.micro_batch_size, plan.grad_accum_steps) == (8, 2)
+    report = _probe.report(result, global_batch=7, dataset_size=1000)
+    assert report.plan is None and "no size that ran divides --global-batch 7" in report.notes[0]
+    data = report.to_json()
+    assert [t["epoch_seconds"] for t in data["trials"]] == [500.0, None, None, 400.0]
+    assert data["notes"] == list(report.notes) and "plan" not in data
+    assert json.loads(json.dumps(data)) == data
+
+
+def test_check_budget_refuses_less_than_one_step():
+    from batchfit import _probe
+    from batchfit.errors import UsageError
+    from batchfit.models import resolve_model
+    from batchfit.spec import TrainingSetup
+
+    info, setup = resolve_model("gpt2"), TrainingSetup()
+    _probe.check_budget(info, setup, 64, "cpu", None)
+    _probe.check_budget(info, setup, 64, "cpu", 64 << 30)
+    with pytest.raises(UsageError, match="--memory-budget 10 MiB is below the"):
+        _probe.check_budget(info, setup, 64, "cpu", 10 << 20)
+
+
+def test_search_result_round_trips_through_json():
+    from batchfit.search import SearchResult
+
+    result = _result()
+    assert SearchResult.from_json(json.loads(json.dumps(result.to_json()))) == result

@@ -13,14 +13,21 @@ import dataclasses
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchfit._memwatch import _status_bytes
 from batchfit._units import human_bytes
-from batchfit.errors import UsageError
+from batchfit.errors import NoFitError, UsageError
+
+if TYPE_CHECKING:
+    from batchfit.models import ModelInfo
+    from batchfit.search import SearchResult, Trial
+    from batchfit.spec import TrainingSetup
 
 # The first trial aims this far below the predicted limit: the trace's worst error against real
 # CPU steps is 1.2% (docs/benchmarks.md); on CUDA, unmeasured here, the margin is wider.
@@ -32,15 +39,78 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1"}
 
 
-def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Run the probe in a fresh process; stream its trial lines; return its result line."""
+def make_spec(
+    model: str,
+    setup: TrainingSetup,
+    device: str,
+    seq_len: int,
+    budget: int | None,
+    choose: str,
+    high: int | None,
+    steps_per_trial: int,
+) -> dict[str, Any]:
+    """The probe's request, as JSON for the child process."""
+    fields = dataclasses.asdict(setup)
+    return {
+        "model": model,
+        "task": setup.task,
+        "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items()},
+        "device": device,
+        "seq_len": seq_len,
+        "memory_budget": budget,
+        "choose": choose,
+        "start": None,  # the probe predicts it with the trace engine
+        "high": high,
+        "steps_per_trial": steps_per_trial,
+    }
+
+
+def run(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> SearchResult:
+    """Search where ``spec`` says: in a budgeted child process on the CPU, here on CUDA."""
+    if spec["device"] == "cpu":
+        return run_child(spec, on_line)
+    return probe(spec, on_line)
+
+
+def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> SearchResult:
+    """Run the probe in a fresh process; stream its trial lines; return its result.
+
+    The child dies with this process (see :func:`_die_with_parent`), and is killed and reaped
+    here when this process is interrupted (Ctrl-C, SIGTERM) or fails.
+    """
+    from batchfit.search import SearchResult
+
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchfit._probe", json.dumps(spec)],
+        [sys.executable, "-m", "batchfit._probe", json.dumps(spec, allow_nan=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=child_env(),
+        env={**child_env(), _PARENT_ENV: str(os.getpid())},
     )
+    try:
+        final, err = _read_child(proc, on_line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    if final is None:
+        if proc.returncode < 0:
+            number = -proc.returncode
+            raise UsageError(
+                f"the trial process was killed by signal {number}"
+                f"{' (out of memory?)' if number == signal.SIGKILL else ''}: no result; "
+                "try again with a smaller --memory-budget or --max-micro-batch"
+            )
+        tail = err.strip().splitlines()[-1] if err.strip() else f"exit code {proc.returncode}"
+        raise RuntimeError(f"the probe process failed: {tail}")
+    if "usage_error" in final:
+        raise UsageError(final["usage_error"])
+    return SearchResult.from_json(final["result"])
+
+
+def _read_child(
+    proc: subprocess.Popen[str], on_line: Callable[[dict[str, Any]], None]
+) -> tuple[dict[str, Any] | None, str]:
     assert proc.stdout is not None and proc.stderr is not None
     final: dict[str, Any] | None = None
     for line in proc.stdout:
@@ -52,14 +122,33 @@ def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -
             on_line(message)
         else:
             final = message
-    err = proc.stderr.read()
-    proc.wait()
-    if final is None:
-        tail = err.strip().splitlines()[-1] if err.strip() else f"exit code {proc.returncode}"
-        raise RuntimeError(f"the probe process failed: {tail}")
-    if "usage_error" in final:
-        raise UsageError(final["usage_error"])
-    return final
+    return final, proc.stderr.read()
+
+
+# The parent's pid, for the child to notice that it was orphaned.
+_PARENT_ENV = "BATCHFIT_PROBE_PARENT"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> None:
+    """End this child when its parent dies, however it dies (SIGKILL included): the kernel
+    sends SIGKILL on Linux (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent's pid."""
+    parent = int(os.environ.get(_PARENT_ENV, "0")) or os.getppid()
+    if sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while not threading.Event().wait(0.5):
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 @contextlib.contextmanager
@@ -75,8 +164,12 @@ def _limit_data(budget: int | None) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_DATA, old)
 
 
-def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Build the model of ``spec`` on its device and search; ``emit`` gets each trial."""
+def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> SearchResult:
+    """Build the model of ``spec`` on its device and search; ``emit`` gets each trial.
+
+    Raises:
+        NoFitError: the model, or one step at micro-batch 1, does not fit.
+    """
     import torch
 
     from batchfit._oom import is_oom
@@ -113,10 +206,10 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                 raise
             failed = True
         if failed:
-            return {
-                "usage_error": f"--memory-budget {(budget or 0) / 2**30:.2f} GiB cannot even "
-                "hold the model: give more (the estimate's weights figure is the minimum)"
-            }
+            raise NoFitError(
+                f"--memory-budget {human_bytes(budget or 0)} cannot even hold the model: give "
+                "more (the estimate's weights figure is the minimum)"
+            )
         model, opt = parts.model, parts.optimizer
 
         def make(n: int) -> Any:
@@ -155,15 +248,104 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[
                     restore=False,  # this process exits after the search
                 )
         except ValueError as e:
-            if need is None or "does not fit" not in str(e):
+            # find_batch_size says "even a micro-batch of N does not fit" or "the chosen
+            # micro-batch N no longer fits" (NoFitError once search.py raises it); every other
+            # ValueError is a bug and propagates
+            fit_messages = ("does not fit", "no longer fits")
+            if not isinstance(e, NoFitError) and not any(m in str(e) for m in fit_messages):
                 raise
-            raise ValueError(
-                f"{e}: the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
-            ) from None
+            if need is None:
+                raise NoFitError(str(e)) from None
+            why = f"the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
+            raise NoFitError(f"{e}: {why}") from None
     notes = stand_ins(setup)
     if notes:
         result = dataclasses.replace(result, notes=result.notes + tuple(notes))
-    return {"result": result.to_json()}
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationPlan:
+    """A global batch as a micro-batch that ran times accumulation steps."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """What ``batchfit probe`` reports: the search, and what the options asked on top of it."""
+
+    result: SearchResult
+    plan: AccumulationPlan | None = None
+    dataset_size: int | None = None
+    notes: tuple[str, ...] = ()
+
+    def epoch_seconds(self, trial: Trial) -> float | None:
+        """Time for one pass over ``dataset_size`` samples at the trial's speed."""
+        if self.dataset_size is None or not trial.samples_per_s:
+            return None
+        return self.dataset_size / trial.samples_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        data = self.result.to_json()
+        data["notes"] = [*data["notes"], *self.notes]
+        if self.plan is not None:
+            data["plan"] = self.plan.to_json()
+        if self.dataset_size is not None:
+            data["dataset_size"] = self.dataset_size
+            for row, trial in zip(data["trials"], self.result.trials, strict=True):
+                row["epoch_seconds"] = self.epoch_seconds(trial)
+        return data
+
+
+def report(
+    result: SearchResult, *, global_batch: int | None, dataset_size: int | None
+) -> ProbeReport:
+    """The probe's report: an accumulation plan for ``global_batch`` from a size that ran (the
+    largest up to the choice that divides it), or a note saying there is none."""
+    if global_batch is None:
+        return ProbeReport(result, dataset_size=dataset_size)
+    ran = {t.micro_batch_size for t in result.trials if t.ok}
+    divides = [n for n in ran if n <= result.micro_batch_size and global_batch % n == 0]
+    if not divides:
+        note = (
+            f"no size that ran divides --global-batch {global_batch}; for a plan: "
+            f"`batchfit plan MODEL --global-batch {global_batch} --micro-batch N`"
+        )
+        return ProbeReport(result, dataset_size=dataset_size, notes=(note,))
+    micro = max(divides)
+    plan = AccumulationPlan(micro, global_batch // micro, global_batch)
+    return ProbeReport(result, plan=plan, dataset_size=dataset_size)
+
+
+def check_budget(
+    info: ModelInfo, setup: TrainingSetup, seq_len: int, device: str, budget: int | None
+) -> None:
+    """Refuse a budget below what one step at micro-batch 1 needs (analytic engine), before
+    any trial runs, with the figure."""
+    from batchfit.memory.estimate import estimate
+
+    if budget is None:
+        return
+    need = estimate(
+        info,
+        setup,
+        micro_batch_size=1,
+        seq_len=seq_len,
+        device="cpu" if device == "cpu" else "cuda",
+        engine="analytic",
+    ).peak_bytes
+    if need > budget:
+        raise UsageError(
+            f"--memory-budget {human_bytes(budget)} is below the {human_bytes(need)} one step of "
+            "micro-batch 1 needs (weights, gradients, optimizer state, activations): "
+            "give at least that"
+        )
 
 
 def warm_up(info: Any, setup: Any) -> None:
@@ -257,14 +439,17 @@ def stand_ins(setup: Any) -> list[str]:
 
 
 def main() -> None:
+    """The child: one JSON line per trial, then the result or the user's error."""
+    _die_with_parent()
     spec = json.loads(sys.argv[1])
 
     def emit(message: dict[str, Any]) -> None:
-        print(json.dumps(message), flush=True)
+        print(json.dumps(message, allow_nan=False), flush=True)
 
+    final: dict[str, Any]
     try:
-        final = probe(spec, emit)
-    except (UsageError, ValueError) as e:
+        final = {"result": probe(spec, emit).to_json()}
+    except UsageError as e:  # a bug's ValueError must show its traceback, not exit 2
         final = {"usage_error": str(e)}
     emit(final)
 

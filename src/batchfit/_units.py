@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from batchfit.errors import UsageError
@@ -9,6 +10,8 @@ from batchfit.errors import UsageError
 BYTES_IN_KIB = 1024
 BYTES_IN_MIB = 1024**2
 BYTES_IN_GIB = 1024**3
+# No machine holds an exbibyte: a larger size is a typo, and would overflow OS limits.
+MAX_SIZE_BYTES = 2**60
 
 # DESIGN.md: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
 _SIZE_UNITS = {
@@ -45,6 +48,8 @@ def parse_size(text: str | int | float, *, what: str = "size") -> int:
                 "e.g. 16GiB, 24GB, 500MiB"
             )
         value, unit = float(match.group(1)), match.group(2).upper()
+    if not math.isfinite(value) or value * _SIZE_UNITS[unit] > MAX_SIZE_BYTES:
+        raise UsageError(f"{what} {text!r} is too large: give at most 1 EiB, e.g. 16GiB")
     size_bytes = int(value * _SIZE_UNITS[unit])
     if size_bytes <= 0:
         raise UsageError(f"{what} must be positive, got {text!r}")
@@ -73,9 +78,14 @@ def looks_like_count(text: str) -> bool:
     return bool(match and match.group(2))
 
 
+def gib_figure(num_bytes: float, decimals: int = 2) -> str:
+    """Bytes as a number of GiB, for a column headed GiB: ``'14.96'``."""
+    return f"{num_bytes / BYTES_IN_GIB:,.{decimals}f}"
+
+
 def gib(num_bytes: float) -> str:
     """Format bytes as GiB for people: ``'14.96 GiB'``."""
-    return f"{num_bytes / BYTES_IN_GIB:,.2f} GiB"
+    return f"{gib_figure(num_bytes)} GiB"
 
 
 def human_bytes(num_bytes: float) -> str:

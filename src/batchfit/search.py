@@ -68,6 +68,19 @@ class Trial:
             "error": self.error,
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Trial:
+        """The trial of :meth:`to_json` (results cross the probe's process boundary as JSON)."""
+        return cls(
+            micro_batch_size=int(data["micro_batch_size"]),
+            ok=bool(data["ok"]),
+            peak_bytes=data["peak_bytes"],
+            samples_per_s=data["samples_per_s"],
+            seconds=float(data["seconds"]),
+            steps=int(data["steps"]),
+            error=data.get("error"),
+        )
+
 
 @dataclass(frozen=True)
 class SearchResult:
@@ -101,6 +114,19 @@ class SearchResult:
             "ooms": self.ooms,
             "notes": list(self.notes),
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SearchResult:
+        """The result of :meth:`to_json`; ``steps_run`` and ``ooms`` follow from the trials."""
+        return cls(
+            micro_batch_size=int(data["micro_batch_size"]),
+            max_fitting_micro_batch=int(data["max_fitting_micro_batch"]),
+            trials=tuple(Trial.from_json(t) for t in data["trials"]),
+            seconds=float(data["seconds"]),
+            choose=str(data["choose"]),
+            budget_bytes=data.get("budget_bytes"),
+            notes=tuple(data.get("notes", ())),
+        )
 
 
 class _State:

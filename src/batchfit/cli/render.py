@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from batchfit._units import BYTES_IN_GIB, gib, human_count
+from batchfit._units import gib, gib_figure, human_count
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
@@ -23,11 +22,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def _warn(warnings: tuple[str, ...] | list[str]) -> None:
     for w in warnings:
-        err.print(f"[yellow]warning:[/] {w}")
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / BYTES_IN_GIB:,.2f}"
+        err.print(f"[yellow]warning:[/] {escape(w)}")
 
 
 def _breakdown(est: MemoryEstimate, title: str) -> Table:
@@ -44,32 +39,42 @@ def _breakdown(est: MemoryEstimate, title: str) -> Table:
             for ln in est.lines
             if ln.component == comp and not ln.label.startswith("at the peak")
         ):
-            table.add_row(comp if first else "", line.label, _gib(line.num_bytes), line.formula)
+            table.add_row(
+                comp if first else "",
+                escape(line.label),
+                gib_figure(line.num_bytes),
+                escape(line.formula),
+            )
             first = False
     table.add_section()
     for comp in COMPONENTS:
         table.add_row(
-            f"[bold]{comp}[/]", f"at the peak ({est.peak_phase})", _gib(est.components[comp]), ""
+            f"[bold]{comp}[/]",
+            f"at the peak ({est.peak_phase})",
+            gib_figure(est.components[comp]),
+            "",
         )
     table.add_section()
     table.add_row(
         "[bold]peak allocated[/]",
         "",
-        f"[bold]{_gib(est.peak_bytes)}[/]",
+        f"[bold]{gib_figure(est.peak_bytes)}[/]",
         "comparable to torch.cuda.max_memory_allocated"
         if est.device != "cpu"
         else "bytes held by tensors",
     )
     if est.device != "cpu":
-        table.add_row("reserved", "", _gib(est.reserved_bytes), "caching allocator")
+        table.add_row("reserved", "", gib_figure(est.reserved_bytes), "caching allocator")
         table.add_row(
             "[bold]device total[/]",
             "",
-            f"[bold]{_gib(est.device_total_bytes)}[/]",
+            f"[bold]{gib_figure(est.device_total_bytes)}[/]",
             "what nvidia-smi shows: + CUDA context, NCCL",
         )
     if est.host_bytes:
-        table.add_row("host RAM", "", _gib(est.host_bytes), "offloaded state, per GPU process")
+        table.add_row(
+            "host RAM", "", gib_figure(est.host_bytes), "offloaded state, per GPU process"
+        )
     return table
 
 
@@ -78,7 +83,7 @@ def estimate(
 ) -> None:
     setup = est.setup
     out.print(
-        f"[bold]{info.name}[/] ({human_count(est.total_params)} params, "
+        f"[bold]{escape(info.name)}[/] ({human_count(est.total_params)} params, "
         f"{human_count(est.trainable_params)} trainable, {info.task}) on [bold]{est.device}[/]: "
         f"micro-batch {est.micro_batch_size} x seq {est.seq_len}, {setup.precision}, "
         f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
@@ -91,7 +96,7 @@ def estimate(
         )
     )
     for note in est.extras.get("notes", []):
-        out.print(f"note: {note}")
+        out.print(f"note: {escape(note)}")
     if explain:
         top = est.extras.get("top_modules") or []
         if not top:
@@ -104,7 +109,7 @@ def estimate(
             table.add_column("module")
             table.add_column("GiB", justify="right")
             for name, num_bytes in top:
-                table.add_row(name or "(model)", f"{num_bytes / BYTES_IN_GIB:.3f}")
+                table.add_row(escape(name) or "(model)", gib_figure(num_bytes, 3))
             out.print(table)
     if gpu is not None:
         free = gpu.memory_bytes - est.device_total_bytes
@@ -125,7 +130,7 @@ def estimate(
 
 def plan(p: Plan, info: ModelInfo) -> None:
     est = p.estimate
-    out.print(f"[bold]{info.name}[/] on {p.num_gpus} x [bold]{p.gpu}[/], seq {p.seq_len}")
+    out.print(f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], seq {p.seq_len}")
     out.print(
         f"  micro-batch [bold]{p.micro_batch_size}[/] x accumulation "
         f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
@@ -175,7 +180,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
                 " + ".join(t.name for t in alt.techniques),
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
-                _gib(alt.device_total_bytes),
+                gib_figure(alt.device_total_bytes),
             )
         out.print(table)
     _warn(p.warnings)
@@ -183,7 +188,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
 
 def export_note(kind: str, path: Path | None, text: str | None) -> None:
     if path is not None:
-        out.print(f"wrote {kind} export to {path}")
+        out.print(f"wrote {kind} export to {path}", markup=False)
     elif text is not None:
         out.print(f"[bold]{kind} export[/]:")
         out.print(text, markup=False)
@@ -290,7 +295,7 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
             g.name,
             g.full_name,
             g.architecture,
-            _gib(g.memory_bytes),
+            gib_figure(g.memory_bytes),
             g.compute_capability or "",
             "yes" if g.bf16 else "no",
             "yes" if g.fp8 else "no",
@@ -305,7 +310,7 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
 
 def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
     table = Table(
-        title=f"{info.name}, seq {seq_len}: largest micro-batch per GPU (analytic engine)",
+        title=f"{escape(info.name)}, seq {seq_len}: largest micro-batch per GPU (analytic engine)",
         title_justify="left",
     )
     for col in ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "what it takes"):
@@ -324,170 +329,11 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
             needs += " (no native bf16 on this GPU)"
         table.add_row(
             r.gpu.name,
-            _gib(r.gpu.memory_bytes),
+            gib_figure(r.gpu.memory_bytes),
             r.precision,
             str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
-            _gib(r.device_total_bytes),
+            gib_figure(r.device_total_bytes),
             needs,
         )
     out.print(table)
     out.print("* changes what is learned; the others are exact")
-
-
-@contextlib.contextmanager
-def trial_progress(*, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]:
-    """A progress line on stderr, one update per message of the probe; nothing when ``quiet``."""
-    if quiet:
-        yield lambda _message: None
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("probing: building the model, predicting the limit ...", total=None)
-
-        def update(message: dict[str, Any]) -> None:
-            if "start" in message:
-                bar.update(
-                    task, description=f"probing: first trial at micro-batch {message['start']} ..."
-                )
-                return
-            t = message["trial"]
-            verdict = ("ok" if t["samples_per_s"] else "measured") if t["ok"] else "out of memory"
-            bar.update(
-                task,
-                description=f"probing: micro-batch {t['micro_batch_size']} "
-                f"{verdict}; next trial ...",
-            )
-            err.print(f"  trial: micro-batch {t['micro_batch_size']:>5}  {verdict}")
-
-        yield update
-
-
-def probe_table(
-    info: ModelInfo,
-    result: dict[str, Any],
-    seq_len: int,
-    budget: int | None,
-    dataset_size: int | None,
-    plot: Path | None,
-) -> None:
-    table = Table(title=f"{info.name}, seq {seq_len}: real training steps", title_justify="left")
-    for col in (
-        "micro-batch",
-        "result",
-        "peak GiB",
-        "% of budget",
-        "samples/s",
-        "tokens/s",
-        *(("time/epoch",) if dataset_size else ()),
-    ):
-        table.add_column(
-            col,
-            justify="left" if col == "result" else "right",
-            no_wrap=True,
-            min_width=len("measured") if col == "result" else len(col),
-        )
-    for t in result["trials"]:
-        peak, speed = t["peak_bytes"], t["samples_per_s"]
-        row = [
-            str(t["micro_batch_size"]),
-            ("ok" if speed else "measured") if t["ok"] else "[red]OOM[/]",
-            _gib(peak) if peak else "-",
-            f"{100 * peak / budget:.0f}%" if peak and budget else "-",
-            f"{speed:,.2f}" if speed else "-",
-            f"{speed * seq_len:,.0f}" if speed else "-",
-        ]
-        if dataset_size:
-            row.append(_duration(dataset_size / speed) if speed else "-")
-        table.add_row(*row)
-    out.print(table)
-    out.print(
-        f"choice: micro-batch [bold]{result['micro_batch_size']}[/] ({result['choose']}); "
-        f"largest that fitted: {result['max_fitting_micro_batch']}; "
-        f"{result['steps_run']} real steps, {result['ooms']} out-of-memory, "
-        f"{result['seconds']:.1f} s"
-    )
-    if any(t["ok"] and not t["samples_per_s"] for t in result["trials"]):
-        out.print("measured: one step for its peak memory only, not timed")
-    if "plan" in result:
-        p = result["plan"]
-        why = (
-            ""
-            if p["micro_batch_size"] == result["micro_batch_size"]
-            else f" (the largest size that ran, up to {result['micro_batch_size']}, that "
-            f"divides {p['global_batch_size']})"
-        )
-        out.print(
-            f"for a global batch of {p['global_batch_size']}: micro-batch "
-            f"{p['micro_batch_size']} x accumulation {p['grad_accum_steps']}{why}"
-        )
-    for note in result.get("notes", []):
-        out.print(f"note: {note}")
-    if plot is not None:
-        out.print(f"wrote {plot}")
-
-
-def _duration(seconds: float) -> str:
-    hours, rest = divmod(int(seconds), 3600)
-    return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
-
-
-def probe_plot(result: dict[str, Any], path: Path, budget: int | None) -> None:
-    """Throughput and peak memory against the micro-batch (matplotlib, the `plot` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from batchfit.errors import UsageError
-
-        raise UsageError("--plot needs matplotlib: pip install 'batchfit[plot]'") from None
-    ok = sorted(
-        (t["micro_batch_size"], t["samples_per_s"] or 0.0, t["peak_bytes"] or 0)
-        for t in result["trials"]
-        if t["ok"]
-    )
-    failed = sorted({t["micro_batch_size"] for t in result["trials"] if not t["ok"]})
-    fig, speed_ax = plt.subplots(figsize=(7, 4))
-    timed = [(n, s) for n, s, _ in ok if s > 0]  # a size only measured has no speed
-    speed_ax.plot([n for n, _ in timed], [s for _, s in timed], "o-", color="tab:blue")
-    speed_ax.set_ylim(bottom=0)  # a few percent must not look like a cliff
-    chosen = [s for n, s in timed if n == result["micro_batch_size"]]
-    if chosen:
-        speed_ax.plot(
-            [result["micro_batch_size"]], [max(chosen)], "*", color="black", markersize=14
-        )
-    speed_ax.set_xlabel("micro-batch")
-    speed_ax.set_ylabel("samples/s", color="tab:blue")
-    mem_ax = speed_ax.twinx()
-    mem_ax.plot([n for n, _, _ in ok], [p / 2**30 for _, _, p in ok], "s--", color="tab:red")
-    mem_ax.set_ylim(bottom=0)
-    if budget:
-        mem_ax.axhline(budget / 2**30, color="tab:red", linestyle="-.", label="budget")
-        mem_ax.legend(loc="lower center")
-    from matplotlib.ticker import MaxNLocator
-
-    speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for n in failed:
-        speed_ax.axvline(n, color="grey", linestyle=":")
-    mem_ax.set_ylabel("peak GiB", color="tab:red")
-    speed_ax.set_title(
-        f"choice {result['micro_batch_size']} (star), largest that fitted "
-        f"{result['max_fitting_micro_batch']}" + (" (grey dotted: out of memory)" if failed else "")
-    )
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        from batchfit.errors import UsageError
-
-        raise UsageError(f"cannot write --plot {path}: {e.strerror}") from None
-    finally:
-        plt.close(fig)

@@ -1,0 +1,209 @@
+"""The setup options shared by the commands, declared once, parsed into ``SetupOptions``.
+
+``@setup_options()`` adds the typer parameters below to a command's signature and hands the
+command one ``setup: SetupOptions`` in their place; each choice is checked here, at the
+boundary, so what reaches the library is typed with the ``Literal``s of ``spec.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar, cast
+
+import typer
+
+from batchfit.errors import UsageError
+from batchfit.spec import (
+    ATTENTIONS,
+    METHODS,
+    OFFLOADS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDINGS,
+    TASKS,
+    Attention,
+    Method,
+    Offload,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Sharding,
+    Task,
+    TrainingSetup,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def finite_float(text: str) -> float:
+    """Typer parser for float options: NaN and infinities are refused at parsing."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{text!r} is not a finite number")
+    return value
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return "|".join(values)
+
+
+def choice(option: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``choices``; else a UsageError naming the option."""
+    if value not in choices:
+        raise UsageError(f"{option} {value!r} is not one of: {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class SetupOptions:
+    """The command line's setup options, each choice already one of spec.py's values."""
+
+    task: Task | None = None
+    precision: Precision = "auto"
+    optimizer: Optimizer = "adamw"
+    optimizer_impl: OptimizerImpl = "auto"
+    method: Method = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None
+    grad_ckpt: bool = False
+    attention: Attention = "auto"
+    num_gpus: int = 1
+    sharding: Sharding = "none"
+    offload: Offload = "none"
+
+    def training_setup(self) -> TrainingSetup:
+        """The library's ``TrainingSetup``; LoRA options without a LoRA method are refused."""
+        lora = (self.lora_targets, self.lora_rank, self.lora_alpha, self.lora_dropout)
+        if self.method == "full" and lora != (None, 8, 8.0, 0.0):
+            raise UsageError(
+                "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
+            )
+        return TrainingSetup(
+            task=self.task,
+            precision=self.precision,
+            optimizer=self.optimizer,
+            optimizer_impl=self.optimizer_impl,
+            method=self.method,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            lora_targets=self.lora_targets,
+            grad_ckpt=self.grad_ckpt,
+            attention=self.attention,
+            num_gpus=self.num_gpus,
+            sharding=self.sharding,
+            offload=self.offload,
+        )
+
+
+def _parse(raw: dict[str, Any]) -> SetupOptions:
+    targets = raw["lora_targets"]
+    return SetupOptions(
+        task=cast(Task, choice("--task", raw["task"], TASKS)) if raw["task"] else None,
+        precision=cast(Precision, choice("--precision", raw["precision"], PRECISIONS)),
+        optimizer=cast(Optimizer, choice("--optimizer", raw["optimizer"], OPTIMIZERS)),
+        optimizer_impl=cast(
+            OptimizerImpl, choice("--optimizer-impl", raw["optimizer_impl"], OPTIMIZER_IMPLS)
+        ),
+        method=cast(Method, choice("--method", raw["method"], METHODS)),
+        lora_rank=raw["lora_rank"],
+        lora_alpha=raw["lora_alpha"],
+        lora_dropout=raw["lora_dropout"],
+        lora_targets=None
+        if targets is None
+        else tuple(t.strip() for t in targets.split(",") if t.strip()),
+        grad_ckpt=raw["grad_ckpt"],
+        attention=cast(Attention, choice("--attention", raw["attention"], ATTENTIONS)),
+        num_gpus=raw.get("num_gpus", 1),
+        sharding=cast(Sharding, choice("--sharding", raw.get("sharding", "none"), SHARDINGS)),
+        offload=cast(Offload, choice("--offload", raw.get("offload", "none"), OFFLOADS)),
+    )
+
+
+def _option(annotation: Any, default: Any, *names: str, **kwargs: Any) -> tuple[Any, Any]:
+    return Annotated[annotation, typer.Option(*names, **kwargs)], default
+
+
+# name -> (annotation with its typer option, default); the order is the order of --help.
+_SHARED: dict[str, tuple[Any, Any]] = {
+    "task": _option(
+        str | None,
+        None,
+        "--task",
+        help=f"{_choices(TASKS)}; default from the config's architectures.",
+    ),
+    "precision": _option(
+        str,
+        "auto",
+        "--precision",
+        help=f"auto|{_choices(PRECISIONS[1:])}; auto = "
+        "amp-bf16 on a bf16 GPU, amp-fp16 on older, fp32 on CPU.",
+    ),
+    "optimizer": _option(str, "adamw", "--optimizer", help=_choices(OPTIMIZERS)),
+    "optimizer_impl": _option(
+        str,
+        "auto",
+        "--optimizer-impl",
+        help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks.",
+    ),
+    "method": _option(str, "full", "--method", help=_choices(METHODS)),
+    "lora_rank": _option(int, 8, "--lora-rank", help="LoRA rank r."),
+    "lora_alpha": _option(
+        float, 8.0, "--lora-alpha", help="LoRA alpha (peft default 8).", parser=finite_float
+    ),
+    "lora_dropout": _option(
+        float, 0.0, "--lora-dropout", help="LoRA dropout.", parser=finite_float
+    ),
+    "lora_targets": _option(
+        str | None,
+        None,
+        "--lora-targets",
+        help="Comma-separated module names; default: peft's for the model type.",
+    ),
+    "grad_ckpt": _option(bool, False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
+    "attention": _option(str, "auto", "--attention", help=_choices(ATTENTIONS)),
+}
+# Data parallelism: not for `gpus` (one GPU each) nor `probe` (this machine's one device).
+_PARALLEL: dict[str, tuple[Any, Any]] = {
+    "num_gpus": _option(int, 1, "--num-gpus", help="GPUs (data parallel)."),
+    "sharding": _option(str, "none", "--sharding", help=_choices(SHARDINGS)),
+    "offload": _option(str, "none", "--offload", help=_choices(OFFLOADS)),
+}
+
+
+def setup_options(*, parallel: bool = False) -> Callable[[F], F]:
+    """Decorate a command taking ``setup: SetupOptions``: typer sees the shared options in
+    its place (``parallel`` adds --num-gpus/--sharding/--offload) and the command gets them
+    parsed into one ``SetupOptions``."""
+    shared = {**_SHARED, **(_PARALLEL if parallel else {})}
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "setup"]
+        added = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d)
+            for name, (a, d) in shared.items()
+        ]
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            raw = {name: kwargs.pop(name) for name in shared}
+            return command(setup=_parse(raw), **kwargs)
+
+        wrapper.__dict__["__signature__"] = signature.replace(parameters=params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        del wrapper.__wrapped__  # typer must read the new signature, not the command's
+        return cast(F, wrapper)
+
+    return decorate
