@@ -207,11 +207,7 @@ def bad_config(draw: st.DrawFn) -> dict:
     return config
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="config.json values are validated in models.py by another issue-9 branch",
-)
-@settings(_SETTINGS, phases=[Phase.explicit, Phase.generate])  # while it xfails: no shrinking
+@settings(_SETTINGS)
 @given(config=bad_config(), args=argv(st.just("CONFIG")))
 def test_bad_config_files_exit_0_or_2_with_one_line(tmp_path_factory, capsys, config, args):
     folder = tmp_path_factory.mktemp("cfg")

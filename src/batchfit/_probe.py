@@ -172,10 +172,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
     """
     import torch
 
-    from batchfit._oom import is_oom
-    from batchfit.memory import _hf_trace, trace
     from batchfit.models import resolve_model
-    from batchfit.search import find_batch_size
     from batchfit.spec import TrainingSetup
 
     device = torch.device(spec["device"])
@@ -185,83 +182,113 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
         bf16_supported=device.type == "cpu" or torch.cuda.is_bf16_supported(),
     )
     budget = spec.get("memory_budget")
-    seq = spec["seq_len"]
     warm_up(info, setup)
-    room = budget
-    if room is None and device.type == "cuda":
-        room = torch.cuda.get_device_properties(device).total_memory
-    start, per_sample, need = spec.get("start"), None, None
-    if room is not None:
-        predicted, per_sample, need = predict(info, setup, seq, device.type, room, spec.get("high"))
-        start = start or predicted
-    start = start or spec.get("high") or 1
+    start, per_sample, need = _start(spec, info, setup, device)
     emit({"start": start, "bytes_per_sample": per_sample})
-    failed = False
     with _limit_data(budget if device.type == "cpu" else None):
+        parts = _build_step(info, setup, spec["seq_len"], device, budget)
         try:
-            with trace.quiet(), torch.device(device):
-                parts = _hf_trace.step_parts(info, setup, micro=1, seq=seq, emulate_cuda=False)
-        except (RuntimeError, MemoryError) as e:
-            if not is_oom(e):
-                raise
-            failed = True
-        if failed:
-            raise NoFitError(
-                f"--memory-budget {human_bytes(budget or 0)} cannot even hold the model: give "
-                "more (the estimate's weights figure is the minimum)"
-            )
-        model, opt = parts.model, parts.optimizer
-
-        def make(n: int) -> Any:
-            with torch.device(device):
-                return _hf_trace.batch_fn(info, n, seq)()
-
-        def step(batch: Any) -> None:
-            # the loop the estimators trace: outputs live through backward, as in most loops
-            trace.training_steps(
-                model,
-                opt,
-                lambda: batch,
-                parts.loss_of,
-                autocast_dtype=parts.autocast_dtype,
-                device_type=device.type,
-                steps=1,
-            )
-
-        try:
-            with trace.quiet():
-                result = find_batch_size(
-                    step,
-                    make,
-                    device=device,
-                    memory_budget=budget,
-                    low=1,
-                    high=spec.get("high"),
-                    start=start,
-                    bytes_per_sample=per_sample,
-                    choose=spec["choose"],
-                    steps_per_trial=spec.get("steps_per_trial", 3),
-                    model=model,
-                    optimizer=opt,
-                    on_trial=lambda t: emit({"trial": t.to_json()}),
-                    budget_applied=device.type == "cpu",
-                    restore=False,  # this process exits after the search
-                )
-        except ValueError as e:
-            # find_batch_size says "even a micro-batch of N does not fit" or "the chosen
-            # micro-batch N no longer fits" (NoFitError once search.py raises it); every other
-            # ValueError is a bug and propagates
-            fit_messages = ("does not fit", "no longer fits")
-            if not isinstance(e, NoFitError) and not any(m in str(e) for m in fit_messages):
-                raise
+            result = _search(spec, info, parts, device, start, per_sample, emit)
+        except NoFitError as e:
             if need is None:
-                raise NoFitError(str(e)) from None
+                raise
             why = f"the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
             raise NoFitError(f"{e}: {why}") from None
     notes = stand_ins(setup)
     if notes:
         result = dataclasses.replace(result, notes=result.notes + tuple(notes))
     return result
+
+
+def _start(
+    spec: dict[str, Any], info: Any, setup: Any, device: Any
+) -> tuple[int, int | None, int | None]:
+    """The first size, the bytes a sample adds and the peak at 1 (None: no budget to aim at)."""
+    import torch
+
+    room = spec.get("memory_budget")
+    if room is None and device.type == "cuda":
+        room = torch.cuda.get_device_properties(device).total_memory
+    start, per_sample, need = spec.get("start"), None, None
+    if room is not None:
+        predicted, per_sample, need = predict(
+            info, setup, spec["seq_len"], device.type, room, spec.get("high")
+        )
+        start = start or predicted
+    return start or spec.get("high") or 1, per_sample, need
+
+
+def _build_step(info: Any, setup: Any, seq: int, device: Any, budget: int | None) -> Any:
+    """The model, optimizer and loss of the step, built under the limit; NoFitError on OOM."""
+    import torch
+
+    from batchfit._oom import is_oom
+    from batchfit.memory import _hf_trace, trace
+
+    try:
+        with trace.quiet(), torch.device(device):
+            return _hf_trace.step_parts(info, setup, micro=1, seq=seq, emulate_cuda=False)
+    except (RuntimeError, MemoryError) as e:
+        if not is_oom(e):
+            raise
+    # raised after the except block, whose traceback holds the failed tensors
+    raise NoFitError(
+        f"--memory-budget {human_bytes(budget or 0)} cannot even hold the model: give "
+        "more (the estimate's weights figure is the minimum)"
+    )
+
+
+def _search(
+    spec: dict[str, Any],
+    info: Any,
+    parts: Any,
+    device: Any,
+    start: int,
+    per_sample: int | None,
+    emit: Callable[[dict[str, Any]], None],
+) -> SearchResult:
+    """find_batch_size over the probe's step: the loop the estimators trace."""
+    import torch
+
+    from batchfit.memory import _hf_trace, trace
+    from batchfit.search import find_batch_size
+
+    seq = spec["seq_len"]
+
+    def make(n: int) -> Any:
+        with torch.device(device):
+            return _hf_trace.batch_fn(info, n, seq)()
+
+    def step(batch: Any) -> None:
+        # outputs live through backward, as in most loops
+        trace.training_steps(
+            parts.model,
+            parts.optimizer,
+            lambda: batch,
+            parts.loss_of,
+            autocast_dtype=parts.autocast_dtype,
+            device_type=device.type,
+            steps=1,
+        )
+
+    with trace.quiet():
+        return find_batch_size(
+            step,
+            make,
+            device=device,
+            memory_budget=spec.get("memory_budget"),
+            low=1,
+            high=spec.get("high"),
+            start=start,
+            bytes_per_sample=per_sample,
+            choose=spec["choose"],
+            steps_per_trial=spec.get("steps_per_trial", 3),
+            model=parts.model,
+            optimizer=parts.optimizer,
+            on_trial=lambda t: emit({"trial": t.to_json()}),
+            budget_applied=device.type == "cpu",
+            restore=False,  # this process exits after the search
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 import typer
 
 from batchfit._units import human_bytes, parse_size
-from batchfit.cli._write_export import write_export  # TODO(coordinator): batchfit.export
 from batchfit.cli.options import SetupOptions, choice, finite_float, setup_options
 from batchfit.errors import UsageError
 
@@ -292,7 +291,7 @@ def _exports(
     result: Plan, export_kind: str | None, out: Path | None
 ) -> tuple[dict[str, Any], str | None]:
     """Write the export to ``out`` (that file only) or return its text: (JSON field, text)."""
-    from batchfit.export import export
+    from batchfit.export import export, write_export
     from batchfit.export import render as render_export
 
     if export_kind is None:
