@@ -171,3 +171,8 @@ def test_lion_and_adafactor_scaling_is_said_to_have_no_source(optimizer: str) ->
     assert lr == pytest.approx(2e-4)
     assert "no published" in why and "Malladi" not in why
     assert "Malladi" in scale_learning_rate(1e-4, 256, 1024, "adamw")[1]
+
+
+def test_a_learning_rate_that_overflows_when_scaled_is_refused() -> None:
+    with pytest.raises(UsageError, match="overflows"):
+        scale_learning_rate(1e308, 16, 64, "sgd")

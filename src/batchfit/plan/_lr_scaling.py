@@ -33,6 +33,10 @@ def scale_learning_rate(
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag} must be a finite positive number, got {value}")
     ratio = global_batch / base_batch
+    if not math.isfinite(base_lr * ratio):  # 1e308 x 4 overflows to inf
+        raise UsageError(
+            f"--base-lr {base_lr:g} scaled to {global_batch} samples overflows: give a real rate"
+        )
     sqrt_text = f"{base_lr:g} x sqrt({global_batch}/{base_batch})"
     if optimizer in _UNSOURCED:
         return base_lr * math.sqrt(ratio), (
