@@ -45,9 +45,9 @@ def main() -> None:
     import torch
 
     from batchfit._oom import is_oom
-    from batchfit._probe import warm_up
     from batchfit.memory import _hf_trace, trace
     from batchfit.models import resolve_model
+    from batchfit.search._probe import warm_up
     from batchfit.spec import TrainingSetup
 
     if mode == "lightning":

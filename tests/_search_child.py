@@ -70,7 +70,7 @@ def main() -> None:
         )
     elif mode == "creep":
         from batchfit._memwatch import MemoryWatch, status_bytes
-        from batchfit._trialrun import TrialRun
+        from batchfit.search._trialrun import TrialRun
 
         watch = MemoryWatch(torch.device("cpu"), budget, model=net, optimizer=opt)
         rss = []

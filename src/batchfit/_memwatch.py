@@ -43,10 +43,6 @@ def status_bytes(field: str) -> int:
     raise OSError(f"{PROC_STATUS} has no {field} line: this kernel does not report it")
 
 
-# The name _probe.py imports until it moves to status_bytes.
-_status_bytes = status_bytes
-
-
 def _return_freed_blocks(on: bool) -> None:
     """glibc: serve blocks of 64 KiB and more by mmap, so a freed tensor leaves the process
     and the RSS high-water mark follows each step (the CLI's child sets this through

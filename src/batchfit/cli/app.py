@@ -1,5 +1,5 @@
 """Commands: estimate, plan, models, gpus, probe. Compute lives in the library and the probe
-layer (``_probe.py``); this file parses options and checks them before anything runs."""
+layer (``search/_probe.py``); this file parses options and checks them before anything runs."""
 
 from __future__ import annotations
 
@@ -421,10 +421,10 @@ def probe(
     as_json: JsonO = False,
 ) -> None:
     """Find the fastest micro-batch on the real device, in a few real training steps."""
-    from batchfit import _probe
     from batchfit.cli import render_probe
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
+    from batchfit.search import _probe
 
     training = setup.training_setup()
     choice("--device", device, ("cpu", "cuda"))

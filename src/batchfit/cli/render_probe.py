@@ -15,9 +15,9 @@ from batchfit.cli.render import err, out
 from batchfit.errors import UsageError
 
 if TYPE_CHECKING:
-    from batchfit._probe import ProbeReport
     from batchfit.models import ModelInfo
     from batchfit.search import SearchResult, Trial
+    from batchfit.search._probe import ProbeReport
 
 
 @contextlib.contextmanager

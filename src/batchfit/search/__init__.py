@@ -29,13 +29,13 @@ from typing import Any, Literal
 
 import torch
 
-from batchfit._fitline import next_size
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import release_memory
 from batchfit._rng import RngState
-from batchfit._trialrun import TrialRun
 from batchfit._units import human_bytes
 from batchfit.errors import NoFitError
+from batchfit.search._fitline import next_size
+from batchfit.search._trialrun import TrialRun
 
 Choose = Literal["throughput", "max"]
 # Sizes whose throughput is within this fraction of the best count as equally fast.

@@ -1,6 +1,6 @@
 """The model-aware probe behind ``batchfit probe``: build the model, search, report.
 
-On the CPU the search runs in a child process (``python -m batchfit._probe SPEC``) whose OS
+On the CPU the search runs in a child process (``python -m batchfit.search._probe SPEC``) whose OS
 data limit is set before the model is built, with glibc returning freed blocks to the kernel
 (``MALLOC_MMAP_THRESHOLD_``), so an over-budget step fails for real and a fresh budget applies.
 The child prints one JSON line per trial and a last line with the result.
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from batchfit._memwatch import _status_bytes
+from batchfit._memwatch import status_bytes
 from batchfit._units import human_bytes
 from batchfit.errors import NoFitError, UsageError
 
@@ -81,7 +81,7 @@ def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -
     from batchfit.search import SearchResult
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchfit._probe", json.dumps(spec, allow_nan=False)],
+        [sys.executable, "-m", "batchfit.search._probe", json.dumps(spec, allow_nan=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -157,7 +157,7 @@ def _limit_data(budget: int | None) -> Iterator[None]:
         yield
         return
     old = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (_status_bytes("VmData") + budget, old[1]))
+    resource.setrlimit(resource.RLIMIT_DATA, (status_bytes("VmData") + budget, old[1]))
     try:
         yield
     finally:
