@@ -11,19 +11,13 @@ state exists. Truth = VmHWM - VmRSS before the model is built.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import sys
 import time
 
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from batchfit._memwatch import status_bytes
+from batchfit._oom import _malloc_trim
 
 
 def main() -> None:
@@ -32,6 +26,7 @@ def main() -> None:
 
     from batchfit.memory import _hf_trace, trace
     from batchfit.models import resolve_model
+    from batchfit.search._probe import warm_up
     from batchfit.spec import TrainingSetup
 
     torch.manual_seed(0)
@@ -39,11 +34,9 @@ def main() -> None:
     info = resolve_model(spec["model"], spec.get("task"))
     setup = TrainingSetup(**spec["setup"]).resolved(device="cpu", bf16_supported=True)
 
-    def step(micro: int, seq: int, depth: int | None) -> None:
+    def step(micro: int, seq: int) -> None:
         with trace.quiet():
-            parts = _hf_trace.step_parts(
-                info, setup, micro=micro, seq=seq, emulate_cuda=False, depth=depth
-            )
+            parts = _hf_trace.step_parts(info, setup, micro=micro, seq=seq, emulate_cuda=False)
             trace.training_steps(
                 parts.model,
                 parts.optimizer,
@@ -53,18 +46,18 @@ def main() -> None:
                 steps=2,
             )
 
-    step(1, 8, 1)  # warm-up at a tiny size
+    warm_up(info, setup)  # the probe's own warm-up: a 1-layer step at a tiny size
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    rss0 = _status("VmRSS")
+    _malloc_trim()
+    rss0 = status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = time.perf_counter()
-    step(spec["micro"], spec["seq"], None)
+    step(spec["micro"], spec["seq"])
     print(
         json.dumps(
             {
-                "truth_bytes": _status("VmHWM") - rss0,
+                "truth_bytes": status_bytes("VmHWM") - rss0,
                 "rss0": rss0,
                 "seconds": time.perf_counter() - start,
             }
