@@ -281,9 +281,16 @@ def test_non_finite_and_absurd_numbers_are_one_line(capsys, args, needle):
 
 
 def test_json_is_strict_when_a_result_overflows(capsys):
+    # the planner refuses a rate that overflows when scaled, in one line naming it
     args = [*PLAN, "--base-lr", "1e308", "--base-batch", "1", "--json"]
     code, out, err = run_cli(args, capsys)
-    _one_line_error(code, out, err, "non-finite")
+    _one_line_error(code, out, err, "overflows")
+    # and whatever else overflows never reaches stdout as NaN/Infinity: one line instead
+    from batchfit.cli import app
+    from batchfit.errors import UsageError
+
+    with pytest.raises(UsageError, match="non-finite"):
+        app._emit_json({"peak_bytes": float("inf")})
 
 
 # --- output ---
