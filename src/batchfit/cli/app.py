@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 import typer
 
 from batchfit._units import human_bytes, parse_size
-from batchfit.cli.options import SetupOptions, choice, finite_float, setup_options
+from batchfit.cli.options import choice, finite_float, setup_options
 from batchfit.errors import UsageError
+from batchfit.spec import TrainingSetup
 
 if TYPE_CHECKING:
     from batchfit.hardware import GpuSpec
     from batchfit.memory.types import MemoryEstimate
     from batchfit.models import ModelInfo
     from batchfit.plan import Plan
-    from batchfit.spec import TrainingSetup
 
 Engine = Literal["analytic", "trace"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -96,7 +96,7 @@ def estimate(
         ),
     ],
     seq_len: SeqLen,
-    setup: SetupOptions,
+    setup: TrainingSetup,
     device: Annotated[
         str | None,
         typer.Option("--device", help="cpu|cuda (default cuda; --gpu implies cuda)."),
@@ -129,7 +129,6 @@ def estimate(
     from batchfit.memory.estimate import estimate as run_estimate
     from batchfit.models import resolve_model
 
-    training = setup.training_setup()
     if device is not None:
         choice("--device", device, ("cpu", "cuda"))
     if gpu is not None and device == "cpu":
@@ -138,10 +137,10 @@ def estimate(
     if grad_accum < 1:
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
     gpu_spec = get_gpu(gpu) if gpu else None
-    info = resolve_model(model, training.task)
+    info = resolve_model(model, setup.task)
     result = run_estimate(
         info,
-        training,
+        setup,
         micro_batch_size=micro_batch,
         seq_len=seq_len,
         device="cpu" if device == "cpu" else "cuda",
@@ -150,7 +149,7 @@ def estimate(
         grad_accum_steps=grad_accum,
     )
     if result.engine == "trace":
-        result = _compare_engines(result, info, training, gpu_spec, grad_accum)
+        result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
     if as_json:
         data = result.to_json()
         if gpu_spec is not None:
@@ -202,7 +201,7 @@ def plan(
         str, typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`).", show_default=False)
     ],
     seq_len: SeqLen,
-    setup: SetupOptions,
+    setup: TrainingSetup,
     global_batch: Annotated[
         int | None,
         typer.Option("--global-batch", help="Target global batch in samples."),
@@ -253,7 +252,6 @@ def plan(
     from batchfit.models import resolve_model
     from batchfit.plan import make_plan
 
-    training = setup.training_setup()
     if export_kind is not None:
         choice("--export", export_kind, EXPORT_KINDS)
     if out is not None:
@@ -263,12 +261,12 @@ def plan(
     engine_name = _engine(engine)
     headroom_bytes = parse_size(headroom, what="--headroom")
     gpu_spec = get_gpu(gpu)
-    info = resolve_model(model, training.task)
+    info = resolve_model(model, setup.task)
     check_workload(info, micro_batch or 1, seq_len)
     result = make_plan(
         info,
         gpu_spec,
-        training,
+        setup,
         seq_len=seq_len,
         global_batch=global_batch,
         global_batch_tokens=global_batch_tokens,
@@ -318,7 +316,7 @@ def models(as_json: JsonO = False) -> None:
 @app.command()
 @setup_options()
 def gpus(
-    setup: SetupOptions,
+    setup: TrainingSetup,
     model: Annotated[
         str | None,
         typer.Argument(help="With a model: the largest micro-batch that fits on each GPU."),
@@ -349,11 +347,10 @@ def gpus(
     from batchfit.models import resolve_model
     from batchfit.plan import fit_table
 
-    training = setup.training_setup()
     headroom_bytes = parse_size(headroom, what="--headroom")
-    info = resolve_model(model, training.task)
+    info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
-    rows = fit_table(info, training, gpu_list, seq_len=seq_len, headroom_bytes=headroom_bytes)
+    rows = fit_table(info, setup, gpu_list, seq_len=seq_len, headroom_bytes=headroom_bytes)
     if as_json:
         _emit_json({"model": info.name, "seq_len": seq_len, "gpus": [r.to_json() for r in rows]})
     else:
@@ -380,7 +377,7 @@ def probe(
         str,
         typer.Option("--device", help="cpu|cuda: where the real steps run.", show_default=False),
     ],
-    setup: SetupOptions,
+    setup: TrainingSetup,
     memory_budget: Annotated[
         str | None,
         typer.Option(
@@ -426,7 +423,6 @@ def probe(
     from batchfit.models import resolve_model
     from batchfit.search import _probe
 
-    training = setup.training_setup()
     choice("--device", device, ("cpu", "cuda"))
     choice("--choose", choose, ("throughput", "max"))
     _check_probe_numbers(steps_per_trial, max_micro_batch, dataset_size, global_batch)
@@ -435,11 +431,11 @@ def probe(
         render_probe.require_matplotlib()
     budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
     _check_device(device, budget, max_micro_batch)
-    info = resolve_model(model, training.task)
+    info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
-    _probe.check_budget(info, training, seq_len, device, budget)
+    _probe.check_budget(info, setup, seq_len, device, budget)
     spec = _probe.make_spec(
-        model, training, device, seq_len, budget, choose, max_micro_batch, steps_per_trial
+        model, setup, device, seq_len, budget, choose, max_micro_batch, steps_per_trial
     )
     with render_probe.trial_progress(quiet=as_json) as on_trial:
         result = _probe.run(spec, on_trial)

@@ -1,7 +1,7 @@
-"""The setup options shared by the commands, declared once, parsed into ``SetupOptions``.
+"""The setup options shared by the commands, declared once, parsed into a ``TrainingSetup``.
 
 ``@setup_options()`` adds the typer parameters below to a command's signature and hands the
-command one ``setup: SetupOptions`` in their place; each choice is checked here, at the
+command one ``setup: TrainingSetup`` in their place; each choice is checked here, at the
 boundary, so what reaches the library is typed with the ``Literal``s of ``spec.py``.
 """
 
@@ -11,7 +11,6 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, cast
 
 import typer
@@ -62,53 +61,14 @@ def choice(option: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class SetupOptions:
-    """The command line's setup options, each choice already one of spec.py's values."""
-
-    task: Task | None = None
-    precision: Precision = "auto"
-    optimizer: Optimizer = "adamw"
-    optimizer_impl: OptimizerImpl = "auto"
-    method: Method = "full"
-    lora_rank: int = 8
-    lora_alpha: float = 8.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] | None = None
-    grad_ckpt: bool = False
-    attention: Attention = "auto"
-    num_gpus: int = 1
-    sharding: Sharding = "none"
-    offload: Offload = "none"
-
-    def training_setup(self) -> TrainingSetup:
-        """The library's ``TrainingSetup``; LoRA options without a LoRA method are refused."""
-        lora = (self.lora_targets, self.lora_rank, self.lora_alpha, self.lora_dropout)
-        if self.method == "full" and lora != (None, 8, 8.0, 0.0):
-            raise UsageError(
-                "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
-            )
-        return TrainingSetup(
-            task=self.task,
-            precision=self.precision,
-            optimizer=self.optimizer,
-            optimizer_impl=self.optimizer_impl,
-            method=self.method,
-            lora_rank=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-            lora_dropout=self.lora_dropout,
-            lora_targets=self.lora_targets,
-            grad_ckpt=self.grad_ckpt,
-            attention=self.attention,
-            num_gpus=self.num_gpus,
-            sharding=self.sharding,
-            offload=self.offload,
-        )
-
-
-def _parse(raw: dict[str, Any]) -> SetupOptions:
+def _parse(raw: dict[str, Any]) -> TrainingSetup:
     targets = raw["lora_targets"]
-    return SetupOptions(
+    lora = (targets, raw["lora_rank"], raw["lora_alpha"], raw["lora_dropout"])
+    if raw["method"] == "full" and lora != (None, 8, 8.0, 0.0):
+        raise UsageError(
+            "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
+        )
+    return TrainingSetup(
         task=cast(Task, choice("--task", raw["task"], TASKS)) if raw["task"] else None,
         precision=cast(Precision, choice("--precision", raw["precision"], PRECISIONS)),
         optimizer=cast(Optimizer, choice("--optimizer", raw["optimizer"], OPTIMIZERS)),
@@ -182,9 +142,9 @@ _PARALLEL: dict[str, tuple[Any, Any]] = {
 
 
 def setup_options(*, parallel: bool = False) -> Callable[[F], F]:
-    """Decorate a command taking ``setup: SetupOptions``: typer sees the shared options in
+    """Decorate a command taking ``setup: TrainingSetup``: typer sees the shared options in
     its place (``parallel`` adds --num-gpus/--sharding/--offload) and the command gets them
-    parsed into one ``SetupOptions``."""
+    parsed into one ``TrainingSetup``."""
     shared = {**_SHARED, **(_PARALLEL if parallel else {})}
 
     def decorate(command: F) -> F:
