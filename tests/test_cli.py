@@ -4,20 +4,7 @@ import sys
 
 import pytest
 
-from tests._cli import run_cli
-
-CONTRACT = [
-    "plan",
-    "gpt2",
-    "--gpu",
-    "rtx-3060",
-    "--seq-len",
-    "256",
-    "--global-batch-tokens",
-    "32768",
-    "--micro-batch",
-    "16",
-]
+from tests._cli import CONTRACT, run_cli
 
 
 def test_plan_json_contract(capsys):

@@ -28,7 +28,7 @@ from batchfit.hardware import get_gpu
 from batchfit.models import resolve_model
 from batchfit.plan import Plan, make_plan
 from batchfit.spec import OPTIMIZERS, TrainingSetup
-from tests._cli import run_cli
+from tests._cli import CONTRACT, run_cli
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
 
@@ -514,19 +514,6 @@ def test_accelerate_config_loads(plan: Plan, tmp_path):
 
 
 # --------------------------------------------------------------------------- CLI
-
-CONTRACT = [
-    "plan",
-    "gpt2",
-    "--gpu",
-    "rtx-3060",
-    "--seq-len",
-    "256",
-    "--global-batch-tokens",
-    "32768",
-    "--micro-batch",
-    "16",
-]
 
 
 @pytest.mark.parametrize("kind", EXPORT_KINDS)
