@@ -18,65 +18,31 @@ from batchfit import catalog
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
+from batchfit.models._arch import (
+    ENCODER_DECODER_TYPES,
+    ENCODER_TYPES,
+    Architecture,
+    arch_from_config,
+    default_task,
+)
 from batchfit.models._config import existing_path, hub_cache_config, read_config_file
 from batchfit.models._generic import generic_decoder_config, generic_rows
 from batchfit.spec import Task
 
-ENCODER_TYPES = frozenset(
-    {
-        "bert",
-        "roberta",
-        "distilbert",
-        "deberta",
-        "deberta-v2",
-        "electra",
-        "xlm-roberta",
-        "albert",
-        "camembert",
-        "mpnet",
-        "modernbert",
-    }
-)
-ENCODER_DECODER_TYPES = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian"})
-LEARNED_POSITION_TYPES = frozenset(
-    {
-        "gpt2",
-        "bert",
-        "roberta",
-        "distilbert",
-        "opt",
-        "gpt_neo",
-        "electra",
-        "xlm-roberta",
-        "camembert",
-        "albert",
-        "bart",
-        "mbart",
-        "biogpt",
-    }
-)
-RELATIVE_POSITION_TYPES = frozenset({"t5", "mt5", "umt5", "deberta", "deberta-v2"})
-RMSNORM_TYPES = frozenset(
-    {
-        "llama",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "phi3",
-        "gemma",
-        "gemma2",
-        "gemma3_text",
-        "t5",
-        "mt5",
-        "umt5",
-        "olmo2",
-        "granite",
-    }
-)
-# RoBERTa-style embeddings start positions at padding_idx + 1 = 2 (modeling_roberta.py).
-_POSITION_OFFSET = {"roberta": 2, "xlm-roberta": 2, "camembert": 2}
+__all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "ENCODER_DECODER_TYPES",
+    "ENCODER_TYPES",
+    "Architecture",
+    "ModelInfo",
+    "ParamGroup",
+    "arch_from_config",
+    "catalog_names",
+    "default_task",
+    "generic_decoder_config",
+    "resolve_model",
+]
+
 # peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; the two marked entries are ours,
 # for model types peft has no default for.
 DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
@@ -161,32 +127,6 @@ def _param_kind(pattern: str, module: str) -> str:
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """Shape facts the analytic engine needs, normalised across model types."""
-
-    model_type: str
-    family: str  # decoder | encoder | encoder-decoder
-    hidden_size: int
-    num_layers: int
-    num_decoder_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_positions: int | None  # None: rotary/relative, no hard limit
-    positional: str  # learned | rotary | relative
-    gated_mlp: bool
-    activation: str
-    norm: str  # layernorm | rmsnorm
-    tied_embeddings: bool
-    num_experts: int
-    experts_per_token: int
-    attention_dropout: float
-    hidden_dropout: float
-
-
-@dataclass(frozen=True)
 class ModelInfo:
     """A resolved MODEL: its config, architecture, task and parameter table."""
 
@@ -268,108 +208,6 @@ class ModelInfo:
             if (g.module == "Linear" and g.pattern.endswith("weight") and g.kind != "head")
             or (g.kind == "experts" and len(g.shape) == 3)
         )
-
-
-def arch_from_config(cfg: dict[str, Any]) -> Architecture:
-    """Normalise a config.json dict's field names (GPT-2, BERT, T5, OPT, Llama, ...)."""
-    mt = cfg.get("model_type", "")
-
-    def first(*keys: str, default: Any = None) -> Any:
-        for key in keys:
-            if cfg.get(key) is not None:
-                return cfg[key]
-        return default
-
-    hidden = int(first("hidden_size", "n_embd", "d_model", "dim"))
-    layers = int(first("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-    heads = int(first("num_attention_heads", "n_head", "num_heads", "n_heads"))
-    head_dim = int(first("head_dim", "d_kv", default=hidden // heads))
-    inter = first(
-        "intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim"
-    )
-    act = str(
-        first(
-            "hidden_act", "activation_function", "feed_forward_proj", "activation", default="gelu"
-        )
-    )
-    if mt in ENCODER_DECODER_TYPES:
-        family = "encoder-decoder"
-    elif mt in ENCODER_TYPES:
-        family = "encoder"
-    else:
-        family = "decoder"
-    gated = mt not in LEARNED_POSITION_TYPES and family != "encoder" and not mt.startswith("t5")
-    if mt in ("t5", "mt5", "umt5"):
-        gated = act.startswith("gated-")
-        act = act.removeprefix("gated-")
-    max_pos = first("max_position_embeddings", "n_positions")
-    if mt in LEARNED_POSITION_TYPES and max_pos is not None:
-        positional = "learned"
-        max_pos = int(max_pos) - _POSITION_OFFSET.get(mt, 0)
-    elif mt in RELATIVE_POSITION_TYPES:
-        positional, max_pos = "relative", None
-    else:
-        positional = "rotary"
-        max_pos = int(max_pos) if max_pos is not None else None
-    dropout = float(
-        first(
-            "dropout_rate",
-            "hidden_dropout_prob",
-            "resid_pdrop",
-            "dropout",
-            "hidden_dropout",
-            default=0.0,
-        )
-    )
-    return Architecture(
-        model_type=mt,
-        family=family,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_decoder_layers=int(first("num_decoder_layers", default=layers))
-        if family == "encoder-decoder"
-        else 0,
-        num_heads=heads,
-        num_kv_heads=int(first("num_key_value_heads", default=heads)),
-        head_dim=head_dim,
-        intermediate_size=int(inter) if inter is not None else 4 * hidden,
-        vocab_size=int(cfg["vocab_size"]),
-        max_positions=max_pos,
-        positional=positional,
-        gated_mlp=gated,
-        activation=act,
-        norm="rmsnorm" if mt in RMSNORM_TYPES else "layernorm",
-        tied_embeddings=bool(first("tie_word_embeddings", default=mt not in ("llama", "mistral"))),
-        num_experts=int(first("num_local_experts", "num_experts", default=0)),
-        experts_per_token=int(first("num_experts_per_tok", default=0)),
-        attention_dropout=float(
-            first(
-                "attn_pdrop",
-                "attention_probs_dropout_prob",
-                "attention_dropout",
-                "dropout_rate",
-                default=0.0,
-            )
-        ),
-        hidden_dropout=dropout,
-    )
-
-
-def default_task(cfg: dict[str, Any]) -> str:
-    """Task from ``architectures`` (…ForCausalLM, …ForMaskedLM, …), else from the model type."""
-    for arch_name in cfg.get("architectures") or ():
-        if arch_name.endswith(("ForCausalLM", "LMHeadModel")):
-            return "causal-lm"
-        if arch_name.endswith(("ForMaskedLM", "ForPreTraining")):
-            return "masked-lm"
-        if arch_name.endswith("ForSequenceClassification"):
-            return "classification"
-        if arch_name.endswith("ForConditionalGeneration"):
-            return "seq2seq"
-    mt = cfg.get("model_type", "")
-    if mt in ENCODER_DECODER_TYPES:
-        return "seq2seq"
-    return "masked-lm" if mt in ENCODER_TYPES else "causal-lm"
 
 
 @cache
