@@ -172,7 +172,11 @@ def _build(
             from batchfit.memory.kernels import cuda_autocast_policy
 
             ckpt_kwargs["context_fn"] = lambda: (contextlib.nullcontext(), cuda_autocast_policy())
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+        enable = getattr(net, "activation_checkpointing_enable", None)  # transformers >= 5
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=ckpt_kwargs)
+        else:  # the older name, deprecated since
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     if setup.is_lora:
         from peft import LoraConfig, get_peft_model
 
