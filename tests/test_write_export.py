@@ -109,3 +109,22 @@ def test_a_missing_folder_is_named(zero_plan: Plan, tmp_path: Path) -> None:
     message = f"cannot write --out {out}: No such file or directory"
     with pytest.raises(UsageError, match=re.escape(message)):
         write_export(zero_plan, "hf", out)
+
+
+def test_a_pipe_is_written_into_not_replaced(zero_plan: Plan, tmp_path: Path) -> None:
+    # --out /dev/stdout, /dev/null or a FIFO: a rename would put a regular file in the place of
+    # the device or pipe (as root, /dev/null itself)
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(
+        target=lambda: got.append(fifo.read_text(encoding="utf-8")), daemon=True
+    )
+    reader.start()
+    assert write_export(zero_plan, "hf", fifo) == {"hf": str(fifo)}
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert got == [render(export(zero_plan, "hf"), "hf")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

@@ -257,12 +257,19 @@ def write_export(plan: Plan, kind: str, out: Path) -> dict[str, str]:
     """Write the export of ``kind`` to ``out``, the one file it needs; ``{kind: path}`` written.
 
     Atomic: the text goes to a temporary file beside ``out``, then replaces it in one rename, so
-    an interrupted or failed write leaves ``out`` as it was. A symlink is written through.
-    An ``OSError`` becomes a ``UsageError`` naming ``out``.
+    an interrupted or failed write leaves ``out`` as it was. A symlink is written through. What
+    is not a regular file (``/dev/stdout``, ``/dev/null``, a FIFO) is written into as it is: a
+    rename would replace the device or pipe itself with a file. An ``OSError`` becomes a
+    ``UsageError`` naming ``out``.
     """
     text = render(export(plan, kind), kind)
+    path = Path(os.path.realpath(out))
     try:
-        _write_atomically(Path(os.path.realpath(out)), text)
+        if path.exists() and not path.is_file():
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            _write_atomically(path, text)
     except OSError as e:
         raise UsageError(f"cannot write --out {out}: {e.strerror or e}") from None
     return {kind: str(out)}
