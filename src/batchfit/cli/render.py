@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,19 @@ from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan import FitRow, Plan
 
+
+class _Console(Console):
+    """rich's Console, except that a reader closing the pipe (``| head``) raises
+    ``BrokenPipeError`` for ``cli.main`` to end quietly with 0; rich's own exits with 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
 # soft_wrap: sentences are never cut into lines (tables still fit the terminal width).
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = _Console(highlight=False, soft_wrap=True)
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _warn(warnings: tuple[str, ...] | list[str]) -> None:
