@@ -3,6 +3,7 @@ traceback from transformers, a silent estimate, or a read that never ends."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,31 @@ def test_an_unreadable_hub_cache_is_one_line(tmp_path, monkeypatch):
         _refused("acme/tiny", "cannot read the Hugging Face cache", "Permission denied")
     finally:
         snapshots.chmod(0o755)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"num_attention_heads": 3}, "not a multiple of the number of attention heads"),
+        ({"num_attention_heads": 4, "hidden_act": "nosuch"}, "unknown name 'nosuch'"),
+        (
+            {"num_attention_heads": 4, "rope_scaling": {"type": "bogus", "factor": 2.0}},
+            "unknown name 'bogus'",
+        ),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "does not divide"),
+    ],
+)
+def test_configs_transformers_rejects_are_one_line(tmp_path, extra, message):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        **extra,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        resolve_model(str(path))

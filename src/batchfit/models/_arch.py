@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit.errors import UsageError
+
 ENCODER_TYPES = frozenset(
     {
         "bert",
@@ -139,6 +141,12 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
     inter = _first(
         cfg, "intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim"
     )
+    kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+    if heads % kv_heads:
+        raise UsageError(
+            f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}: "
+            "each key/value head serves a whole group of query heads"
+        )
     family = _family(mt)
     gated, act = _mlp(mt, family, cfg)
     positional, max_pos = _positions(mt, cfg)
@@ -151,7 +159,7 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
         if family == "encoder-decoder"
         else 0,
         num_heads=heads,
-        num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
+        num_kv_heads=kv_heads,
         head_dim=int(_first(cfg, "head_dim", "d_kv", default=hidden // heads)),
         intermediate_size=int(inter) if inter is not None else 4 * hidden,
         vocab_size=int(cfg["vocab_size"]),

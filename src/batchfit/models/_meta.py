@@ -23,9 +23,23 @@ _AUTO_CLASS = {
 
 def _first_sentence(error: BaseException, limit: int = 200) -> str:
     """transformers' errors can list every model type it knows: keep the first sentence."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    # "Class validation error for validator 'x':" then the reason on the next line
+    text = lines[1] if lines[0].endswith(":") and len(lines) > 1 else lines[0]
     text = text.split(". ")[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _strict_config_errors() -> tuple[type[Exception], ...]:
+    """transformers 5 validates configs through huggingface_hub's strict dataclasses, whose
+    errors are not ValueErrors (a hidden size that the heads do not divide)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: configs are not validated there
+        return ()
+    return (StrictDataclassError,)
 
 
 def make_config(config: dict[str, Any], task: str) -> Any:
@@ -33,9 +47,10 @@ def make_config(config: dict[str, Any], task: str) -> Any:
     import transformers
 
     fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    rejected: tuple[type[Exception], ...] = (ValueError, KeyError, TypeError)
     try:
         cfg = transformers.AutoConfig.for_model(config["model_type"], **fields)
-    except (ValueError, KeyError, TypeError) as e:
+    except rejected + _strict_config_errors() as e:
         raise UsageError(
             f"transformers cannot read this config (model_type {config.get('model_type')!r}): "
             f"{_first_sentence(e)}"
@@ -56,6 +71,11 @@ def build_on_meta(config: dict[str, Any], task: str) -> Any:
         warnings.simplefilter("ignore")
         try:
             return auto.from_config(cfg)
+        except KeyError as e:  # a value transformers looks up by name: hidden_act, rope type
+            raise UsageError(
+                f"transformers cannot build this config (model_type "
+                f"{config.get('model_type')!r}): unknown name {e}"
+            ) from e
         except ValueError as e:
             raise UsageError(
                 f"{config.get('model_type')!r} has no {task} model in transformers "
