@@ -83,3 +83,10 @@ def test_what_a_dry_run_cannot_do_falls_back_to_the_formulas(monkeypatch, limit)
     assert est.engine == "analytic"
     assert est.warnings[0].startswith("the trace engine cannot run this setup yet: the dry run")
     assert type(limit).__name__ in est.warnings[0]
+
+
+@pytest.mark.parametrize("engine", ["analytic", "trace"])
+def test_a_micro_batch_beyond_any_device_is_refused_in_one_line(engine):
+    # the trace overflowed torch's storage size; the analytic engine printed 1.8e31 bytes
+    with pytest.raises(UsageError, match=r"tokens in one micro-batch, beyond any device"):
+        estimate(GPT2, TrainingSetup(), micro_batch_size=10**18, seq_len=128, engine=engine)

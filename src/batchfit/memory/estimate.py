@@ -15,6 +15,11 @@ Engine = Literal["analytic", "trace"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 
 
+# 2**40 tokens in one micro-batch: petabytes of activations, far past any device, and below
+# where a dry run's tensor sizes (tokens x vocabulary x 4 bytes) overflow a 64-bit count.
+MAX_TOKENS_PER_MICRO_BATCH = 2**40
+
+
 def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> list[str]:
     """Validate batch and sequence against the model; return warnings.
 
@@ -25,6 +30,12 @@ def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> lis
         raise UsageError(f"--micro-batch must be a positive integer, got {micro_batch_size!r}")
     if not isinstance(seq_len, int) or seq_len < 1:
         raise UsageError(f"--seq-len must be a positive integer, got {seq_len!r}")
+    if micro_batch_size * seq_len > MAX_TOKENS_PER_MICRO_BATCH:
+        raise UsageError(
+            f"--micro-batch {micro_batch_size} x --seq-len {seq_len} is "
+            f"{micro_batch_size * seq_len:,} tokens in one micro-batch, beyond any device "
+            f"(at most {MAX_TOKENS_PER_MICRO_BATCH:,}): give real sizes"
+        )
     limit = model.arch.max_positions
     if limit is not None and seq_len > limit:
         if model.arch.positional == "learned":
