@@ -49,7 +49,7 @@ def test_the_analytic_engine_refuses_an_own_module_instead_of_tracing_it():
 
 
 def test_a_factory_that_returns_no_module_is_a_type_error_naming_the_fix():
-    with pytest.raises(TypeError, match=r"returned a int, not an nn.Module: .*lambda: MyNet\(\)"):
+    with pytest.raises(TypeError, match=r"returned 'int', not an nn.Module: .*lambda: MyNet\(\)"):
         estimate(lambda: 5, TrainingSetup(), batch_fn=_batch, loss_fn=_loss, device="cpu")
 
 

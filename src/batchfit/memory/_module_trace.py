@@ -135,7 +135,7 @@ def _build_on_meta(model_fn: ModelFn, dtype: torch.dtype) -> torch.nn.Module:
         torch.set_default_dtype(previous)
     if not isinstance(net, torch.nn.Module):
         raise TypeError(
-            f"model_fn {_name(model_fn)} returned a {type(net).__name__}, not an nn.Module: "
+            f"model_fn {_name(model_fn)} returned {type(net).__name__!r}, not an nn.Module: "
             "pass a function that builds and returns your model, e.g. lambda: MyNet()"
         )
     return net
