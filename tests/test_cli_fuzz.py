@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests._cli import run_cli
+from tests.test_probe_cli import TINY
 
 NUMBERS = [
     "1",
@@ -191,15 +192,7 @@ _KEYS = ["n_layer", "n_embd", "n_head", "vocab_size", "n_positions"]
 
 @st.composite
 def bad_config(draw: st.DrawFn) -> dict:
-    config = {
-        "model_type": "gpt2",
-        "n_layer": 2,
-        "n_embd": 64,
-        "n_head": 4,
-        "vocab_size": 512,
-        "n_positions": 256,
-        "architectures": ["GPT2LMHeadModel"],
-    }
+    config = dict(TINY)  # the probe tests' tiny GPT-2, then spoiled
     for key in draw(st.lists(st.sampled_from(_KEYS), min_size=1, max_size=2, unique=True)):
         config[key] = draw(st.sampled_from(_BAD))
     if draw(st.booleans()):
