@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -133,11 +134,11 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def _die_with_parent() -> None:
     """End this child when its parent dies, however it dies (SIGKILL included): the kernel
     sends SIGKILL on Linux (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent's pid."""
-    parent = int(os.environ.get(_PARENT_ENV, "0")) or os.getppid()
-    if sys.platform == "linux":
-        import ctypes
+    from batchfit._oom import _libc
 
-        libc = ctypes.CDLL(None, use_errno=True)
+    parent = int(os.environ.get(_PARENT_ENV, "0")) or os.getppid()
+    libc = _libc() if sys.platform == "linux" else None
+    if libc is not None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     else:
         threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
@@ -146,9 +147,9 @@ def _die_with_parent() -> None:
 
 
 def _watch_parent(parent: int) -> None:
-    while not threading.Event().wait(0.5):
-        if os.getppid() != parent:
-            os._exit(1)
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 @contextlib.contextmanager
