@@ -43,9 +43,11 @@ OFFLOADS: tuple[str, ...] = get_args(Offload)
 ADAM_FAMILY = frozenset({"adam", "adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion"})
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``choices``; else a UsageError naming the option."""
+    if not isinstance(value, str) or value not in choices:
         raise UsageError(f"{name} {value!r} is not one of: {', '.join(choices)}")
+    return value
 
 
 def _check_finite(name: str, value: object) -> float:
@@ -88,14 +90,14 @@ class TrainingSetup:
 
     def __post_init__(self) -> None:
         if self.task is not None:
-            _check_choice("--task", self.task, TASKS)
-        _check_choice("--precision", self.precision, PRECISIONS)
-        _check_choice("--optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        _check_choice("--method", self.method, METHODS)
-        _check_choice("--attention", self.attention, ATTENTIONS)
-        _check_choice("--sharding", self.sharding, SHARDINGS)
-        _check_choice("--offload", self.offload, OFFLOADS)
+            check_choice("--task", self.task, TASKS)
+        check_choice("--precision", self.precision, PRECISIONS)
+        check_choice("--optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        check_choice("--method", self.method, METHODS)
+        check_choice("--attention", self.attention, ATTENTIONS)
+        check_choice("--sharding", self.sharding, SHARDINGS)
+        check_choice("--offload", self.offload, OFFLOADS)
         if isinstance(self.lora_targets, list):  # accept lists from Python callers
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:

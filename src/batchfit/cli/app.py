@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 import typer
 
 from batchfit._units import human_bytes, parse_size
-from batchfit.cli.options import choice, finite_float, setup_options
+from batchfit.cli.options import finite_float, setup_options
 from batchfit.errors import UsageError
-from batchfit.spec import TrainingSetup
+from batchfit.spec import TrainingSetup, check_choice
 
 if TYPE_CHECKING:
     from batchfit.hardware import GpuSpec
@@ -56,7 +56,7 @@ Headroom = Annotated[
 
 
 def _engine(value: str) -> Engine:
-    return cast(Engine, choice("--engine", value, ENGINES))
+    return cast(Engine, check_choice("--engine", value, ENGINES))
 
 
 def _emit_json(obj: dict[str, Any]) -> None:
@@ -130,7 +130,7 @@ def estimate(
     from batchfit.models import resolve_model
 
     if device is not None:
-        choice("--device", device, ("cpu", "cuda"))
+        check_choice("--device", device, ("cpu", "cuda"))
     if gpu is not None and device == "cpu":
         raise UsageError("--gpu and --device cpu contradict each other: drop one")
     engine_name = _engine(engine)
@@ -253,7 +253,7 @@ def plan(
     from batchfit.plan import make_plan
 
     if export_kind is not None:
-        choice("--export", export_kind, EXPORT_KINDS)
+        check_choice("--export", export_kind, EXPORT_KINDS)
     if out is not None:
         if export_kind is None:
             raise UsageError("--out needs --export KIND")
@@ -423,8 +423,8 @@ def probe(
     from batchfit.models import resolve_model
     from batchfit.search import _probe
 
-    choice("--device", device, ("cpu", "cuda"))
-    choice("--choose", choose, ("throughput", "max"))
+    check_choice("--device", device, ("cpu", "cuda"))
+    check_choice("--choose", choose, ("throughput", "max"))
     _check_probe_numbers(steps_per_trial, max_micro_batch, dataset_size, global_batch)
     if plot is not None:
         _check_output(plot, "--plot")

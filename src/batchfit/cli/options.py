@@ -34,6 +34,7 @@ from batchfit.spec import (
     Sharding,
     Task,
     TrainingSetup,
+    check_choice,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -54,13 +55,6 @@ def _choices(values: tuple[str, ...]) -> str:
     return "|".join(values)
 
 
-def choice(option: str, value: str, choices: tuple[str, ...]) -> str:
-    """``value`` when it is one of ``choices``; else a UsageError naming the option."""
-    if value not in choices:
-        raise UsageError(f"{option} {value!r} is not one of: {', '.join(choices)}")
-    return value
-
-
 def _parse(raw: dict[str, Any]) -> TrainingSetup:
     targets = raw["lora_targets"]
     lora = (targets, raw["lora_rank"], raw["lora_alpha"], raw["lora_dropout"])
@@ -69,13 +63,13 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
             "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
         )
     return TrainingSetup(
-        task=cast(Task, choice("--task", raw["task"], TASKS)) if raw["task"] else None,
-        precision=cast(Precision, choice("--precision", raw["precision"], PRECISIONS)),
-        optimizer=cast(Optimizer, choice("--optimizer", raw["optimizer"], OPTIMIZERS)),
+        task=cast(Task, check_choice("--task", raw["task"], TASKS)) if raw["task"] else None,
+        precision=cast(Precision, check_choice("--precision", raw["precision"], PRECISIONS)),
+        optimizer=cast(Optimizer, check_choice("--optimizer", raw["optimizer"], OPTIMIZERS)),
         optimizer_impl=cast(
-            OptimizerImpl, choice("--optimizer-impl", raw["optimizer_impl"], OPTIMIZER_IMPLS)
+            OptimizerImpl, check_choice("--optimizer-impl", raw["optimizer_impl"], OPTIMIZER_IMPLS)
         ),
-        method=cast(Method, choice("--method", raw["method"], METHODS)),
+        method=cast(Method, check_choice("--method", raw["method"], METHODS)),
         lora_rank=raw["lora_rank"],
         lora_alpha=raw["lora_alpha"],
         lora_dropout=raw["lora_dropout"],
@@ -83,10 +77,10 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
         if targets is None
         else tuple(t.strip() for t in targets.split(",") if t.strip()),
         grad_ckpt=raw["grad_ckpt"],
-        attention=cast(Attention, choice("--attention", raw["attention"], ATTENTIONS)),
+        attention=cast(Attention, check_choice("--attention", raw["attention"], ATTENTIONS)),
         num_gpus=raw.get("num_gpus", 1),
-        sharding=cast(Sharding, choice("--sharding", raw.get("sharding", "none"), SHARDINGS)),
-        offload=cast(Offload, choice("--offload", raw.get("offload", "none"), OFFLOADS)),
+        sharding=cast(Sharding, check_choice("--sharding", raw.get("sharding", "none"), SHARDINGS)),
+        offload=cast(Offload, check_choice("--offload", raw.get("offload", "none"), OFFLOADS)),
     )
 
 
