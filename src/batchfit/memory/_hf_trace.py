@@ -287,6 +287,7 @@ def trace_once(
                 autocast_dtype=parts.autocast_dtype,
                 grad_accum_steps=grad_accum_steps,
                 extra_other=cuda_workspaces,
+                loop=setup.loop,
             )
     if emulate_cuda:
         from batchfit.memory.allocator import simulate
