@@ -396,6 +396,7 @@ def _estimate_traced(
         extras={
             "top_modules": list(result.top_modules),
             "trace_seconds": result.seconds,
+            "peak_moment": result.peak.describe(),
             "notes": notes,
         },
     )
