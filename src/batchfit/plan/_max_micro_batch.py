@@ -71,14 +71,16 @@ def max_micro_batch_traced(
     setup: TrainingSetup,
     gpu: GpuSpec,
     seq_len: int,
-    per_gpu_batch: int,
+    per_gpu_batch: int | None,
     headroom: int,
 ) -> int:
-    """Largest micro-batch by the trace engine: an affine fit over traced sizes, confirmed."""
+    """Largest micro-batch by the trace engine: each peak moment's line through traced sizes
+    1 and 2, confirmed by traces at the answer (fits) and the size after it (does not)."""
     from batchfit.memory.fit import fit_micro_batch
 
     def at(m: int) -> MemoryEstimate:
-        accum = max(per_gpu_batch // m, 1)
+        accum = max(per_gpu_batch // m, 1) if per_gpu_batch else 1
         return fits(model, setup, gpu, m, seq_len, min(accum, 2), headroom, "trace")[1]
 
-    return fit_micro_batch(at, gpu.memory_bytes - headroom, limit=per_gpu_batch).micro_batch_size
+    limit = per_gpu_batch or 1 << 16
+    return fit_micro_batch(at, gpu.memory_bytes - headroom, limit=limit).micro_batch_size
