@@ -29,7 +29,7 @@ from batchfit.models._arch import (
 )
 from batchfit.models._config import existing_path, hub_cache_config, read_config_file
 from batchfit.models._generic import generic_decoder_config, generic_rows
-from batchfit.spec import Task
+from batchfit.spec import Attention, Task
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -149,7 +149,7 @@ class ModelInfo:
         """Whether transformers' model class runs SDPA attention (its ``_supports_sdpa``)."""
         return self.arch.model_type not in NO_SDPA_TYPES
 
-    def resolve_attention(self, requested: str) -> str:
+    def resolve_attention(self, requested: Attention) -> Attention:
         """``--attention`` made concrete for this model class, as transformers resolves it.
 
         ``auto`` is SDPA where the class supports it, else eager (transformers'

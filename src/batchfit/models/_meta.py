@@ -64,7 +64,7 @@ def make_config(config: dict[str, Any], task: str) -> Any:
             cfg.pad_token_id = _eos_id(cfg)
         # What the models infer from integer labels; said here because DeBERTa, left to
         # infer it, selects labelled rows with nonzero(), whose shape a dry run cannot know.
-        if getattr(cfg, "problem_type", None) is None and cfg.num_labels > 1:
+        if getattr(cfg, "problem_type", None) is None and (cfg.num_labels or 0) > 1:
             cfg.problem_type = "single_label_classification"
     return cfg
 
