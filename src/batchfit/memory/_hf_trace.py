@@ -48,8 +48,12 @@ def _config(model: ModelInfo, depth: int | None) -> Any:
     cfg = _meta.make_config(model.config, model.task)
     if depth is not None:
         if model.arch.family == "encoder-decoder":
-            cfg.num_layers = depth
-            cfg.num_decoder_layers = depth
+            # Both stacks, under the config's own names: T5 num_layers / num_decoder_layers,
+            # BART encoder_layers / decoder_layers.
+            from batchfit.models._config import LAYER_KEYS
+
+            for key in LAYER_KEYS & model.config.keys():
+                setattr(cfg, key, depth)
         else:
             cfg.num_hidden_layers = depth
         layer_types = getattr(cfg, "layer_types", None)
@@ -59,7 +63,12 @@ def _config(model: ModelInfo, depth: int | None) -> Any:
 
 
 def _attn_impl(model: ModelInfo, attention: str) -> str:
-    if attention in ("sdpa", "flash"):
+    """The implementation the traced model is built with for a resolved ``attention``.
+
+    The probe hands over ``TrainingSetup.resolved``'s attention, where ``auto`` is already
+    ``sdpa``: a model class without SDPA is built eager, as transformers would choose.
+    """
+    if attention in ("sdpa", "flash") and model.supports_sdpa:
         # On fake CPU tensors SDPA takes the CPU flash kernel, which keeps what CUDA's flash
         # kernel keeps: the output and an fp32 log-sum-exp per head (DESIGN.md).
         if model.arch.model_type in EAGER_ONLY_TYPES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchfit._units import BYTES_IN_GIB
 from batchfit.hardware import GpuSpec
+from batchfit.memory._device import fits_on_card
 from batchfit.memory.estimate import estimate
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -33,7 +34,7 @@ def fits(
         grad_accum_steps=accum,
         engine=engine,  # type: ignore[arg-type]
     )
-    return gpu.memory_bytes - est.device_total_bytes >= headroom, est
+    return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
 
 
 def max_micro_batch(
