@@ -146,6 +146,7 @@ def estimate(
     """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
     from batchfit.cli import render
     from batchfit.hardware import get_gpu
+    from batchfit.memory._device import fits_on_card
     from batchfit.memory.estimate import estimate as run_estimate
     from batchfit.models import resolve_model
 
@@ -176,7 +177,7 @@ def estimate(
         if gpu_spec is not None:
             data["gpu_bytes"] = gpu_spec.memory_bytes
             data["headroom_bytes"] = gpu_spec.memory_bytes - result.device_total_bytes
-            data["fits"] = data["headroom_bytes"] >= 0
+            data["fits"] = fits_on_card(result.device_total_bytes, gpu_spec.memory_bytes)
         _emit_json(data)
     else:
         render.estimate(result, info, gpu_spec, explain=explain)

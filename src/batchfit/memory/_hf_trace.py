@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
@@ -212,6 +215,32 @@ def step_parts(
     return StepParts(net, opt, batch_fn(model, micro, seq), autocast)
 
 
+_BUILT: collections.OrderedDict[str, torch.nn.Module] = collections.OrderedDict()
+_BUILT_KEEP = 8  # meta models are a few KB of Python objects each
+
+
+def _meta_build(
+    model: ModelInfo, setup: TrainingSetup, depth: int | None, cuda_policy: bool
+) -> torch.nn.Module:
+    """A fresh copy of the model built on the meta device.
+
+    Building from the config (and wrapping with peft) costs tenths of a second; a plan traces
+    the same model at several sizes, so a built model is kept and deep-copied (milliseconds).
+    """
+    key = json.dumps(
+        [model.name, model.config, model.task, repr(setup), depth, cuda_policy],
+        sort_keys=True,
+        default=str,
+    )
+    if key not in _BUILT:
+        with torch.device("meta"):
+            _BUILT[key] = _build(model, setup, depth, cuda_policy=cuda_policy)
+        while len(_BUILT) > _BUILT_KEEP:
+            _BUILT.popitem(last=False)
+    _BUILT.move_to_end(key)
+    return copy.deepcopy(_BUILT[key])
+
+
 def trace_once(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -238,8 +267,7 @@ def trace_once(
 
     kernels = emulation(emulate_cuda)
     with trace.quiet():
-        with torch.device("meta"):
-            net = _build(model, setup, depth, cuda_policy=emulate_cuda)
+        net = _meta_build(model, setup, depth, emulate_cuda)
         with trace.fake_mode(), kernels:
             parts = step_parts(
                 model,

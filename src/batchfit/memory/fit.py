@@ -34,16 +34,38 @@ def _total(est: MemoryEstimate) -> int:
 
 def _by_lines(one: MemoryEstimate, two: MemoryEstimate, budget: int, limit: int) -> int | None:
     """The largest size under every moment's line through sizes 1 and 2 (None: no lines)."""
-    low, high = one.extras.get("moments"), two.extras.get("moments")
-    if not isinstance(low, dict) or not isinstance(high, dict) or set(low) != set(high):
+    lines = moment_lines(one, two)
+    if lines is None:
         return None
     outside = two.device_total_bytes - two.peak_bytes  # allocator reserve, context, NCCL
     best = limit
-    for key, at_one in low.items():
-        slope = high[key] - at_one
+    for at_one, slope in lines:
         if slope > 0:
             best = min(best, math.floor((budget - outside - at_one) / slope) + 1)
     return max(best, 1)
+
+
+def moment_lines(one: MemoryEstimate, two: MemoryEstimate) -> list[tuple[int, int]] | None:
+    """Each peak moment's (bytes at size 1, bytes per sample) from traces at sizes 1 and 2."""
+    low, high = one.extras.get("moments"), two.extras.get("moments")
+    if not isinstance(low, dict) or not isinstance(high, dict) or set(low) != set(high):
+        return None
+    return [(at_one, high[key] - at_one) for key, at_one in low.items()]
+
+
+def predict(
+    one: MemoryEstimate, two: MemoryEstimate, budget_bytes: int, limit: int = 1 << 16
+) -> tuple[int, int] | None:
+    """The largest size within budget by the moments' lines, and its device total by them
+    (None without lines); no trace confirms it, so it is for what-ifs, not for the plan."""
+    if one.device_total_bytes > budget_bytes:
+        return 0, one.device_total_bytes
+    lines = moment_lines(one, two)
+    best = _by_lines(one, two, budget_bytes, limit)
+    if lines is None or best is None:
+        return None
+    outside = two.device_total_bytes - two.peak_bytes
+    return best, outside + max(a + s * (best - 1) for a, s in lines)
 
 
 def fit_micro_batch(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
+from batchfit.memory.fit import predict
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
@@ -134,7 +135,18 @@ class _Target:
         )
 
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
-        """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives."""
+        """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
+
+        By the trace engine, from each peak moment's line through sizes 1 and 2 (a what-if,
+        not confirmed by a trace at that size; the plan's own choice is); by the formulas when
+        the trace cannot run the setup.
+        """
+        if self.engine == "trace":
+            one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
+            budget = self.gpu.memory_bytes - max(self.headroom, 1)
+            lines = predict(one, two, budget, self.per_gpu)
+            if lines is not None:
+                return Alternative(combo, setup, lines[0], lines[1])
         best = self.max_micro(setup)
         _, est = self.fits(setup, max(best, 1))
         return Alternative(combo, setup, best, est.device_total_bytes)

@@ -84,4 +84,6 @@ def max_micro_batch_traced(
         return fits(model, setup, gpu, m, seq_len, min(accum, 2), headroom, "trace")[1]
 
     limit = per_gpu_batch or 1 << 16
-    return fit_micro_batch(at, gpu.memory_bytes - headroom, limit=limit).micro_batch_size
+    # a fit leaves at least a byte free (fits_on_card), whatever the headroom asked
+    budget = gpu.memory_bytes - max(headroom, 1)
+    return fit_micro_batch(at, budget, limit=limit).micro_batch_size
