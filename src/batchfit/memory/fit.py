@@ -117,6 +117,7 @@ def fit_micro_batch(
         else:
             prev = max(b for b in cache if b < lo) if lo > 1 else None
             slope = (_total(cache[lo]) - _total(cache[prev])) / (lo - prev) if prev else 0.0
-            step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else lo
+            # flat so far (a constant moment on top): jump ahead, the bracket then narrows
+            step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else 15 * lo
             guess = lo + max(1, step)
     return FitResult(lo, at(lo), tuple(traced))
