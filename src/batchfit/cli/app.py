@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 
@@ -77,11 +78,35 @@ NoCacheO = Annotated[
 ]
 
 
-def _cache_switch(no_cache: bool) -> contextlib.AbstractContextManager[Any]:
-    """The trace cache off for this command when --no-cache is given."""
-    from batchfit import _cache
+VerboseO = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Notes on the trace cache (misses it ignored).")
+]
 
-    return _cache.disabled() if no_cache else contextlib.nullcontext()
+
+@contextlib.contextmanager
+def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[None]:
+    """The trace cache off for this command when --no-cache is given, its notes on stderr
+    with --verbose; each dry run shown as progress on a terminal (they take seconds)."""
+    import logging
+
+    from batchfit import _cache
+    from batchfit.cli import render
+    from batchfit.memory import _trace_estimate
+
+    with contextlib.ExitStack() as stack:
+        if no_cache:
+            stack.enter_context(_cache.disabled())
+        if verbose:
+            handler = logging.StreamHandler()  # stderr
+            handler.setFormatter(logging.Formatter("note: %(message)s"))
+            _cache.log.addHandler(handler)
+            _cache.log.setLevel(logging.INFO)
+            stack.callback(_cache.log.removeHandler, handler)
+        status = stack.enter_context(render.progress("dry runs"))
+        previous = _trace_estimate.on_dry_run
+        _trace_estimate.on_dry_run = status
+        stack.callback(setattr, _trace_estimate, "on_dry_run", previous)
+        yield
 
 
 def _emit_json(obj: dict[str, Any]) -> None:
@@ -135,6 +160,7 @@ def estimate(
     ] = 1,
     engine: EngineO = "trace",
     no_cache: NoCacheO = False,
+    verbose: VerboseO = False,
     explain: Annotated[
         bool,
         typer.Option(
@@ -159,7 +185,7 @@ def estimate(
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
     gpu_spec = get_gpu(gpu) if gpu else None
     info = resolve_model(model, setup.task)
-    with _cache_switch(no_cache):
+    with _cache_switch(no_cache, verbose):
         result = run_estimate(
             info,
             setup,
@@ -251,6 +277,7 @@ def plan(
     headroom: Headroom = "0.5GiB",
     engine: EngineO = "trace",
     no_cache: NoCacheO = False,
+    verbose: VerboseO = False,
     export_kind: Annotated[
         str | None,
         typer.Option("--export", help="hf|deepspeed|accelerate|lightning"),
@@ -280,7 +307,7 @@ def plan(
     gpu_spec = get_gpu(gpu)
     info = resolve_model(model, setup.task)
     check_workload(info, micro_batch or 1, seq_len)
-    with _cache_switch(no_cache):
+    with _cache_switch(no_cache, verbose):
         result = make_plan(
             info,
             gpu_spec,
@@ -346,6 +373,7 @@ def gpus(
     headroom: Annotated[str, typer.Option("--headroom", help="Free memory to keep.")] = "0.5GiB",
     engine: EngineO = "trace",
     no_cache: NoCacheO = False,
+    verbose: VerboseO = False,
     as_json: JsonO = False,
 ) -> None:
     """List the catalog GPUs; with MODEL --seq-len, what fits on each of them."""
@@ -371,7 +399,7 @@ def gpus(
     info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
     engine_name = _engine(engine)
-    with _cache_switch(no_cache):
+    with _cache_switch(no_cache, verbose):
         rows = fit_table(
             info,
             setup,

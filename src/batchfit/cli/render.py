@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,17 @@ class _Console(Console):
 # soft_wrap: sentences are never cut into lines (tables still fit the terminal width).
 out = _Console(highlight=False, soft_wrap=True)
 err = _Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def progress(what: str) -> Iterator[Callable[[str], None]]:
+    """A one-line status on stderr while ``what`` runs, on a terminal only; yields the
+    function that updates it."""
+    if not err.is_terminal:
+        yield lambda _text: None
+        return
+    with err.status(what) as status:
+        yield lambda text: status.update(escape(text))
 
 
 def _warn(warnings: tuple[str, ...] | list[str]) -> None:
@@ -203,9 +216,19 @@ def plan(p: Plan, info: ModelInfo) -> None:
         f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
         f"asked for {gib(p.headroom_wanted_bytes)})"
     )
+    same = f"batchfit estimate ... -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
+    if est.engine == "trace":
+        out.print(f"  engine: trace (dry runs of the step; `{same}` gives these figures)")
+    else:
+        out.print(f"  engine: [yellow]analytic[/] (formulas; `{same} --engine analytic`)")
     out.print(_breakdown(est, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
     if p.alternatives:
-        table = Table(title="Alternatives (exact rungs first)", title_justify="left")
+        how = (
+            "; trace engine: each peak moment's line through micro-batch 1 and 2, not confirmed"
+            if est.engine == "trace"
+            else ""
+        )
+        table = Table(title=f"Alternatives (exact rungs first{how})", title_justify="left")
         table.add_column("techniques", overflow="fold")
         table.add_column("kind", overflow="fold")
         table.add_column("largest micro-batch", justify="right")

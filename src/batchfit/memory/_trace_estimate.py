@@ -6,6 +6,7 @@ turned into a ``MemoryEstimate`` without importing torch or transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, Literal
 
@@ -32,6 +33,16 @@ from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 
 CACHE_NAMESPACE = "trace"
+
+# Called before each dry run with what it traces (the CLI shows it as progress on a terminal).
+on_dry_run: Callable[[str], None] | None = None
+
+
+def _announce(model: ModelInfo, micro: int, seq: int, depth: int | None) -> None:
+    if on_dry_run is not None:
+        layers = f"{depth} of {model.arch.num_layers} layers" if depth else "all layers"
+        on_dry_run(f"dry run: {model.name}, micro-batch {micro} x {seq} tokens, {layers}")
+
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
 # alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
@@ -111,10 +122,13 @@ def traced_result(
         "grad_accum_steps": grad_accum_steps,
     }
     if extrapolated:
+        _announce(model, micro, seq, low)
         shallow = trace_once(model, setup, depth=low, **kw)
+        _announce(model, micro, seq, high)
         deep = trace_once(model, setup, depth=high, **kw)
         result = extrapolate(shallow, deep, low, high, depth)
     else:
+        _announce(model, micro, seq, None)
         result = trace_once(model, setup, depth=None, **kw)
     _cache.store(CACHE_NAMESPACE, key, result_to_json(result))
     return result, notes
