@@ -1,8 +1,11 @@
 """Wall time of whole `batchfit` processes (import time counts), median of repeated runs.
 
-Goal (issue #2): under 1.0 s for `plan` and the analytic `estimate` on catalog models.
+Goals: under 1.0 s for the analytic engine on catalog models (issue #2); `plan` from the trace
+cold < 6 s and warm < 0.5 s, `gpus MODEL` over all catalog GPUs cold < 12 s and warm < 1 s
+(issue #10). "cold" runs each get an empty trace cache (BATCHFIT_CACHE_DIR); "warm" runs share
+one that a first run filled.
 
-    python benchmarks/latency.py [--repeat 9] [--no-write]
+    python benchmarks/latency.py [--repeat 9] [--cold-repeat 3] [--only SUBSTR] [--no-write]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +26,8 @@ from _report import write_section
 CASES = [
     ("python -c pass (interpreter start, for reference)", [sys.executable, "-c", "pass"]),
     (
-        "batchfit plan llama-3.1-8b --gpu a100-40gb --global-batch-tokens 1048576 --seq-len 4096",
+        "batchfit plan llama-3.1-8b --gpu a100-40gb --global-batch-tokens 1048576 --seq-len 4096 "
+        "--engine analytic",
         None,
     ),
     ("batchfit estimate gpt2 --micro-batch 8 --seq-len 1024 --engine analytic --gpu t4", None),
@@ -31,52 +36,65 @@ CASES = [
         "--gpu h100-80gb --num-gpus 8 --sharding zero3",
         None,
     ),
-    ("batchfit gpus llama-3.1-8b --seq-len 4096 (26 GPUs x ladder)", None),
-    ("batchfit estimate gpt2 --micro-batch 8 --seq-len 1024 --engine trace --gpu t4", None),
+    ("batchfit gpus llama-3.1-8b --seq-len 4096 --engine analytic (26 GPUs x ladder)", None),
+    ("batchfit estimate gpt2 --micro-batch 8 --seq-len 1024 --gpu t4 --no-cache (trace)", None),
     (
-        "batchfit estimate llama-3.1-8b --micro-batch 1 --seq-len 4096 --engine trace "
-        "--gpu h100-80gb",
+        "batchfit estimate llama-3.1-8b --micro-batch 1 --seq-len 4096 --gpu h100-80gb "
+        "--no-cache (trace)",
         None,
     ),
     (
-        "batchfit estimate llama-3.1-70b --micro-batch 1 --seq-len 4096 --engine trace "
-        "--precision bf16 --gpu h200",
+        "batchfit estimate llama-3.1-70b --micro-batch 1 --seq-len 4096 --precision bf16 "
+        "--gpu h200 --no-cache (trace)",
         None,
     ),
+    ("batchfit plan gpt2 --gpu t4 --seq-len 1024 --global-batch 64 (trace, cold)", None),
+    ("batchfit plan gpt2 --gpu t4 --seq-len 1024 --global-batch 64 (trace, warm)", None),
+    ("batchfit gpus gpt2 --seq-len 1024 (trace, cold)", None),
+    ("batchfit gpus gpt2 --seq-len 1024 (trace, warm)", None),
 ]
 
 
 def command(label: str) -> list[str]:
-    words = label.split(" (")[0].split()
+    words = label.split(" (")[0].split()  # "(trace, cold)" and the like are notes
     return [sys.executable, "-m", "batchfit", *words[1:], "--json"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--cold-repeat", type=int, default=3)
+    parser.add_argument("--only", default=None, help="substring of a command")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    warm_cache = tempfile.mkdtemp(prefix="batchfit-latency-")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "BATCHFIT_CACHE_DIR": warm_cache}
+    env.pop("BATCHFIT_NO_CACHE", None)
     rows = []
     for label, cmd in CASES:
+        if args.only and args.only not in label:
+            continue
         cmd = cmd or command(label)
-        subprocess.run(cmd, capture_output=True, check=True, env=env)  # warm the file cache
+        cold = label.endswith("cold)")
+        subprocess.run(cmd, capture_output=True, check=True, env=env)  # warm file and trace caches
         times = []
-        for _ in range(args.repeat):
+        for _ in range(args.cold_repeat if cold else args.repeat):
+            run_env = {**env, "BATCHFIT_CACHE_DIR": tempfile.mkdtemp()} if cold else env
             t0 = time.perf_counter()
-            subprocess.run(cmd, capture_output=True, check=True, env=env)
+            subprocess.run(cmd, capture_output=True, check=True, env=run_env)
             times.append(time.perf_counter() - t0)
         rows.append((label, statistics.median(times), min(times), max(times)))
         print(f"{statistics.median(times):7.3f} s  {label}", flush=True)
     lines = [
         "## Start-up latency (issue #2)",
         "",
-        f"Whole processes, median of {args.repeat} runs after one warm-up; "
+        f"Whole processes, median of {args.repeat} runs after one warm-up ({args.cold_repeat} "
+        "for cold runs, each with an empty trace cache); "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}. Goals: under 1.0 s for `plan` and the analytic "
-        "engine (issue #2), under 5 s for the trace engine (issue #3; importing torch and "
-        "one transformers model class is most of it). "
-        "Produced by `python benchmarks/latency.py`.",
+        f"Python {platform.python_version()}. Goals: under 1.0 s for the analytic engine "
+        "(issue #2), under 5 s for one trace (issue #3; importing torch and one transformers "
+        "model class is most of it), `plan` cold < 6 s / warm < 0.5 s and `gpus MODEL` cold "
+        "< 12 s / warm < 1 s (issue #10). Produced by `python benchmarks/latency.py`.",
         "",
         "| command | median s | min s | max s |",
         "|---|---:|---:|---:|",

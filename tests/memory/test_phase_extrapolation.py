@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchfit.memory import _hf_trace
+from batchfit.memory import _hf_trace, _trace_estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 
@@ -36,7 +36,7 @@ def deep(tmp_path_factory):
 
 
 def _traced(info, setup, micro, seq, full, accum=1):
-    result = _hf_trace._estimate_traced(
+    result = _trace_estimate._estimate_traced(
         info,
         setup.resolved(device="cpu", bf16_supported=True),
         micro_batch_size=micro,

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from batchfit.hardware import get_gpu
-from batchfit.memory import _hf_trace, trace
+from batchfit.memory import _hf_trace, _trace_estimate, trace
 from batchfit.memory._optim import make_optimizer
 from batchfit.memory.estimate import estimate
 from batchfit.memory.kernels import FlashAttentionMemory, cuda_kernels
@@ -79,7 +79,7 @@ def test_dry_run_matches_real_cpu_tensors_exactly(tiny, setup):
         micro=2,
         seq=32,
         device="cpu",
-        gpu=None,
+        workspace=0,
         depth=None,
         grad_accum_steps=1,
     )
@@ -155,8 +155,8 @@ def test_extrapolation_matches_a_full_trace(tiny):
             TrainingSetup(precision="bf16", grad_ckpt=True),
         ):
             kw = {"micro_batch_size": 4, "seq_len": 128, "device": "cpu", "gpu": None}
-            full = _hf_trace.estimate_trace(info, setup, full_depth=True, **kw)
-            extrapolated = _hf_trace.estimate_trace(info, setup, **kw)
+            full = _trace_estimate.estimate_trace(info, setup, full_depth=True, **kw)
+            extrapolated = _trace_estimate.estimate_trace(info, setup, **kw)
             assert extrapolated.extras["notes"]  # it did extrapolate
             assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=0.005)
 

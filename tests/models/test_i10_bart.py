@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from batchfit.memory import _hf_trace
+from batchfit.memory import _hf_trace, _trace_estimate
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
@@ -120,6 +120,6 @@ def test_bart_family_configs_estimate(tmp_path, model_type):
 def test_bart_extrapolation_matches_a_full_depth_trace(tmp_path):
     info = _write(tmp_path, BART_BASE)
     kw = {"micro_batch_size": 2, "seq_len": 128, "device": "cpu", "gpu": None}
-    extrapolated = _hf_trace.estimate_trace(info, TrainingSetup(), **kw)
-    full = _hf_trace.estimate_trace(info, TrainingSetup(), full_depth=True, **kw)
+    extrapolated = _trace_estimate.estimate_trace(info, TrainingSetup(), **kw)
+    full = _trace_estimate.estimate_trace(info, TrainingSetup(), full_depth=True, **kw)
     assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=0.005)
