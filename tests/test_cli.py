@@ -182,12 +182,13 @@ def test_export_to_file(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_fast_path_does_not_import_torch():
-    # DESIGN.md: plan and analytic estimate on a catalog model must not import torch.
+    # DESIGN.md: the analytic engine on a catalog model must not import torch (a warm trace
+    # cache neither: tests/test_trace_cache.py).
     code = (
         "import sys\n"
         "from batchfit.cli import main\n"
         "try:\n"
-        f"    main({[*CONTRACT, '--json']!r})\n"
+        f"    main({[*CONTRACT, '--engine', 'analytic', '--json']!r})\n"
         "except SystemExit:\n"
         "    pass\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"

@@ -55,6 +55,11 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "t5": ("q", "v"),
     "mt5": ("q", "v"),
     "gpt_neox": ("query_key_value",),
+    "deberta-v2": ("query_proj", "value_proj"),
+    "deberta": ("in_proj",),
+    "electra": ("query", "value"),
+    "falcon": ("query_key_value",),
+    "bloom": ("query_key_value",),
     "distilbert": ("q_lin", "v_lin"),  # ours: peft has no default
     "phi3": ("qkv_proj",),  # ours: peft has no default
 }

@@ -159,7 +159,10 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     chosen = _Fit(setup, (), base_max, ())
     alternatives = []
     for combo in ladder(setup, target.gpu):
-        alt = target.alternative(combo, apply(setup, combo))
+        try:
+            alt = target.alternative(combo, apply(setup, combo))
+        except UsageError:
+            continue  # a rung this model cannot take (no module matches the LoRA targets)
         alternatives.append(alt)
         if needs_ladder and not chosen.techniques and alt.max_micro_batch >= (wanted or 1):
             chosen = _Fit(alt.setup, combo, alt.max_micro_batch, ())
