@@ -14,6 +14,7 @@ test: Lightning's ``accelerator="gpu"`` becomes ``"cpu"``; ``TrainingArguments``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -29,6 +30,10 @@ from batchfit.models import resolve_model
 from batchfit.plan import Plan, make_plan
 from batchfit.spec import OPTIMIZERS, TrainingSetup
 from tests._cli import CONTRACT, run_cli
+
+# The planner's logic, on the fast analytic engine (the trace engine's plans: test_fit.py,
+# test_plan_estimate_agree.py).
+make_plan_analytic = functools.partial(make_plan, engine="analytic")
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
 
@@ -110,7 +115,7 @@ ZERO_PLANS = [name for name, spec in PLANS.items() if spec[2].sharding.startswit
 @cache
 def plan_for(name: str) -> Plan:
     model, gpu, setup, kwargs = PLANS[name]
-    return make_plan(resolve_model(model, setup.task), get_gpu(gpu), setup, **kwargs)
+    return make_plan_analytic(resolve_model(model, setup.task), get_gpu(gpu), setup, **kwargs)
 
 
 @pytest.fixture(params=list(PLANS))
@@ -330,7 +335,7 @@ def test_hf_every_optimizer_is_a_training_arguments_optim(
     from transformers.training_args import OptimizerNames
 
     assert _HF_OPTIM[optimizer] in {o.value for o in OptimizerNames}
-    plan = make_plan(
+    plan = make_plan_analytic(
         resolve_model("gpt2"),
         get_gpu("a100-80gb"),
         TrainingSetup(optimizer=optimizer),  # type: ignore[arg-type]

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,12 +10,17 @@ from batchfit.models import resolve_model
 from batchfit.plan import fit_table, make_plan, scale_learning_rate
 from batchfit.spec import TrainingSetup
 
+# The planner's logic, on the fast analytic engine (the trace engine's plans: test_fit.py,
+# test_plan_estimate_agree.py).
+make_plan_analytic = functools.partial(make_plan, engine="analytic")
+fit_table_analytic = functools.partial(fit_table, engine="analytic")
+
 GPT2 = resolve_model("gpt2")
 
 
 def test_contract_gpt2_rtx3060():
     # Issue #2: 8 accumulation steps, 32768 tokens per step.
-    p = make_plan(
+    p = make_plan_analytic(
         GPT2,
         get_gpu("rtx-3060"),
         TrainingSetup(),
@@ -36,20 +43,22 @@ def test_every_plan_is_exact(global_batch, num_gpus, gpu):
     setup = TrainingSetup(num_gpus=num_gpus)
     if global_batch % num_gpus:
         with pytest.raises(UsageError, match="nearest reachable"):
-            make_plan(GPT2, get_gpu(gpu), setup, seq_len=512, global_batch=global_batch)
+            make_plan_analytic(GPT2, get_gpu(gpu), setup, seq_len=512, global_batch=global_batch)
         return
-    p = make_plan(GPT2, get_gpu(gpu), setup, seq_len=512, global_batch=global_batch)
+    p = make_plan_analytic(GPT2, get_gpu(gpu), setup, seq_len=512, global_batch=global_batch)
     assert p.micro_batch_size * p.grad_accum_steps * p.num_gpus == global_batch
     assert p.micro_batch_size <= max(p.max_micro_batch, 1)
 
 
 def test_largest_fitting_micro_batch_is_chosen_when_it_divides():
-    p = make_plan(GPT2, get_gpu("a100-80gb"), TrainingSetup(), seq_len=1024, global_batch=512)
+    p = make_plan_analytic(
+        GPT2, get_gpu("a100-80gb"), TrainingSetup(), seq_len=1024, global_batch=512
+    )
     # the largest divisor of 512 that fits: the fitting maximum itself when it divides
     fitting_divisors = [d for d in range(1, p.max_micro_batch + 1) if 512 % d == 0]
     assert p.micro_batch_size == max(fitting_divisors)
     assert (p.micro_batch_size == p.max_micro_batch) == (512 % p.max_micro_batch == 0)
-    bigger = make_plan(
+    bigger = make_plan_analytic(
         GPT2,
         get_gpu("a100-80gb"),
         TrainingSetup(),
@@ -64,12 +73,14 @@ def test_largest_fitting_micro_batch_is_chosen_when_it_divides():
 
 def test_tokens_not_divisible_offers_nearest():
     with pytest.raises(UsageError, match=r"nearest reachable: 32,768 or 33,024"):
-        make_plan(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch_tokens=32800)
+        make_plan_analytic(
+            GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch_tokens=32800
+        )
 
 
 def test_micro_batch_must_divide():
     with pytest.raises(UsageError, match="does not divide"):
-        make_plan(
+        make_plan_analytic(
             GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=48, micro_batch_size=5
         )
 
@@ -77,7 +88,7 @@ def test_micro_batch_must_divide():
 def test_learning_rate_rules():
     assert scale_learning_rate(0.1, 256, 1024, "sgd-momentum")[0] == pytest.approx(0.4)
     assert scale_learning_rate(2e-5, 16, 64, "adamw")[0] == pytest.approx(4e-5)
-    p = make_plan(
+    p = make_plan_analytic(
         GPT2,
         get_gpu("a100-40gb"),
         TrainingSetup(),
@@ -88,11 +99,13 @@ def test_learning_rate_rules():
     )
     assert p.learning_rate == pytest.approx(6e-4 * 2**0.5)  # tokens in, tokens out
     with pytest.raises(UsageError, match="together"):
-        make_plan(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, base_lr=1e-4)
+        make_plan_analytic(
+            GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, base_lr=1e-4
+        )
 
 
 def test_ladder_tries_exact_rungs_first_and_marks_kinds():
-    p = make_plan(
+    p = make_plan_analytic(
         resolve_model("llama-3.1-8b"),
         get_gpu("a100-40gb"),
         TrainingSetup(),
@@ -112,7 +125,7 @@ def test_ladder_tries_exact_rungs_first_and_marks_kinds():
 
 
 def test_multi_gpu_ladder_shards_before_changing_training():
-    p = make_plan(
+    p = make_plan_analytic(
         resolve_model("llama-3.1-8b"),
         get_gpu("a100-80gb"),
         TrainingSetup(num_gpus=8),
@@ -124,13 +137,13 @@ def test_multi_gpu_ladder_shards_before_changing_training():
 
 
 def test_fp16_gpu_warns_about_gradscaler():
-    p = make_plan(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=512, global_batch=32)
+    p = make_plan_analytic(GPT2, get_gpu("t4"), TrainingSetup(), seq_len=512, global_batch=32)
     assert p.setup.precision == "amp-fp16"
     assert any("GradScaler" in w for w in p.warnings)
 
 
 def test_fit_table_covers_every_gpu():
-    rows = fit_table(
+    rows = fit_table_analytic(
         resolve_model("bert-base-uncased"), TrainingSetup(), list(all_gpus().values()), seq_len=512
     )
     assert len(rows) == len(all_gpus())
@@ -154,7 +167,7 @@ def test_non_finite_learning_rate_inputs_are_refused(base_lr, base_batch, flag):
     with pytest.raises(ValueError, match=f"{flag} must be a finite positive number"):
         scale_learning_rate(base_lr, base_batch, 64, "adamw")
     with pytest.raises(UsageError, match=flag):
-        make_plan(
+        make_plan_analytic(
             GPT2,
             get_gpu("t4"),
             TrainingSetup(),

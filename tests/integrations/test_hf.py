@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -16,6 +17,10 @@ from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
 from tests.train._tiny import MAX_LEN, VOCAB, tiny_gpt2
+
+# The planner's logic, on the fast analytic engine (the trace engine's plans: test_fit.py,
+# test_plan_estimate_agree.py).
+make_plan_analytic = functools.partial(make_plan, engine="analytic")
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +69,7 @@ def test_warns_when_the_peak_drifts_past_the_plan(
 
 
 def test_plan_to_training_arguments() -> None:
-    plan = make_plan(
+    plan = make_plan_analytic(
         resolve_model("gpt2"),
         get_gpu("rtx-3060"),
         TrainingSetup(),
@@ -81,7 +86,7 @@ def test_plan_to_training_arguments() -> None:
 
 
 def test_plan_or_expected_not_both() -> None:
-    plan = make_plan(
+    plan = make_plan_analytic(
         resolve_model("gpt2"), get_gpu("rtx-3060"), TrainingSetup(), seq_len=256, global_batch=8
     )
     with pytest.raises(ValueError, match="not both"):
