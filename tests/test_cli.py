@@ -165,7 +165,8 @@ def test_models_and_gpus_list(capsys):
     assert code == 0 and len(json.loads(out)["models"]) >= 30
     code, out, _ = run_cli(["gpus", "--json"], capsys)
     assert code == 0 and len(json.loads(out)["gpus"]) >= 20
-    code, out, _ = run_cli(["gpus", "bert-base-uncased", "--seq-len", "512", "--json"], capsys)
+    gpus = ["gpus", "bert-base-uncased", "--seq-len", "512", "--engine", "analytic", "--json"]
+    code, out, _ = run_cli(gpus, capsys)
     rows = json.loads(out)["gpus"]
     assert code == 0 and all("max_micro_batch" in r for r in rows)
 

@@ -151,6 +151,8 @@ def argv(draw: st.DrawFn, models: st.SearchStrategy[str]) -> list[str]:
         args += ["-s", draw(_OPTIONS["--seq-len"])]
     if command == "plan":
         args += ["--gpu", draw(_OPTIONS["--gpu"]), "--global-batch", "64"]
+    if command in ("plan", "gpus"):  # the trace engine's dry runs take seconds each
+        args += ["--engine", "analytic"]
     if command == "probe":  # no budget and no --max-micro-batch: it stops before any trial
         args += ["--device", "cpu"]
     names = st.sampled_from([*_COMMANDS.get(command, ["--json"]), "--bogus"])

@@ -16,9 +16,9 @@ from tests.test_probe_cli import TINY
 
 # children import batchfit from where this process does
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HF_HUB_OFFLINE": "1"}
-PLAN = ["plan", "gpt2", "--gpu", "t4", "-s", "128", "--global-batch", "64"]
+PLAN = ["plan", "gpt2", "--gpu", "t4", "-s", "128", "--global-batch", "64", "--engine", "analytic"]
 ESTIMATE = ["estimate", "gpt2", "-b", "1", "-s", "64", "--engine", "analytic"]
-GPUS = ["gpus", "gpt2", "-s", "64"]
+GPUS = ["gpus", "gpt2", "-s", "64", "--engine", "analytic"]
 PROBE = ["probe", "gpt2", "-s", "64", "--device", "cpu", "--memory-budget", "600MiB"]
 
 

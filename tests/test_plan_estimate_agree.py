@@ -83,3 +83,20 @@ def test_the_planned_micro_batch_fits_by_its_own_estimate(
     if plan["max_micro_batch"] == micro:  # the largest that fits: one more does not
         over = _json(["estimate", model, *gpu_seq, "-b", str(micro + 1), *setup_flags], capsys)
         assert not over["fits"] or over["headroom_bytes"] < 512 * 2**20
+
+
+def test_the_gpus_table_agrees_with_plan_at_accumulation_one():
+    from batchfit.hardware import get_gpu
+    from batchfit.models import resolve_model
+    from batchfit.plan import fit_table, make_plan
+    from batchfit.spec import TrainingSetup
+
+    info, setup = resolve_model("gpt2"), TrainingSetup()
+    (row,) = fit_table(info, setup, [get_gpu("t4")], seq_len=1024)
+    assert row.max_micro_batch > 0 and not row.techniques
+    plan = make_plan(
+        info, get_gpu("t4"), setup, seq_len=1024, global_batch=row.max_micro_batch
+    )  # one micro-batch per step: accumulation 1, as the table assumes
+    assert plan.grad_accum_steps == 1
+    assert plan.micro_batch_size == row.max_micro_batch
+    assert plan.estimate.device_total_bytes == row.device_total_bytes
