@@ -364,7 +364,12 @@ def find_batch_size(
     """Find the fastest micro-batch that trains on ``device``, in a few real steps.
 
     Args:
-        step_fn: runs one full training step on a batch (forward, backward, optimizer step).
+        step_fn: runs one full training step on a batch (forward, backward, optimizer step),
+            written as your training loop writes it: whether it keeps the model's outputs
+            through ``backward()`` (a hand loop's ``out = model(**batch); out.loss.backward()``)
+            or only the loss (HF Trainer, Lightning: ``loss = model(**batch).loss``) changes
+            the peak by one logits tensor (``--loop keep-outputs`` / ``trainer`` in the CLI,
+            ``TrainingSetup.loop`` for the estimate you pass as ``start``).
         make_batch: returns a batch of exactly the given number of samples, along dim 0 of
             each tensor (a list: its length); a batch of another size (a dataset shorter than
             the size asked) is refused, never reported.
