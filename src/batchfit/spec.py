@@ -25,6 +25,10 @@ Method = Literal["full", "lora", "qlora"]
 Attention = Literal["auto", "eager", "sdpa", "flash"]
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+# What outlives forward: "trainer" (HF Trainer, TRL, Lightning: only the loss; the model's
+# outputs die before backward) or "keep-outputs" (a hand loop that holds ``out`` through
+# ``out.loss.backward()``: the HF course, nanoGPT). It decides one logits-sized tensor.
+Loop = Literal["trainer", "keep-outputs"]
 
 TASKS: tuple[str, ...] = get_args(Task)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -34,6 +38,7 @@ METHODS: tuple[str, ...] = get_args(Method)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
+LOOPS: tuple[str, ...] = get_args(Loop)
 
 # Optimizers that plan.scale_learning_rate scales by the square root of the batch ratio.
 # Malladi et al. 2022 (SDE scaling rule) is the source for Adam and AdamW, and the 8-bit
@@ -87,6 +92,7 @@ class TrainingSetup:
     num_gpus: int = 1
     sharding: Sharding = "none"
     offload: Offload = "none"
+    loop: Loop = "trainer"
 
     def __post_init__(self) -> None:
         if self.task is not None:
@@ -98,6 +104,7 @@ class TrainingSetup:
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--sharding", self.sharding, SHARDINGS)
         check_choice("--offload", self.offload, OFFLOADS)
+        check_choice("--loop", self.loop, LOOPS)
         if isinstance(self.lora_targets, list):  # accept lists from Python callers
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:

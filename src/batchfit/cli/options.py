@@ -18,6 +18,7 @@ import typer
 from batchfit.errors import UsageError
 from batchfit.spec import (
     ATTENTIONS,
+    LOOPS,
     METHODS,
     OFFLOADS,
     OPTIMIZER_IMPLS,
@@ -26,6 +27,7 @@ from batchfit.spec import (
     SHARDINGS,
     TASKS,
     Attention,
+    Loop,
     Method,
     Offload,
     Optimizer,
@@ -81,6 +83,7 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
         num_gpus=raw.get("num_gpus", 1),
         sharding=cast(Sharding, check_choice("--sharding", raw.get("sharding", "none"), SHARDINGS)),
         offload=cast(Offload, check_choice("--offload", raw.get("offload", "none"), OFFLOADS)),
+        loop=cast(Loop, check_choice("--loop", raw["loop"], LOOPS)),
     )
 
 
@@ -126,6 +129,13 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     ),
     "grad_ckpt": _option(bool, False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
     "attention": _option(str, "auto", "--attention", help=_choices(ATTENTIONS)),
+    "loop": _option(
+        str,
+        "trainer",
+        "--loop",
+        help=f"{_choices(LOOPS)}; trainer = only the loss outlives forward (HF Trainer, TRL, "
+        "Lightning); keep-outputs = a hand loop holding the outputs through backward.",
+    ),
 }
 # Data parallelism: not for `gpus` (one GPU each) nor `probe` (this machine's one device).
 _PARALLEL: dict[str, tuple[Any, Any]] = {

@@ -241,14 +241,15 @@ def layer_terms(
     return terms + _mlp(arch, rg, roles)
 
 
-def loss_terms(vocab: int, rg: Regime) -> tuple[float, float]:
+def loss_terms(vocab: int, rg: Regime, loop: str = "trainer") -> tuple[float, float]:
     """Bytes per token held by logits and the loss, and the extra during the loss's backward.
 
     transformers' ForCausalLMLoss upcasts logits (``logits.float()``); cross-entropy's
     log_softmax keeps its fp32 output; its backward adds the incoming and outgoing gradients
-    (both fp32, ``b*s*V`` each) while the logits are still referenced by the model output.
+    (both fp32, ``b*s*V`` each). The logits themselves outlive forward only when the loop
+    keeps the model's outputs through backward (``loop="keep-outputs"``).
     """
-    held = rg.compute_bytes * vocab + 4 * vocab
+    held = 4 * vocab + (rg.compute_bytes * vocab if loop == "keep-outputs" else 0)
     return held, 8 * vocab
 
 
@@ -287,7 +288,7 @@ def step_activations(
     arch, tokens = model.arch, micro_batch_size * seq_len
     stack = _stack(arch, setup, rg, on_cpu, seq_len, tokens, lora_targets)
     final, final_line = _final_norm(arch, rg, tokens, head_trainable=lora_targets is None)
-    held, bwd_extra, loss_lines = _loss(model, rg, tokens)
+    held, bwd_extra, loss_lines = _loss(model, rg, tokens, setup.loop)
     amp_copies = _amp_copies(model, rg, lora=lora_targets is not None)
     if setup.grad_ckpt:
         kept, copies, end, lines = _checkpointed(arch, rg, stack, tokens, amp_copies)
@@ -341,21 +342,26 @@ def _final_norm(
     return final, line
 
 
-def _loss(model: ModelInfo, rg: Regime, tokens: int) -> tuple[float, float, list[Line]]:
+def _loss(
+    model: ModelInfo, rg: Regime, tokens: int, loop: str
+) -> tuple[float, float, list[Line]]:
     """Logits and loss buffers held through backward, and the extra at its start."""
     if model.task == "classification":
         return 0.0, 0.0, []
     vocab = model.arch.vocab_size
-    held_pt, extra_pt = loss_terms(vocab, rg)
+    held_pt, extra_pt = loss_terms(vocab, rg, loop)
     held, bwd_extra = held_pt * tokens, extra_pt * tokens
     lines = []
     if held:
+        what, per = "fp32 log-softmax (the loop frees the logits)", "4"
+        if loop == "keep-outputs":
+            what, per = "logits (kept by the loop) + fp32 log-softmax", f"({rg.compute_bytes} + 4)"
         lines = [
             Line(
                 "activations",
-                "logits + fp32 log-softmax",
+                what,
                 int(held),
-                f"{tokens:,} tokens x {vocab:,} vocab x ({rg.compute_bytes} + 4) B",
+                f"{tokens:,} tokens x {vocab:,} vocab x {per} B",
             ),
             Line(
                 "activations",

@@ -287,6 +287,7 @@ def trace_once(
                 autocast_dtype=parts.autocast_dtype,
                 grad_accum_steps=grad_accum_steps,
                 extra_other=cuda_workspaces,
+                loop=setup.loop,
             )
     if emulate_cuda:
         from batchfit.memory.allocator import simulate
@@ -395,6 +396,7 @@ def _estimate_traced(
         extras={
             "top_modules": list(result.top_modules),
             "trace_seconds": result.seconds,
+            "peak_moment": result.peak.describe(),
             "notes": notes,
         },
     )

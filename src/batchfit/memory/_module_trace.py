@@ -89,6 +89,7 @@ def estimate_module(
                 loss_fn or default_loss,
                 autocast_dtype=autocast,
                 grad_accum_steps=grad_accum_steps,
+                loop=resolved.loop,
             )
     peak = result.peak
     reserved = peak.total

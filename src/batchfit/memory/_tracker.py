@@ -23,7 +23,7 @@ CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "other")
 
 @dataclass
 class PhasePeak:
-    """The largest live total seen in one phase, and the event count at that moment."""
+    """The largest live total seen in one moment of a phase, and the event count then."""
 
     total: int = -1
     event_index: int = 0
@@ -31,7 +31,12 @@ class PhasePeak:
 
 @dataclass
 class Timeline:
-    """Allocation history: sizes by key, labels, phases, and each phase's peak."""
+    """Allocation history: sizes by key, labels, phases, and each moment's peak.
+
+    ``phase_peaks`` is keyed ``"phase|moment"``: a phase (forward, backward, ...) is split into
+    moments that exist at every depth of a layer stack (which optimizer step and micro-step;
+    in backward, which part of the stack is running), so each can be extrapolated on its own.
+    """
 
     sizes: dict[int, int] = field(default_factory=dict)
     labels: dict[int, str] = field(default_factory=dict)
@@ -73,6 +78,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.timeline = Timeline()
         self.phase = "setup"
+        self.moments: tuple[str, ...] = ("",)
         self.module = ""
         self._next_key = 0
         self._key_of: dict[int, int] = {}  # id(storage) -> key, while alive
@@ -121,18 +127,25 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self.timeline.events.append((key, -self.timeline.sizes[key]))
 
     def _note_peak(self) -> None:
-        peak = self.timeline.phase_peaks[self.phase]
-        if self._live_bytes > peak.total:
-            peak.total = self._live_bytes
-            peak.event_index = len(self.timeline.events)
+        for moment in self.moments:
+            peak = self.timeline.phase_peaks[f"{self.phase}|{moment}"]
+            if self._live_bytes > peak.total:
+                peak.total = self._live_bytes
+                peak.event_index = len(self.timeline.events)
         self.peak_total = max(self.peak_total, self._live_bytes)
 
     @property
     def live_bytes(self) -> int:
         return self._live_bytes
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, *moments: str) -> None:
+        """Enter ``phase`` at ``moments`` (one moment can stand for several, e.g. the one layer
+        of a 1-layer stack is both its top and its bottom)."""
         self.phase = phase
+        self.set_moments(*moments)
+
+    def set_moments(self, *moments: str) -> None:
+        self.moments = moments or ("",)
         self._note_peak()
 
     # --- dispatch ----------------------------------------------------------------------------

@@ -18,25 +18,61 @@ from typing import Any
 import torch
 
 from batchfit.memory._tracker import CATEGORIES, AllocationTracker, Timeline
+from batchfit.spec import Loop
 
 PHASES = ("forward", "backward", "optimizer-step", "zero-grad")
 
 
 @dataclass(frozen=True)
 class PhaseResult:
-    """Components at one phase's peak (bytes)."""
+    """Components at one moment's peak (bytes).
+
+    ``phase`` is forward, backward, optimizer-step or zero-grad; ``moment`` says which part of
+    it (``s2m1`` = step 2, first micro-step; ``.head``, ``.0top``, ``.0bottom``, ``.0below`` = in
+    backward, before the layer stack, in its top layer, in its bottom layer, below it).
+    """
 
     phase: str
     components: dict[str, int]
+    moment: str = ""
 
     @property
     def total(self) -> int:
         return sum(self.components.values())
 
+    @property
+    def key(self) -> str:
+        return f"{self.phase}|{self.moment}"
+
+    def describe(self) -> str:
+        """The moment in words, e.g. "backward (step 2, in the top layer)"."""
+        head, _, where = self.moment.partition(".")
+        parts = []
+        if head.startswith("s"):
+            step, _, micro = head[1:].partition("m")
+            parts.append(f"step {step}")
+            if micro == "2":
+                parts.append("a later micro-step, gradients held")
+        if where:
+            stack = where.rstrip("abcdefghijklmnopqrstuvwxyz")
+            name = where[len(stack) :]
+            layer = _WHERE.get(name, name)
+            parts.append(f"{layer} of stack {int(stack) + 1}" if stack not in ("", "0") else layer)
+        return f"{self.phase} ({', '.join(parts)})" if parts else self.phase
+
+
+_WHERE = {
+    "head": "before the layer stack (loss, head)",
+    "top": "in the top layer",
+    "middle": "in a middle layer",
+    "bottom": "in the bottom layer",
+    "below": "below the layer stack (embeddings)",
+}
+
 
 @dataclass(frozen=True)
 class TraceResult:
-    """What a traced step allocated: each phase's peak, and the overall peak."""
+    """What a traced step allocated: each moment's peak, and the overall peak."""
 
     phases: tuple[PhaseResult, ...]
     seconds: float
@@ -66,6 +102,14 @@ def fake_mode() -> Iterator[Any]:
         yield mode
 
 
+def _call(model: torch.nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
 def training_steps(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -77,31 +121,140 @@ def training_steps(
     grad_accum_steps: int = 1,
     on_phase: Callable[[str], None] = lambda _phase: None,
     device_type: str = "cpu",
+    loop: Loop = "trainer",
 ) -> None:
-    """The plain training loop a dry run traces and a real run measures: one code path.
+    """The training loop a dry run traces and a real run measures: one code path.
 
-    ``out = model(**batch); loss.backward()`` keeps the outputs (logits) alive through backward;
-    ``zero_grad(set_to_none=True)`` after each step.
+    ``loop="trainer"``: only the loss outlives forward, as in HF Trainer (``compute_loss``
+    returns the loss, then ``del inputs``) and Lightning (``training_step`` returns the loss).
+    ``"keep-outputs"``: ``out = model(**batch); out.loss.backward()`` holds the outputs (the
+    logits) through backward, as hand-written loops do. ``zero_grad(set_to_none=True)``
+    after each step.
     """
     for _ in range(steps):
         for _ in range(grad_accum_steps):
             on_phase("forward")
             batch = make_batch()
             with _autocast(autocast_dtype, device_type):
-                if isinstance(batch, dict):
-                    out = model(**batch)
-                elif isinstance(batch, (tuple, list)):
-                    out = model(*batch)
-                else:
-                    out = model(batch)
+                out = _call(model, batch)
                 loss = loss_of(out, batch)
+            kept = (out, batch) if loop == "keep-outputs" else ()
+            del out, batch
             on_phase("backward")
             loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
-            del out, loss, batch
+            del loss, kept
         on_phase("optimizer-step")
         optimizer.step()
         on_phase("zero-grad")
         optimizer.zero_grad(set_to_none=True)
+
+
+def layer_stacks(model: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], ...]:
+    """The model's stacks of repeated layers (decoder, encoder), in forward order.
+
+    A stack is an ``nn.ModuleList`` of modules of one class, not nested in another stack
+    (T5's ``block[i].layer`` is a list inside a layer).
+    """
+    stacks: list[tuple[torch.nn.Module, ...]] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, torch.nn.ModuleList) or not len(module):
+            continue
+        if len({type(m) for m in module}) == 1 and isinstance(module[0], torch.nn.Module):
+            stacks.append(tuple(module))
+            inside.update(id(m) for layer in module for m in layer.modules())
+    return tuple(stacks)
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    from torch.utils._pytree import tree_flatten
+
+    for item in tree_flatten(value)[0]:
+        if isinstance(item, torch.Tensor) and item.requires_grad:
+            return item
+    return None
+
+
+class _Moments:
+    """Names the moment a traced step is at, so that every moment exists at every depth.
+
+    Forward and the optimizer step are one moment each per step (and per first / later
+    micro-step: later ones hold the gradients of earlier ones). Backward is split where the
+    gradient reaches a stack's top layer, its bottom layer and what lies below it: the peak
+    of backward is at its start (all activations held) or its end (all gradients held), and
+    which one depends on the micro-batch, so the two are extrapolated over depth apart.
+    """
+
+    def __init__(self, tracker: AllocationTracker, stacks: tuple[tuple[torch.nn.Module, ...], ...]):
+        self.tracker = tracker
+        self.step = 1
+        self.micro = 0
+        self.handles: list[Any] = []
+        for k, stack in enumerate(stacks):
+            for i, layer in enumerate(stack):
+                names = []
+                if i == len(stack) - 1:
+                    names.append(f"{k}top")
+                if i == 0:
+                    names.append(f"{k}bottom")
+                self.handles.append(
+                    layer.register_forward_hook(self._on_output(names or [f"{k}middle"]))
+                )
+            self.handles.append(
+                stack[0].register_forward_pre_hook(self._on_input(f"{k}below"), with_kwargs=True)
+            )
+
+    @property
+    def base(self) -> str:
+        return f"s{self.step}m{1 if self.micro <= 1 else 2}"
+
+    def _at(self, *names: str) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            self.tracker.set_moments(*(f"{self.base}.{n}" for n in names))
+
+        return hook
+
+    def _on_output(self, names: list[str]) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            tensor = _first_grad_tensor(output)
+            if tensor is not None and self.tracker.phase == "forward":
+                tensor.register_hook(self._at(*names))  # type: ignore[no-untyped-call, unused-ignore]
+
+        return hook
+
+    def _on_input(self, name: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            tensor = _first_grad_tensor((args, kwargs.get("hidden_states")))
+            if tensor is not None and self.tracker.phase == "forward":
+                tensor.register_hook(self._at(name))  # type: ignore[no-untyped-call, unused-ignore]
+
+        return hook
+
+    def enter(self, phase: str) -> None:
+        if phase == "forward":
+            self.micro += 1
+            self.tracker.set_phase(phase, self.base)
+        elif phase == "backward":
+            self.tracker.set_phase(phase, f"{self.base}.head")
+        else:
+            self.tracker.set_phase(phase, f"s{self.step}")
+        if phase == "zero-grad":
+            self.step += 1
+            self.micro = 0
+
+
+def _prime(optimizer: torch.optim.Optimizer) -> None:
+    """The first optimizer step on zero gradients: it creates the optimizer's state.
+
+    A first step's forward and backward peak below the second's (the state does not exist
+    yet), so only its effect matters, and a dry run saves half its time.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def run_steps(
@@ -114,11 +267,12 @@ def run_steps(
     steps: int = 2,
     grad_accum_steps: int = 1,
     extra_other: Callable[[AllocationTracker], None] | None = None,
+    loop: Loop = "trainer",
 ) -> TraceResult:
     """Run ``steps`` optimizer steps of ``grad_accum_steps`` micro-steps under the tracker.
 
-    Works on fake and on real CPU tensors alike. The model's outputs are held until backward
-    ends, as in the plain loop ``out = model(**batch); out.loss.backward()``.
+    Works on fake and on real CPU tensors alike; ``loop`` as in :func:`training_steps`. All but
+    the last step are primed (:func:`_prime`): only the last one's moments are measured.
     """
     start = time.perf_counter()
     tracker = AllocationTracker()
@@ -151,12 +305,14 @@ def run_steps(
 
     handles.append(torch.nn.modules.module.register_module_forward_pre_hook(enter))
     handles.append(torch.nn.modules.module.register_module_forward_hook(leave))
+    moments = _Moments(tracker, layer_stacks(model))
+    handles.extend(moments.handles)
 
     def on_phase(phase: str) -> None:
         if phase in ("forward", "backward"):
             stack.clear()
             tracker.module = ""
-        tracker.set_phase(phase)
+        moments.enter(phase)
         if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
             for state in optimizer.state.values():
                 for value in state.values():
@@ -167,6 +323,10 @@ def run_steps(
         with tracker:
             if extra_other is not None:
                 extra_other(tracker)
+            if steps > 1:
+                _prime(optimizer)
+                on_phase("zero-grad")  # labels the state; the next step is step 2
+                steps -= 1
             training_steps(
                 model,
                 optimizer,
@@ -176,6 +336,7 @@ def run_steps(
                 steps=steps,
                 grad_accum_steps=grad_accum_steps,
                 on_phase=on_phase,
+                loop=loop,
             )
     finally:
         for handle in handles:
@@ -185,13 +346,25 @@ def run_steps(
 
 def _result(timeline: Timeline, seconds: float) -> TraceResult:
     phases = []
-    for phase in PHASES:
-        peak = timeline.phase_peaks.get(phase)
-        if peak is None or peak.total < 0:
-            continue
-        phases.append(PhaseResult(phase, timeline.components(timeline.live_at(peak.event_index))))
+    wanted = sorted(
+        (peak.event_index, name)
+        for name, peak in timeline.phase_peaks.items()
+        if name.partition("|")[0] in PHASES and peak.total >= 0
+    )
+    # One replay of the log serves every moment (they are visited in event order).
+    live: set[int] = set()
+    done = 0
+    for index, name in wanted:
+        for key, delta in timeline.events[done:index]:
+            if delta > 0:
+                live.add(key)
+            else:
+                live.discard(key)
+        done = index
+        phase, _, moment = name.partition("|")
+        phases.append(PhaseResult(phase, timeline.components(live), moment))
     best = max(phases, key=lambda p: p.total)
-    best_peak = timeline.phase_peaks[best.phase]
+    best_peak = timeline.phase_peaks[best.key]
     by_module: dict[str, int] = {}
     for key in timeline.live_at(best_peak.event_index):
         if timeline.category(key) == "activations" and key in timeline.module_of:
@@ -204,12 +377,17 @@ def _result(timeline: Timeline, seconds: float) -> TraceResult:
 def extrapolate(
     shallow: TraceResult, deep: TraceResult, depth_shallow: int, depth_deep: int, depth: int
 ) -> TraceResult:
-    """Per phase and category, extend two traces of a homogeneous stack to ``depth`` layers."""
+    """Per moment and category, extend two traces of a homogeneous stack to ``depth`` layers.
+
+    Each moment (the start of backward, its end, the optimizer step, ...) is a line in the
+    depth on its own; the peak is the largest moment at ``depth``. Extrapolating each phase's
+    peak instead mixes moments when the peak moves between the traced depths.
+    """
     scale = (depth - depth_shallow) / (depth_deep - depth_shallow)
     phases = []
-    deep_by = {p.phase: p for p in deep.phases}
+    deep_by = {p.key: p for p in deep.phases}
     for low in shallow.phases:
-        high = deep_by.get(low.phase)
+        high = deep_by.get(low.key)
         if high is None:
             continue
         phases.append(
@@ -222,6 +400,7 @@ def extrapolate(
                     )
                     for c in CATEGORIES
                 },
+                low.moment,
             )
         )
     # The allocator's overhead (reserved beyond the peak) comes from how a few large blocks

@@ -261,7 +261,6 @@ def _search(
             return _hf_trace.batch_fn(info, n, seq)()
 
     def step(batch: Any) -> None:
-        # outputs live through backward, as in most loops
         trace.training_steps(
             parts.model,
             parts.optimizer,
@@ -270,6 +269,7 @@ def _search(
             autocast_dtype=parts.autocast_dtype,
             device_type=device.type,
             steps=1,
+            loop=spec["setup"].get("loop", "trainer"),
         )
 
     with trace.quiet():
@@ -390,6 +390,7 @@ def warm_up(info: Any, setup: Any) -> None:
             tiny.loss_of,
             autocast_dtype=tiny.autocast_dtype,
             steps=1,
+            loop=setup.loop,
         )
 
 
