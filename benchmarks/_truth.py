@@ -38,7 +38,7 @@ from batchfit._oom import _malloc_trim
 LOOPS = ("trainer", "keep-outputs")
 
 
-def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
@@ -56,13 +56,13 @@ def train(
     for _ in range(steps):
         batch = make_batch()
         if loop == "trainer":
-            with _autocast(autocast_dtype):
+            with autocast(autocast_dtype):
                 loss = model(**batch).loss  # HF Trainer.compute_loss returns only the loss
             del batch
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
             del loss
         else:
-            with _autocast(autocast_dtype):
+            with autocast(autocast_dtype):
                 out = model(**batch)
             out.loss.backward()  # the outputs and the batch live through backward
             del out, batch

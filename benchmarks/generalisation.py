@@ -51,6 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import accuracy  # noqa: E402
 from _report import DOC, write_section  # noqa: E402
+from _truth import autocast  # noqa: E402
 from accuracy import Case  # noqa: E402
 
 SEED = 20261123  # fixed before any result was looked at; never change it
@@ -92,7 +93,9 @@ def _targets(q: str, k: str, v: str, o: str, *mlp: str) -> tuple[tuple[str, ...]
 _LLAMA_LIKE = _targets("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ARCHS = (
     Arch("bert", "gen-bert-small.json", True, _targets("query", "key", "value", "dense"), 512),
-    Arch("roberta", "gen-roberta-small.json", True, _targets("query", "key", "value", "dense"), 512),
+    Arch(
+        "roberta", "gen-roberta-small.json", True, _targets("query", "key", "value", "dense"), 512
+    ),
     Arch(
         "distilbert",
         "gen-distilbert-small.json",
@@ -100,21 +103,45 @@ ARCHS = (
         _targets("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),
         512,
     ),
-    Arch("gpt2", "gen-gpt2-small.json", False, (("c_attn",), ("c_attn", "c_proj"), ("c_attn", "c_proj", "c_fc"))),
-    Arch("opt", "gen-opt-small.json", False, _targets("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")),
+    Arch(
+        "gpt2",
+        "gen-gpt2-small.json",
+        False,
+        (("c_attn",), ("c_attn", "c_proj"), ("c_attn", "c_proj", "c_fc")),
+    ),
+    Arch(
+        "opt",
+        "gen-opt-small.json",
+        False,
+        _targets("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    ),
     Arch("llama-gqa", "gen-llama-gqa-small.json", False, _LLAMA_LIKE),
     Arch("mistral-gqa", "gen-mistral-small.json", False, _LLAMA_LIKE),
     Arch("qwen2-tied", "gen-qwen2-tied-small.json", False, _LLAMA_LIKE),
     Arch("gemma-tied", "gen-gemma-small.json", False, _LLAMA_LIKE),
-    Arch("phi-partial-rope", "gen-phi-small.json", False, _targets("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")),
+    Arch(
+        "phi-partial-rope",
+        "gen-phi-small.json",
+        False,
+        _targets("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"),
+    ),
     Arch(
         "pythia-parallel",
         "gen-pythia-small.json",
         False,
-        (("query_key_value",), ("query_key_value", "dense"), ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),
+        (
+            ("query_key_value",),
+            ("query_key_value", "dense"),
+            ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+        ),
     ),
     Arch("t5", "gen-t5-small.json", False, _targets("q", "k", "v", "o", "wi", "wo")),
-    Arch("bart", "gen-bart-small.json", False, _targets("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")),
+    Arch(
+        "bart",
+        "gen-bart-small.json",
+        False,
+        _targets("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    ),
 )
 
 
@@ -125,11 +152,16 @@ def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
 def _draw_setup(rng: random.Random, arch: Arch) -> tuple[dict[str, Any], str | None, str]:
     """One draw of the task, setup and loop for ``arch``."""
     task = rng.choice(("masked-lm", "classification")) if arch.encoder else None
-    setup: dict[str, Any] = {"precision": rng.choice(PRECISIONS), "optimizer": rng.choice(OPTIMIZERS)}
+    setup: dict[str, Any] = {
+        "precision": rng.choice(PRECISIONS),
+        "optimizer": rng.choice(OPTIMIZERS),
+    }
     if rng.random() < 0.4:
         rank = rng.choice(LORA_RANKS)
         targets = rng.choice(arch.lora_targets)
-        setup.update(method="lora", lora_rank=rank, lora_alpha=2.0 * rank, lora_targets=list(targets))
+        setup.update(
+            method="lora", lora_rank=rank, lora_alpha=2.0 * rank, lora_targets=list(targets)
+        )
     if rng.random() < 0.3:
         setup["grad_ckpt"] = True
     return setup, task, rng.choice(LOOPS)
@@ -189,12 +221,19 @@ def _shape(case: Case) -> tuple[int, int, int, int]:
         if raw.get("is_encoder_decoder"):
             auto = transformers.AutoModelForSeq2SeqLM
         with torch.device("meta"):
-            net = auto.from_config(cfg)
+            net = auto.from_config(cfg)  # type: ignore[no-untyped-call]
         params = sum(p.numel() for p in net.parameters())
         layers = sum(
             int(raw.get(k, 0))
-            for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers",
-                      "num_decoder_layers", "encoder_layers", "decoder_layers")
+            for k in (
+                "num_hidden_layers",
+                "n_layer",
+                "n_layers",
+                "num_layers",
+                "num_decoder_layers",
+                "encoder_layers",
+                "decoder_layers",
+            )
         )
         hidden = next(int(raw[k]) for k in ("hidden_size", "n_embd", "dim", "d_model") if k in raw)
         _SHAPES[key] = (params, layers, hidden, int(raw["vocab_size"]))
@@ -209,7 +248,7 @@ def predicted_seconds(case: Case) -> float:
     backward, Kaplan et al. 2020) with the LM head counted again, 12 L s^2 h per sequence for
     attention, a third more under checkpointing (a second forward)."""
     params, layers, hidden, vocab = _shape(case)
-    flops = 6 * (params + vocab * hidden) * case.micro * case.seq
+    flops: float = 6 * (params + vocab * hidden) * case.micro * case.seq
     flops += 12 * layers * case.seq**2 * hidden * case.micro
     if case.setup.get("grad_ckpt"):
         flops *= 4 / 3
@@ -231,8 +270,9 @@ def screen_bytes(case: Case) -> int:
         params, _, _, vocab = _shape(case)
         return 16 * params + 12 * case.micro * case.seq * vocab
     setup = TrainingSetup(**accuracy.setup_fields(case))
-    est = estimate(info, setup, micro_batch_size=case.micro, seq_len=case.seq, device="cpu",
-                   engine="analytic")
+    est = estimate(
+        info, setup, micro_batch_size=case.micro, seq_len=case.seq, device="cpu", engine="analytic"
+    )
     return est.peak_bytes
 
 
@@ -308,9 +348,10 @@ def measure(cases: list[Case], repeats: dict[str, int], fresh: bool) -> dict[str
             entry = {"case": case.name, "bytes": measured, "seconds": time.perf_counter() - start}
             cache[key] = entry
             _write_json(TRUTH_FILE, cache)
+            gib = statistics.median(measured) / GIB
             print(
-                f"{case.name} {case.micro}x{case.seq}: truth {statistics.median(measured) / GIB:.3f} "
-                f"GiB in {entry['seconds']:.0f} s",
+                f"{case.name} {case.micro}x{case.seq}: truth {gib:.3f} GiB in "
+                f"{entry['seconds']:.0f} s",
                 flush=True,
             )
         out[case.name] = entry
@@ -318,7 +359,7 @@ def measure(cases: list[Case], repeats: dict[str, int], fresh: bool) -> dict[str
 
 
 def published_debug_truths() -> dict[str, float]:
-    """accuracy.py's truths (GiB, median of its runs) as its table in docs/benchmarks.md has them."""
+    """accuracy.py's truths (median of its runs) as docs/benchmarks.md's accuracy table has them."""
     text = DOC.read_text() if DOC.exists() else ""
     section = text.split("<!-- accuracy:start -->")[-1].split("<!-- accuracy:end -->")[0]
     found = {}
@@ -329,6 +370,237 @@ def published_debug_truths() -> dict[str, float]:
     return found
 
 
+PEERS = ("accelerate", "deepspeed", "seed rule")
+ESTIMATORS = ("trace", "analytic", *PEERS)
+
+
+def estimates(case: Case) -> dict[str, float] | None:
+    """accuracy.py's predictions for ``case`` (trace, analytic, peers), or None where batchfit
+    cannot estimate it (the reason is printed)."""
+    from batchfit.memory._hf_trace import TRACE_LIMITS
+
+    failures: tuple[type[Exception], ...] = (*TRACE_LIMITS, RuntimeError)
+    try:
+        return accuracy.predictions(case)
+    except failures as e:
+        print(f"{case.name}: no estimate: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+        return None
+
+
+def graph_stats(case: Case) -> dict[str, int]:
+    """Autograd nodes and saved tensors of one forward at the case's size (a fake-tensor run):
+    candidates for what the memory outside tensor storages scales with."""
+    import torch
+
+    from batchfit.memory import _hf_trace, trace
+    from batchfit.models import resolve_model
+    from batchfit.spec import TrainingSetup
+
+    info = resolve_model(case.model, case.task)
+    setup = TrainingSetup(**accuracy.setup_fields(case)).resolved(device="cpu", bf16_supported=True)
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += 1
+        return t
+
+    with trace.quiet(), torch.device("meta"):
+        net = _hf_trace._build(info, setup, None)
+    with trace.quiet(), trace.fake_mode():
+        parts = _hf_trace.step_parts(
+            info,
+            setup,
+            micro=case.micro,
+            seq=case.seq,
+            emulate_cuda=False,
+            built=_hf_trace.materialize_fake(net),
+        )
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, autocast(parts.autocast_dtype):
+            loss = parts.model(**parts.make_batch()).loss
+    nodes, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {"autograd_nodes": len(nodes), "saved_tensors": saved}
+
+
+@dataclass
+class Row:
+    case: Case
+    truth: float  # bytes, median of the runs
+    spread: float | None  # (max - min) / median where measured twice
+    pred: dict[str, float]
+    stats: dict[str, int] | None = None
+
+    def err(self, estimator: str) -> float:
+        return self.pred[estimator] / self.truth - 1
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def _summary(rows: list[Row], title: str) -> list[str]:
+    lines = [
+        f"**{title}** ({len(rows)} cases): absolute error against the truth",
+        "",
+        "| estimator | median | p90 | worst | signed mean |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in ESTIMATORS:
+        errs = [abs(r.err(name)) for r in rows]
+        p90 = statistics.quantiles(errs, n=10, method="inclusive")[8] if len(errs) > 1 else errs[0]
+        mean = statistics.fmean(r.err(name) for r in rows)
+        lines.append(
+            f"| {name} | {statistics.median(errs):.1%} | {p90:.1%} | {max(errs):.1%} "
+            f"| {mean:+.1%} |"
+        )
+    return lines
+
+
+def _misses(rows: list[Row], title: str) -> list[str]:
+    out = [f"**{title}**: cases over the targets (trace 2%, analytic 8%)", ""]
+    for name, limit in (("trace", 0.02), ("analytic", 0.08)):
+        over = [r for r in rows if abs(r.err(name)) > limit]
+        listed = "; ".join(
+            f"{r.case.name} {r.case.micro}x{r.case.seq} {_pct(r.err(name))}" for r in over
+        )
+        out.append(
+            f"- {name} over {limit:.0%}: {len(over)} of {len(rows)}"
+            + (f": {listed}" if over else "")
+        )
+    return out
+
+
+def _table(rows: list[Row]) -> list[str]:
+    lines = [
+        "| case | micro x seq | truth GiB | trace | analytic | accelerate | DeepSpeed | seeds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        spread = "" if r.spread is None else f" (±{r.spread:.1%})"
+        errs = " | ".join(_pct(r.err(n)) for n in ESTIMATORS)
+        lines.append(
+            f"| {r.case.name} | {r.case.micro} x {r.case.seq} | "
+            f"{r.truth / GIB:.3f}{spread} | {errs} |"
+        )
+    return lines
+
+
+def _gap_analysis(rows: list[Row]) -> list[str]:
+    """Where the trace is low: what does the missing memory (truth - trace) scale with?"""
+    stats = [r.stats for r in rows if r.stats is not None]
+    rows = [r for r in rows if r.stats is not None]
+    gaps = [(r.truth - r.pred["trace"]) / 2**20 for r in rows]
+    low = sum(g > 0 for g in gaps)
+    lines = [
+        f"Sign of the trace error: low on {low} of {len(rows)} grid cases, high on "
+        f"{len(rows) - low}; the gap (truth - trace) has median {statistics.median(gaps):+.1f} "
+        f"MiB, from {min(gaps):+.1f} to {max(gaps):+.1f}. The gap against what it may scale with "
+        "(Pearson r over the grid; slope of a least-squares line; autograd nodes and saved "
+        "tensors counted in one fake-tensor forward at the case's size):",
+        "",
+        "| gap against | r | slope | intercept MiB |",
+        "|---|---:|---:|---:|",
+    ]
+    candidates: dict[str, tuple[list[float], str, float]] = {
+        "autograd nodes": ([s["autograd_nodes"] for s in stats], "KiB per node", 1024.0),
+        "saved tensors": ([s["saved_tensors"] for s in stats], "KiB per tensor", 1024.0),
+        "layers": ([_shape(r.case)[1] for r in rows], "MiB per layer", 1.0),
+        "truth bytes": ([r.truth / 2**20 for r in rows], "% of the truth", 100.0),
+    }
+    for name, (xs, unit, scale) in candidates.items():
+        if len(set(xs)) < 2:
+            continue
+        slope, intercept = statistics.linear_regression(xs, gaps)
+        r = statistics.correlation(xs, gaps)
+        lines.append(f"| {name} | {r:+.2f} | {slope * scale:.3g} {unit} | {intercept:+.1f} |")
+    return lines
+
+
+def build_rows(
+    cases: list[Case], truths: dict[str, float], spreads: dict[str, float], with_stats: bool
+) -> list[Row]:
+    """Estimate each case that has a truth; print a line per case."""
+    rows = []
+    for case in cases:
+        if case.name not in truths:
+            continue
+        pred = estimates(case)
+        if pred is None:
+            continue
+        row = Row(case, truths[case.name], spreads.get(case.name), pred)
+        if with_stats:
+            row.stats = graph_stats(case)
+        rows.append(row)
+        print(
+            f"{case.name:60.60s} {case.micro:2d}x{case.seq:<4d} truth {row.truth / GIB:6.3f} "
+            f"trace {_pct(row.err('trace')):>6s} analytic {_pct(row.err('analytic')):>6s}",
+            flush=True,
+        )
+    return rows
+
+
+def render(grid_rows: list[Row], debug_rows: list[Row], meta: str) -> str:
+    lines = [
+        "## Generalisation: a seeded random grid against real CPU steps (issue #10)",
+        "",
+        f"{len(grid_rows)} cases drawn by `benchmarks/generalisation.py` from `random.Random"
+        f"({SEED})` (the seed fixed before any result was seen; the grid pinned in "
+        "`benchmarks/data/generalisation_cases.json`): 13 scaled-down architectures "
+        "(`benchmarks/configs/gen-*.json`: 2-4 layers, real vocabularies), precision, optimizer, "
+        "LoRA rank and targets, checkpointing, loop, micro-batch and sequence drawn per case; "
+        "draws over 5 GiB (analytic), under 0.25 GiB, or over 60 s of predicted CPU time "
+        "redrawn, so the bf16 cases (about 1 GFLOP/s on this AVX2 CPU) are small. Truth: a real "
+        "CPU step in a fresh process running the case's loop (`_truth.py`: peak RSS as in the "
+        "accuracy section; two optimizer steps); the first "
+        f"{NOISE_CASES} cases measured twice (spread shown). Errors are estimate / truth - 1. "
+        f"The debug cases are accuracy.py's 12, on which the estimators were developed. {meta}",
+        "",
+        *_table(grid_rows),
+        "",
+        *_summary(grid_rows, "Grid"),
+        "",
+        *_summary(debug_rows, "Debug cases (accuracy.py, keep-outputs loop)"),
+        "",
+        *_misses(grid_rows, "Grid"),
+        "",
+        *_misses(debug_rows, "Debug cases"),
+        "",
+        *_gap_analysis(grid_rows),
+    ]
+    return "\n".join(lines)
+
+
+def _debug_truths(debug: list[Case], measured: dict[str, dict[str, Any]]) -> dict[str, float]:
+    published = published_debug_truths()
+    out = {c.name: published[c.name] for c in debug if c.name in published}
+    out.update({name: statistics.median(e["bytes"]) for name, e in measured.items()})
+    return out
+
+
+def _meta(truth_seconds: float, estimate_seconds: float) -> str:
+    import torch
+    import transformers
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return (
+        f"Estimates by src at commit {commit}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}; truths {truth_seconds / 60:.0f} min of CPU steps "
+        f"(cached), estimates {estimate_seconds / 60:.1f} min."
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="substring of a case name")
@@ -336,8 +608,11 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="re-measure cached truths")
     parser.add_argument("--truth-only", action="store_true", help="measure truths, no estimates")
     parser.add_argument("--list", action="store_true", help="print the cases, run nothing")
-    parser.add_argument("--measure-debug", action="store_true",
-                        help="measure the debug cases' truths instead of reading accuracy.py's")
+    parser.add_argument(
+        "--measure-debug",
+        action="store_true",
+        help="measure the debug cases' truths instead of reading accuracy.py's",
+    )
     args = parser.parse_args()
     cases = [c for c in grid() if not args.only or args.only in c.name]
     debug = [c for c in accuracy.CASES if not args.only or args.only in c.name]
@@ -348,12 +623,25 @@ def main() -> int:
     repeats = {c.name: 2 for c in grid()[:NOISE_CASES]}
     start = time.perf_counter()
     truths = measure(cases, repeats, args.fresh)
-    if args.measure_debug:
-        debug_truths = measure(debug, {}, args.fresh)
+    debug_truths = measure(debug, {}, args.fresh) if args.measure_debug else {}
     print(f"truths: {time.perf_counter() - start:.0f} s", flush=True)
     if args.truth_only:
         return 0
-    raise SystemExit("estimates: not written yet")
+    start = time.perf_counter()
+    grid_truths = {n: statistics.median(e["bytes"]) for n, e in truths.items()}
+    spreads = {
+        n: (max(e["bytes"]) - min(e["bytes"])) / statistics.median(e["bytes"])
+        for n, e in truths.items()
+        if len(e["bytes"]) > 1
+    }
+    grid_rows = build_rows(cases, grid_truths, spreads, with_stats=True)
+    debug_rows = build_rows(debug, _debug_truths(debug, debug_truths), {}, with_stats=False)
+    truth_seconds = sum(e["seconds"] for e in truths.values())
+    body = render(grid_rows, debug_rows, _meta(truth_seconds, time.perf_counter() - start))
+    print(body)
+    if not args.no_write and not args.only:
+        write_section("generalisation", body)
+    return 0
 
 
 if __name__ == "__main__":
