@@ -329,16 +329,26 @@ def truth_key(case: Case) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def measure(cases: list[Case], repeats: dict[str, int], fresh: bool) -> dict[str, dict[str, Any]]:
-    """Truths of ``cases`` by name: cached ones read back, the others measured one at a time
-    (each saved as soon as it is measured). A case whose step fails is reported, not cached."""
-    cache: dict[str, Any] = json.loads(TRUTH_FILE.read_text()) if TRUTH_FILE.exists() else {}
+def _cached() -> dict[str, Any]:
+    return json.loads(TRUTH_FILE.read_text()) if TRUTH_FILE.exists() else {}
+
+
+def measure(
+    cases: list[Case], repeats: dict[str, int], fresh: bool, cached_only: bool
+) -> dict[str, dict[str, Any]]:
+    """Truths of ``cases`` by name: cached ones read back, the others measured one at a time,
+    each saved as soon as it is measured (merged into the file as it is then, so a second run
+    loses nothing). A case whose step fails is reported, not cached."""
+    cache = _cached()
     out = {}
     for case in cases:
         key = truth_key(case)
         want = repeats.get(case.name, 1)
         entry = cache.get(key)
-        if fresh or entry is None or len(entry["bytes"]) < want:
+        stale = fresh or entry is None or len(entry["bytes"]) < want
+        if stale and cached_only:
+            continue
+        if stale:
             start = time.perf_counter()
             try:
                 measured = accuracy.truth(case, want)
@@ -346,7 +356,7 @@ def measure(cases: list[Case], repeats: dict[str, int], fresh: bool) -> dict[str
                 print(f"{case.name}: truth failed: {e.stderr.strip().splitlines()[-1]}", flush=True)
                 continue
             entry = {"case": case.name, "bytes": measured, "seconds": time.perf_counter() - start}
-            cache[key] = entry
+            cache = {**_cached(), key: entry}
             _write_json(TRUTH_FILE, cache)
             gib = statistics.median(measured) / GIB
             print(
@@ -445,6 +455,8 @@ def _pct(x: float) -> str:
 
 
 def _summary(rows: list[Row], title: str) -> list[str]:
+    if not rows:
+        return [f"**{title}**: no cases"]
     lines = [
         f"**{title}** ({len(rows)} cases): absolute error against the truth",
         "",
@@ -463,6 +475,8 @@ def _summary(rows: list[Row], title: str) -> list[str]:
 
 
 def _misses(rows: list[Row], title: str) -> list[str]:
+    if not rows:
+        return []
     out = [f"**{title}**: cases over the targets (trace 2%, analytic 8%)", ""]
     for name, limit in (("trace", 0.02), ("analytic", 0.08)):
         over = [r for r in rows if abs(r.err(name)) > limit]
@@ -495,6 +509,8 @@ def _gap_analysis(rows: list[Row]) -> list[str]:
     """Where the trace is low: what does the missing memory (truth - trace) scale with?"""
     stats = [r.stats for r in rows if r.stats is not None]
     rows = [r for r in rows if r.stats is not None]
+    if len(rows) < 2:
+        return []
     gaps = [(r.truth - r.pred["trace"]) / 2**20 for r in rows]
     low = sum(g > 0 for g in gaps)
     lines = [
@@ -609,6 +625,9 @@ def main() -> int:
     parser.add_argument("--truth-only", action="store_true", help="measure truths, no estimates")
     parser.add_argument("--list", action="store_true", help="print the cases, run nothing")
     parser.add_argument(
+        "--cached-only", action="store_true", help="estimate the cases with a cached truth only"
+    )
+    parser.add_argument(
         "--measure-debug",
         action="store_true",
         help="measure the debug cases' truths instead of reading accuracy.py's",
@@ -622,8 +641,8 @@ def main() -> int:
         return 0
     repeats = {c.name: 2 for c in grid()[:NOISE_CASES]}
     start = time.perf_counter()
-    truths = measure(cases, repeats, args.fresh)
-    debug_truths = measure(debug, {}, args.fresh) if args.measure_debug else {}
+    truths = measure(cases, repeats, args.fresh, args.cached_only)
+    debug_truths = measure(debug, {}, args.fresh, args.cached_only) if args.measure_debug else {}
     print(f"truths: {time.perf_counter() - start:.0f} s", flush=True)
     if args.truth_only:
         return 0
