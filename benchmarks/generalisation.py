@@ -13,11 +13,10 @@ keep-outputs), then a micro-batch (log-uniform 1..32) and sequence (log-uniform 
 within the model's positions). A draw is rejected and redrawn (same random stream, so
 redraws are deterministic) when its analytic estimate (``--engine analytic --device cpu``)
 is outside ``MIN_SCREEN_BYTES``..``MAX_SCREEN_BYTES`` or its predicted CPU time is over
-``MAX_STEP_SECONDS``. The
-time screen matters for bf16: this AVX2 CPU has no bf16 matrix unit, and bf16 steps run at
-about 1 GFLOP/s against 45 for fp32, so bf16 cases are drawn small. The drawn grid is pinned
-in ``data/generalisation_cases.json`` (the screen's analytic numbers change with the code;
-the grid must not): delete the file to redraw.
+``MAX_STEP_SECONDS``. The time screen matters for bf16: this AVX2 CPU has no bf16 matrix
+unit, and bf16 steps run at about 1 GFLOP/s against 45 for fp32, so bf16 cases are small.
+The drawn grid is pinned in ``data/generalisation_cases.json`` (the screen's analytic
+numbers change with the code; the grid must not): delete the file to redraw.
 
 Truth: a real CPU step in a fresh process per case (``_truth.py``, running the case's loop),
 cached in ``data/generalisation_truth.json`` under a hash of the case (model config contents,
@@ -27,7 +26,10 @@ rules accuracy.py computes. The debug cases' truths come from accuracy.py's publ
 unless measured here (``--measure-debug``).
 
     python benchmarks/generalisation.py [--only SUBSTR] [--no-write] [--fresh] [--truth-only]
-                                        [--list] [--measure-debug]
+                                        [--list] [--cached-only] [--measure-debug]
+
+``--cached-only`` re-estimates from the cached truths without measuring any (the cheap re-run
+after a change to the estimators).
 """
 
 from __future__ import annotations
@@ -435,7 +437,8 @@ def graph_stats(case: Case) -> dict[str, int]:
         if node is not None and node not in nodes:
             nodes.add(node)
             todo.extend(n for n, _ in node.next_functions)
-    return {"autograd_nodes": len(nodes), "saved_tensors": saved}
+    params = sum(1 for p in parts.model.parameters() if p.requires_grad)
+    return {"autograd_nodes": len(nodes), "saved_tensors": saved, "trainable_tensors": params}
 
 
 @dataclass
@@ -492,15 +495,17 @@ def _misses(rows: list[Row], title: str) -> list[str]:
 
 def _table(rows: list[Row]) -> list[str]:
     lines = [
-        "| case | micro x seq | truth GiB | trace | analytic | accelerate | DeepSpeed | seeds |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| case | micro x seq | truth GiB | truth - trace MiB | trace | analytic | accelerate "
+        "| DeepSpeed | seeds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        spread = "" if r.spread is None else f" (±{r.spread:.1%})"
+        spread = "" if r.spread is None else f" (±{r.spread:.2%})"
+        gap = (r.truth - r.pred["trace"]) / 2**20
         errs = " | ".join(_pct(r.err(n)) for n in ESTIMATORS)
         lines.append(
             f"| {r.case.name} | {r.case.micro} x {r.case.seq} | "
-            f"{r.truth / GIB:.3f}{spread} | {errs} |"
+            f"{r.truth / GIB:.3f}{spread} | {gap:+.1f} | {errs} |"
         )
     return lines
 
@@ -526,6 +531,7 @@ def _gap_analysis(rows: list[Row]) -> list[str]:
     candidates: dict[str, tuple[list[float], str, float]] = {
         "autograd nodes": ([s["autograd_nodes"] for s in stats], "KiB per node", 1024.0),
         "saved tensors": ([s["saved_tensors"] for s in stats], "KiB per tensor", 1024.0),
+        "trainable tensors": ([s["trainable_tensors"] for s in stats], "KiB per tensor", 1024.0),
         "layers": ([_shape(r.case)[1] for r in rows], "MiB per layer", 1.0),
         "truth bytes": ([r.truth / 2**20 for r in rows], "% of the truth", 100.0),
     }
