@@ -147,7 +147,7 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="substring of a case name")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for case in CASES:
         if args.only and args.only not in case.name:
             continue

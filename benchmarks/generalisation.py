@@ -342,15 +342,14 @@ def measure(
     each saved as soon as it is measured (merged into the file as it is then, so a second run
     loses nothing). A case whose step fails is reported, not cached."""
     cache = _cached()
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for case in cases:
         key = truth_key(case)
         want = repeats.get(case.name, 1)
         entry = cache.get(key)
-        stale = fresh or entry is None or len(entry["bytes"]) < want
-        if stale and cached_only:
-            continue
-        if stale:
+        if entry is None or fresh or len(entry["bytes"]) < want:
+            if cached_only:
+                continue
             start = time.perf_counter()
             try:
                 measured = accuracy.truth(case, want)
