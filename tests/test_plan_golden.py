@@ -1,5 +1,7 @@
-"""Plans are unchanged by the refactor of issue #9: ``make_plan(...).to_json()`` and ``fit_table``
-rows for varied cases against the output captured before it (``tests/data/plan_golden.json``).
+"""The planner's logic on the analytic engine is pinned: ``make_plan(...).to_json()`` and
+``fit_table`` rows for varied cases against a reviewed capture (``tests/data/plan_golden.json``;
+first taken before issue #9's refactor, re-taken for issue #10's deliberate changes: the trainer
+loop frees the logits, alternatives that do not fit show their whole device total).
 
 Re-capture (only for a deliberate change of plans, reviewed in the diff):
 ``PYTHONPATH=src python -m tests.test_plan_golden``
@@ -113,15 +115,17 @@ FIT_TABLES: dict[str, tuple[str, tuple[str, ...], dict[str, Any], int]] = {
 def plan_json(name: str) -> dict[str, Any]:
     model, gpu, setup_kwargs, kwargs = CASES[name]
     setup = TrainingSetup(**setup_kwargs)
-    plan = make_plan(resolve_model(model, setup.task), get_gpu(gpu), setup, **kwargs)
+    info = resolve_model(model, setup.task)
+    plan = make_plan(info, get_gpu(gpu), setup, engine="analytic", **kwargs)
     return dict(json.loads(json.dumps(plan.to_json())))
 
 
 def fit_json(name: str) -> list[dict[str, Any]]:
     model, gpus, setup_kwargs, seq_len = FIT_TABLES[name]
     setup = TrainingSetup(**setup_kwargs)
+    gpu_specs = [get_gpu(g) for g in gpus]
     rows = fit_table(
-        resolve_model(model, setup.task), setup, [get_gpu(g) for g in gpus], seq_len=seq_len
+        resolve_model(model, setup.task), setup, gpu_specs, seq_len=seq_len, engine="analytic"
     )
     return list(json.loads(json.dumps([r.to_json() for r in rows])))
 

@@ -197,7 +197,8 @@ CASES: dict[str, tuple[str, int, int, str, str | None, int, dict[str, Any]]] = {
     "phi3-lora-guessed": ("phi-3-mini", 1, 1024, "cuda", "a100-40gb", 1, {"method": "lora"}),
     "t5-small-sdpa-eager": ("t5-small", 8, 512, "cuda", "a100-80gb", 1, {"attention": "sdpa"}),
     "t5-small-ckpt-cpu": ("t5-small", 4, 256, "cpu", None, 1, {"grad_ckpt": True}),
-    "gemma2-sdpa": ("gemma-2-2b", 1, 1024, "cuda", "h100-80gb", 1, {"attention": "sdpa"}),
+    # auto is eager: transformers' Gemma-2 has no SDPA (soft-capping); sdpa is refused
+    "gemma2-auto-eager": ("gemma-2-2b", 1, 1024, "cuda", "h100-80gb", 1, {}),
     "gemma2-flash-lora": (
         "gemma-2-2b",
         1,

@@ -10,25 +10,50 @@ from batchfit.spec import TrainingSetup
 GIB = 1 << 30
 
 
-def law(fixed_gib: float, per_sample_gib: float, step_gib: float = 0.0):
-    """A memory law: max(optimizer step (constant), backward (affine in the batch))."""
+def law(fixed_gib: float, per_sample_gib: float, step_gib: float = 0.0, moments: bool = False):
+    """A memory law: max(optimizer step (constant), backward (affine in the batch)); with
+    ``moments`` the estimates carry each moment's bytes, as the trace engine's do."""
     calls: list[int] = []
 
     def at(b: int) -> MemoryEstimate:
         calls.append(b)
-        total = int(max(step_gib, fixed_gib + per_sample_gib * b) * GIB)
+        step, backward = int(step_gib * GIB), int((fixed_gib + per_sample_gib * b) * GIB)
+        total = max(step, backward)
+        extras = {"moments": {"optimizer-step|s2": step, "backward|s2m1.head": backward}}
         return MemoryEstimate(
-            "m", "trace", "cuda", b, 1, TrainingSetup(), {}, total, total, total, 0, 0, "backward"
+            "m",
+            "trace",
+            "cuda",
+            b,
+            1,
+            TrainingSetup(),
+            {},
+            total,
+            total,
+            total,
+            0,
+            0,
+            "backward",
+            extras=extras if moments else {},
         )
 
     return at, calls
 
 
-def test_affine_law_is_solved_in_three_traces():
+def test_affine_law_is_solved_and_confirmed_in_four_traces():
     at, calls = law(10, 3)
     result = fit_micro_batch(at, 40 * GIB)
     assert result.micro_batch_size == 10  # 10 + 3 * 10 = 40
-    assert len(calls) == 3
+    assert calls == [1, 2, 10, 11]  # the answer fits, the size after it does not
+
+
+def test_moment_lines_see_through_a_flat_optimizer_step():
+    # At b = 1, 2 the optimizer step is the peak (flat totals): the totals' secant cannot see
+    # the backward line beneath it, each moment's own line can.
+    at, calls = law(2, 1, step_gib=20, moments=True)
+    result = fit_micro_batch(at, 30 * GIB, limit=4096)
+    assert result.micro_batch_size == 28
+    assert calls == [1, 2, 28, 29]
 
 
 def test_constant_step_phase_hides_the_slope_then_refits():

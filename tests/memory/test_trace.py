@@ -168,10 +168,10 @@ def test_flash_substitution_saves_output_and_lse_only():
     assert saved == {(2, 4, 64, 16): torch.float32, (2, 4, 64): torch.float32}
     original = torch.nn.functional.scaled_dot_product_attention
     with cuda_kernels():
-        assert torch.nn.functional.scaled_dot_product_attention is not original  # swapped in
+        assert torch.nn.functional.scaled_dot_product_attention is original  # a mode, no swap
         y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
         assert y.grad_fn.name().startswith("FlashAttentionMemoryBackward")
-    assert torch.nn.functional.scaled_dot_product_attention is original  # and put back
+    assert torch._C._len_torch_function_stack() == 0  # and gone after the block
 
 
 def test_cuda_emulation_drops_the_score_matrix(tiny):

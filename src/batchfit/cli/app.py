@@ -3,6 +3,7 @@ layer (``search/_probe.py``); this file parses options and checks them before an
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
@@ -59,6 +60,30 @@ def _engine(value: str) -> Engine:
     return cast(Engine, check_choice("--engine", value, ENGINES))
 
 
+EngineO = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="trace (default: a dry run of the real step on fake tensors; the analytic engine "
+        "answers, and says so, without torch) | analytic (formulas, no torch import)",
+    ),
+]
+NoCacheO = Annotated[
+    bool,
+    typer.Option(
+        "--no-cache",
+        help="Trace again instead of reading dry-run results cached on disk (user cache dir).",
+    ),
+]
+
+
+def _cache_switch(no_cache: bool) -> contextlib.AbstractContextManager[Any]:
+    """The trace cache off for this command when --no-cache is given."""
+    from batchfit import _cache
+
+    return _cache.disabled() if no_cache else contextlib.nullcontext()
+
+
 def _emit_json(obj: dict[str, Any]) -> None:
     import json
 
@@ -108,13 +133,8 @@ def estimate(
             "--grad-accum", help="Accumulation steps: above 1, gradients live through forward."
         ),
     ] = 1,
-    engine: Annotated[
-        str,
-        typer.Option(
-            help="trace (a dry run of the real step on fake tensors) | analytic "
-            "(formulas, no torch import)"
-        ),
-    ] = "trace",
+    engine: EngineO = "trace",
+    no_cache: NoCacheO = False,
     explain: Annotated[
         bool,
         typer.Option(
@@ -126,6 +146,7 @@ def estimate(
     """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
     from batchfit.cli import render
     from batchfit.hardware import get_gpu
+    from batchfit.memory._device import fits_on_card
     from batchfit.memory.estimate import estimate as run_estimate
     from batchfit.models import resolve_model
 
@@ -138,16 +159,17 @@ def estimate(
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
     gpu_spec = get_gpu(gpu) if gpu else None
     info = resolve_model(model, setup.task)
-    result = run_estimate(
-        info,
-        setup,
-        micro_batch_size=micro_batch,
-        seq_len=seq_len,
-        device="cpu" if device == "cpu" else "cuda",
-        gpu=gpu_spec,
-        engine=engine_name,
-        grad_accum_steps=grad_accum,
-    )
+    with _cache_switch(no_cache):
+        result = run_estimate(
+            info,
+            setup,
+            micro_batch_size=micro_batch,
+            seq_len=seq_len,
+            device="cpu" if device == "cpu" else "cuda",
+            gpu=gpu_spec,
+            engine=engine_name,
+            grad_accum_steps=grad_accum,
+        )
     if result.engine == "trace":
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
     if as_json:
@@ -155,7 +177,7 @@ def estimate(
         if gpu_spec is not None:
             data["gpu_bytes"] = gpu_spec.memory_bytes
             data["headroom_bytes"] = gpu_spec.memory_bytes - result.device_total_bytes
-            data["fits"] = data["headroom_bytes"] >= 0
+            data["fits"] = fits_on_card(result.device_total_bytes, gpu_spec.memory_bytes)
         _emit_json(data)
     else:
         render.estimate(result, info, gpu_spec, explain=explain)
@@ -227,13 +249,8 @@ def plan(
         ),
     ] = None,
     headroom: Headroom = "0.5GiB",
-    engine: Annotated[
-        str,
-        typer.Option(
-            help="analytic (default: formulas, no torch import) | trace (fits the micro-batch "
-            "with dry runs; the alternatives table stays analytic)"
-        ),
-    ] = "analytic",
+    engine: EngineO = "trace",
+    no_cache: NoCacheO = False,
     export_kind: Annotated[
         str | None,
         typer.Option("--export", help="hf|deepspeed|accelerate|lightning"),
@@ -263,19 +280,20 @@ def plan(
     gpu_spec = get_gpu(gpu)
     info = resolve_model(model, setup.task)
     check_workload(info, micro_batch or 1, seq_len)
-    result = make_plan(
-        info,
-        gpu_spec,
-        setup,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        global_batch_tokens=global_batch_tokens,
-        micro_batch_size=micro_batch,
-        base_lr=base_lr,
-        base_batch=base_batch,
-        headroom_bytes=headroom_bytes,
-        engine=engine_name,
-    )
+    with _cache_switch(no_cache):
+        result = make_plan(
+            info,
+            gpu_spec,
+            setup,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            global_batch_tokens=global_batch_tokens,
+            micro_batch_size=micro_batch,
+            base_lr=base_lr,
+            base_batch=base_batch,
+            headroom_bytes=headroom_bytes,
+            engine=engine_name,
+        )
     exports, export_text = _exports(result, export_kind, out)
     if as_json:
         _emit_json({**result.to_json(), "exports": exports})
@@ -326,6 +344,8 @@ def gpus(
         typer.Option("--seq-len", "-s", help="Tokens per sample (needed with MODEL)."),
     ] = None,
     headroom: Annotated[str, typer.Option("--headroom", help="Free memory to keep.")] = "0.5GiB",
+    engine: EngineO = "trace",
+    no_cache: NoCacheO = False,
     as_json: JsonO = False,
 ) -> None:
     """List the catalog GPUs; with MODEL --seq-len, what fits on each of them."""
@@ -350,7 +370,16 @@ def gpus(
     headroom_bytes = parse_size(headroom, what="--headroom")
     info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
-    rows = fit_table(info, setup, gpu_list, seq_len=seq_len, headroom_bytes=headroom_bytes)
+    engine_name = _engine(engine)
+    with _cache_switch(no_cache):
+        rows = fit_table(
+            info,
+            setup,
+            gpu_list,
+            seq_len=seq_len,
+            headroom_bytes=headroom_bytes,
+            engine=engine_name,
+        )
     if as_json:
         _emit_json({"model": info.name, "seq_len": seq_len, "gpus": [r.to_json() for r in rows]})
     else:

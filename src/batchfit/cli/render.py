@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit._units import gib, gib_figure, human_count
+from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
@@ -123,20 +123,45 @@ def estimate(
                 table.add_row(escape(name) or "(model)", gib_figure(num_bytes, 3))
             out.print(table)
     if gpu is not None:
-        free = gpu.memory_bytes - est.device_total_bytes
-        from batchfit.plan import DEFAULT_HEADROOM_BYTES
-
-        verdict = "[green]fits[/]" if free >= 0 else "[red]does not fit[/]"
-        if 0 <= free < DEFAULT_HEADROOM_BYTES:
-            verdict = (
-                "[yellow]fits, with less than the "
-                f"{gib(DEFAULT_HEADROOM_BYTES)} headroom `plan` keeps[/]"
-            )
-        out.print(
-            f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {verdict} "
-            f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))})"
-        )
+        out.print(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
     _warn(est.warnings)
+
+
+def fit_verdict(est: MemoryEstimate, gpu: GpuSpec) -> str:
+    """``fits`` only when the device total leaves memory free (``fits_on_card``), and says how much.
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.spec import TrainingSetup
+        >>> t4 = get_gpu("t4")
+        >>> full = MemoryEstimate("m", "analytic", "cuda:t4", 1, 8, TrainingSetup(), {}, 0, 0,
+        ...                       t4.memory_bytes, 0, 0, "backward")
+        >>> fit_verdict(full, t4)
+        '[red]does not fit[/] (no headroom: the card is full)'
+    """
+    from batchfit.memory._device import fits_on_card
+    from batchfit.plan import DEFAULT_HEADROOM_BYTES
+
+    free = gpu.memory_bytes - est.device_total_bytes
+    if not fits_on_card(est.device_total_bytes, gpu.memory_bytes):
+        if free == 0:
+            return "[red]does not fit[/] (no headroom: the card is full)"
+        return f"[red]does not fit[/] (short by {_amount(-free)})"
+    if free < DEFAULT_HEADROOM_BYTES:
+        return (
+            f"[yellow]fits, with less than the {gib(DEFAULT_HEADROOM_BYTES)} headroom "
+            f"`plan` keeps[/] (headroom {_amount(free)})"
+        )
+    return f"[green]fits[/] (headroom {_amount(free)})"
+
+
+def _amount(num_bytes: int) -> str:
+    """A positive amount that never prints as zero: GiB, else MiB, else bytes."""
+    if num_bytes >= BYTES_IN_GIB // 100:
+        return gib(num_bytes)
+    if num_bytes >= BYTES_IN_MIB:
+        return f"{num_bytes / BYTES_IN_MIB:.1f} MiB"
+    return f"{num_bytes:,} B"
 
 
 def plan(p: Plan, info: ModelInfo) -> None:

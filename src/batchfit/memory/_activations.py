@@ -342,9 +342,7 @@ def _final_norm(
     return final, line
 
 
-def _loss(
-    model: ModelInfo, rg: Regime, tokens: int, loop: str
-) -> tuple[float, float, list[Line]]:
+def _loss(model: ModelInfo, rg: Regime, tokens: int, loop: str) -> tuple[float, float, list[Line]]:
     """Logits and loss buffers held through backward, and the extra at its start."""
     if model.task == "classification":
         return 0.0, 0.0, []

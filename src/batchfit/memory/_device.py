@@ -1,8 +1,8 @@
 """What the device adds to a step's allocated peak, and the ``MemoryEstimate`` that reports it.
 
 Every engine (formulas, a trace of a Hugging Face model, a trace of the user's module) ends the
-same way: cuBLAS workspaces inside the allocator, the caching allocator's reserve capped by the
-card, the CUDA context and NCCL buffers outside it. This module is that ending, written once.
+same way: cuBLAS workspaces inside the allocator, the caching allocator's reserve (never capped by
+the card), the CUDA context and NCCL buffers outside it. This module is that ending, written once.
 """
 
 from __future__ import annotations
@@ -80,24 +80,20 @@ def workspace_line(workspace: int) -> Line:
     )
 
 
-def cap_reserved(peak: int, reserved: int, gpu: GpuSpec | None, outside_allocator: int) -> int:
-    """What the caching allocator reserves on a real card of ``gpu``'s size.
+def fits_on_card(device_total_bytes: int, gpu_bytes: int, headroom_bytes: int = 0) -> bool:
+    """Whether a step fits: its whole device total, plus ``headroom_bytes``, within the card.
 
-    When a cudaMalloc fails, PyTorch's allocator frees its cached, unused segments and retries
-    before raising out-of-memory (``release_cached_blocks`` in CUDACachingAllocator.cpp). So a
-    step whose allocated peak fits never fails for cached memory alone: the reserve fills up to
-    the card and stops there.
+    Nothing of the reserve is cut to make it fit, and a fit leaves something free: a step that
+    fills the card to the byte does not fit (any allocation outside the estimate fails it).
 
     Example:
-        >>> cap_reserved(10, 15, None, 0), cap_reserved(30 << 30, 45 << 30, None, 0) > 0
-        (15, True)
+        >>> fits_on_card(11 << 30, 12 << 30), fits_on_card(12 << 30, 12 << 30)
+        (True, False)
+        >>> fits_on_card(11 << 30, 12 << 30, headroom_bytes=2 << 30)
+        False
     """
-    if gpu is None:
-        return reserved
-    capacity = gpu.memory_bytes - outside_allocator
-    if peak <= capacity < reserved:
-        return capacity
-    return reserved
+    free_bytes = gpu_bytes - device_total_bytes
+    return free_bytes > 0 and free_bytes >= headroom_bytes
 
 
 def analytic_reserve(peak: int) -> int:
@@ -124,15 +120,16 @@ class DeviceTotals:
 def device_totals(
     peak: int, reserved: int, device: Device, gpu: GpuSpec | None, setup: TrainingSetup
 ) -> DeviceTotals:
-    """``reserved`` (an engine's guess) capped by the card, plus the costs outside the allocator.
+    """``reserved`` (an engine's guess), plus the costs outside the allocator.
 
+    The reserve is never capped by the card: when the allocator would have to free its cache to
+    fit, the step runs at the edge, and a verdict "fits" must not rest on that (issue 10).
     On the CPU nothing is added: reserved and device total are the peak.
     """
     if device != "cuda":
         return DeviceTotals(peak, peak)
     extras = gpu_extras(gpu, setup)
-    capped = cap_reserved(peak, reserved, gpu, extras.context + extras.nccl)
-    return DeviceTotals(peak, capped, extras.context, extras.nccl)
+    return DeviceTotals(peak, reserved, extras.context, extras.nccl)
 
 
 def device_name(device: Device, gpu: GpuSpec | None) -> str:

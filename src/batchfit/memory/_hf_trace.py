@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
@@ -10,21 +13,12 @@ from typing import Any, Literal, cast
 import torch
 from torch._subclasses import fake_tensor
 
-from batchfit._units import BYTES_IN_MIB
-from batchfit.errors import UsageError
-from batchfit.hardware import GpuSpec
-from batchfit.memory import analytic, trace
+from batchfit.memory import trace
 from batchfit.memory._activations import EAGER_ONLY_TYPES
 from batchfit.memory._device import (
     CUBLAS_HANDLES,
-    DeviceTotals,
-    StepMemory,
-    assemble,
-    device_totals,
-    gpu_extras,
 )
 from batchfit.memory._optim import make_optimizer
-from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 
@@ -42,7 +36,7 @@ TRACE_LIMITS: tuple[type[Exception], ...] = (
 )
 
 
-def _is_trace_limit(exc: BaseException) -> bool:
+def is_trace_limit(exc: BaseException) -> bool:
     """Whether ``exc`` says the dry run cannot model this step (not a bug to raise)."""
     if isinstance(exc, TRACE_LIMITS):
         return True
@@ -51,44 +45,18 @@ def _is_trace_limit(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "on meta tensors" in str(exc)
 
 
-# Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
-# alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
-DEPTHS = (1, 2)
-ALTERNATING_DEPTHS = (2, 4)
-
-
-def trace_depths(model: ModelInfo) -> tuple[int, int]:
-    """The two depths to trace ``model`` at before extrapolating."""
-    layer_types = model.config.get("layer_types")
-    alternating = model.arch.model_type in ("gemma2", "gemma3_text") or (
-        isinstance(layer_types, list) and len(set(layer_types)) > 1
-    )
-    return ALTERNATING_DEPTHS if alternating else DEPTHS
-
-
-def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
-    """Why the trace cannot model this setup yet (then the analytic engine answers)."""
-    if setup.method == "qlora":
-        return "QLoRA needs bitsandbytes' 4-bit layers"
-    if model.arch.num_experts:
-        return "MoE routing has data-dependent shapes"
-    if setup.precision == "fp16":
-        return "fp16 with an fp32 master copy is DeepSpeed's optimizer wrapper"
-    if setup.sharding not in ("none", "ddp") or setup.offload != "none":
-        return f"--sharding {setup.sharding} / --offload {setup.offload}"
-    if setup.num_gpus > 1:
-        return "several GPUs"
-    return None
-
-
 def _config(model: ModelInfo, depth: int | None) -> Any:
     from batchfit.models import _meta
 
     cfg = _meta.make_config(model.config, model.task)
     if depth is not None:
         if model.arch.family == "encoder-decoder":
-            cfg.num_layers = depth
-            cfg.num_decoder_layers = depth
+            # Both stacks, under the config's own names: T5 num_layers / num_decoder_layers,
+            # BART encoder_layers / decoder_layers.
+            from batchfit.models._config import LAYER_KEYS
+
+            for key in LAYER_KEYS & model.config.keys():
+                setattr(cfg, key, depth)
         else:
             cfg.num_hidden_layers = depth
         layer_types = getattr(cfg, "layer_types", None)
@@ -98,7 +66,12 @@ def _config(model: ModelInfo, depth: int | None) -> Any:
 
 
 def _attn_impl(model: ModelInfo, attention: str) -> str:
-    if attention in ("sdpa", "flash"):
+    """The implementation the traced model is built with for a resolved ``attention``.
+
+    The probe hands over ``TrainingSetup.resolved``'s attention, where ``auto`` is already
+    ``sdpa``: a model class without SDPA is built eager, as transformers would choose.
+    """
+    if attention in ("sdpa", "flash") and model.supports_sdpa:
         # On fake CPU tensors SDPA takes the CPU flash kernel, which keeps what CUDA's flash
         # kernel keeps: the output and an fp32 log-sum-exp per head (DESIGN.md).
         if model.arch.model_type in EAGER_ONLY_TYPES:
@@ -242,6 +215,32 @@ def step_parts(
     return StepParts(net, opt, batch_fn(model, micro, seq), autocast)
 
 
+_BUILT: collections.OrderedDict[str, torch.nn.Module] = collections.OrderedDict()
+_BUILT_KEEP = 8  # meta models are a few KB of Python objects each
+
+
+def _meta_build(
+    model: ModelInfo, setup: TrainingSetup, depth: int | None, cuda_policy: bool
+) -> torch.nn.Module:
+    """A fresh copy of the model built on the meta device.
+
+    Building from the config (and wrapping with peft) costs tenths of a second; a plan traces
+    the same model at several sizes, so a built model is kept and deep-copied (milliseconds).
+    """
+    key = json.dumps(
+        [model.name, model.config, model.task, repr(setup), depth, cuda_policy],
+        sort_keys=True,
+        default=str,
+    )
+    if key not in _BUILT:
+        with torch.device("meta"):
+            _BUILT[key] = _build(model, setup, depth, cuda_policy=cuda_policy)
+        while len(_BUILT) > _BUILT_KEEP:
+            _BUILT.popitem(last=False)
+    _BUILT.move_to_end(key)
+    return copy.deepcopy(_BUILT[key])
+
+
 def trace_once(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -249,11 +248,12 @@ def trace_once(
     micro: int,
     seq: int,
     device: Literal["cpu", "cuda"],
-    gpu: GpuSpec | None,
+    workspace: int,
     depth: int | None,
     grad_accum_steps: int,
 ) -> trace.TraceResult:
-    """One dry run at ``depth`` layers (None = the real depth)."""
+    """One dry run at ``depth`` layers (None = the real depth); on CUDA the cuBLAS
+    ``workspace`` bytes are allocated first, as the first matmul does."""
     from batchfit.memory.kernels import emulation
 
     emulate_cuda = device == "cuda"
@@ -261,15 +261,13 @@ def trace_once(
 
     def cuda_workspaces(tracker: Any) -> None:
         if emulate_cuda:
-            workspace = gpu_extras(gpu, setup).workspace
             for _ in range(CUBLAS_HANDLES):
                 keep.append(torch.empty(workspace // CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
     kernels = emulation(emulate_cuda)
     with trace.quiet():
-        with torch.device("meta"):
-            net = _build(model, setup, depth, cuda_policy=emulate_cuda)
+        net = _meta_build(model, setup, depth, emulate_cuda)
         with trace.fake_mode(), kernels:
             parts = step_parts(
                 model,
@@ -294,153 +292,3 @@ def trace_once(
 
         result = replace(result, reserved_bytes=simulate(result.events).reserved_bytes)
     return result
-
-
-def estimate_trace(
-    model: ModelInfo,
-    setup: TrainingSetup,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    device: Literal["cpu", "cuda"],
-    gpu: GpuSpec | None,
-    grad_accum_steps: int = 1,
-    full_depth: bool = False,
-) -> MemoryEstimate:
-    """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
-    resolved = analytic.resolve_setup(model, setup, device, gpu)
-    formulas = analytic.estimate_analytic(
-        model,
-        setup,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        device=device,
-        gpu=gpu,
-        grad_accum_steps=grad_accum_steps,
-    )
-    why_not = unsupported(model, resolved)
-    if resolved.is_lora:  # bad targets are the user's error, before any trace
-        model.lora_params(resolved.lora_rank, resolved.lora_targets)
-    if why_not is None:
-        try:
-            traced = _estimate_traced(
-                model,
-                resolved,
-                micro_batch_size=micro_batch_size,
-                seq_len=seq_len,
-                device=device,
-                gpu=gpu,
-                grad_accum_steps=grad_accum_steps,
-                full_depth=full_depth,
-            )
-        except UsageError:
-            raise
-        except Exception as e:
-            if not _is_trace_limit(e):
-                raise
-            first_line = (str(e).splitlines() or [""])[0][:160]
-            why_not = f"the dry run failed ({type(e).__name__}: {first_line})"
-        else:
-            # The formulas' checks of the setup (bf16 support, kernels) apply to the trace too.
-            return replace(traced, warnings=tuple(dict.fromkeys(formulas.warnings)))
-    return replace(
-        formulas,
-        warnings=(
-            f"the trace engine cannot run this setup yet: {why_not}; the analytic engine answered",
-            *formulas.warnings,
-        ),
-    )
-
-
-def _estimate_traced(
-    model: ModelInfo,
-    resolved: TrainingSetup,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    device: Literal["cpu", "cuda"],
-    gpu: GpuSpec | None,
-    grad_accum_steps: int,
-    full_depth: bool,
-) -> MemoryEstimate:
-    depth = model.arch.num_layers
-    kw: dict[str, Any] = {
-        "micro": micro_batch_size,
-        "seq": seq_len,
-        "device": device,
-        "gpu": gpu,
-        "grad_accum_steps": min(grad_accum_steps, 2),
-    }
-    low, high = trace_depths(model)
-    notes = []
-    if full_depth or depth <= high:
-        result = trace_once(model, resolved, depth=None, **kw)
-    else:
-        shallow = trace_once(model, resolved, depth=low, **kw)
-        deep = trace_once(model, resolved, depth=high, **kw)
-        result = trace.extrapolate(shallow, deep, low, high, depth)
-        notes.append(f"traced {low} and {high} layers, extrapolated to {depth}")
-    components = dict(result.peak.components)
-    peak_bytes = sum(components.values())
-    reserved = max(result.reserved_bytes, peak_bytes)
-    totals = device_totals(peak_bytes, reserved, device, gpu, resolved)
-    trainable = _trainable(model, resolved)
-    step = StepMemory(
-        components=components,
-        peak_phase=result.peak.phase,
-        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
-        total_params=model.total_params + (trainable if resolved.is_lora else 0),
-        trainable_params=trainable,
-        lines=_trace_lines(components, result.peak.phase, totals, device),
-        warnings=tuple(model.warnings),
-        extras={
-            "top_modules": list(result.top_modules),
-            "trace_seconds": result.seconds,
-            "peak_moment": result.peak.describe(),
-            "notes": notes,
-        },
-    )
-    return assemble(
-        step,
-        totals,
-        model=model.name,
-        engine="trace",
-        setup=resolved,
-        workload=(micro_batch_size, seq_len),
-        device=device,
-        gpu=gpu,
-    )
-
-
-def _trace_lines(
-    components: dict[str, int], phase: str, totals: DeviceTotals, device: str
-) -> tuple[Line, ...]:
-    """The accounting of a traced step: components at the peak, then the device's totals."""
-    lines = [
-        Line(c, f"at the peak ({phase})", v, "counted in a dry run of the real step")
-        for c, v in components.items()
-    ]
-    if device == "cuda":
-        lines.append(
-            Line(
-                "other",
-                "allocator: reserved beyond allocated",
-                totals.reserved - totals.peak,
-                "caching allocator simulation (segments, rounding, splits)",
-            )
-        )
-        lines.append(
-            Line(
-                "other",
-                "CUDA context (outside the allocator)",
-                totals.context,
-                f"{totals.context // BYTES_IN_MIB} MiB",
-            )
-        )
-    return tuple(lines)
-
-
-def _trainable(model: ModelInfo, setup: TrainingSetup) -> int:
-    if setup.is_lora:
-        return model.lora_params(setup.lora_rank, setup.lora_targets)
-    return model.total_params

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "other")
+from batchfit.memory._trace_result import CATEGORIES
 
 
 @dataclass

@@ -22,7 +22,6 @@ from batchfit.memory._device import (
     StepMemory,
     analytic_reserve,
     assemble,
-    cap_reserved,
     device_totals,
     gpu_extras,
     workspace_line,
@@ -44,7 +43,6 @@ __all__ = [
     "CUBLAS_HANDLES",
     "NF4_BYTES_PER_PARAM",
     "ParamBytes",
-    "cap_reserved",
     "estimate_analytic",
     "optimizer_state_bytes",
     "param_bytes",
@@ -55,9 +53,15 @@ __all__ = [
 def resolve_setup(
     model: ModelInfo, setup: TrainingSetup, device: Device, gpu: GpuSpec | None
 ) -> TrainingSetup:
-    """``setup`` made concrete for ``model`` on ``device``: precision, attention, sharding, task."""
+    """``setup`` made concrete for ``model`` on ``device``: precision, attention, sharding, task.
+
+    Attention is resolved for the model class (``ModelInfo.resolve_attention``): ``auto`` on
+    DeBERTa is eager, as transformers runs it.
+    """
     bf16_ok = gpu.bf16 if gpu else True
-    return replace(setup.resolved(device=device, bf16_supported=bf16_ok), task=model.task)
+    resolved = setup.resolved(device=device, bf16_supported=bf16_ok)
+    attention = model.resolve_attention(setup.attention)
+    return replace(resolved, attention=attention, task=model.task)
 
 
 def estimate_analytic(

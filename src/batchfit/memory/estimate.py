@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -13,6 +14,19 @@ from batchfit.spec import TrainingSetup
 
 Engine = Literal["analytic", "trace"]
 ENGINES: tuple[str, ...] = get_args(Engine)
+
+
+def usable_engine(engine: str) -> tuple[str, str | None]:
+    """``engine``, or the analytic one when the trace engine cannot run here, with why.
+
+    Checked without importing torch (``importlib.util.find_spec``).
+    """
+    if engine == "trace" and importlib.util.find_spec("torch") is None:
+        return "analytic", (
+            "torch is not installed: the analytic engine answered (formulas); install torch "
+            "for the trace engine, a dry run of the real step"
+        )
+    return engine, None
 
 
 # 2**40 tokens in one micro-batch: petabytes of activations, far past any device, and below
@@ -127,8 +141,11 @@ def estimate(
         "gpu": gpu,
         "grad_accum_steps": grad_accum_steps,
     }
+    engine, engine_note = usable_engine(engine)  # type: ignore[assignment]
+    if engine_note:
+        warnings.insert(0, engine_note)
     if engine == "trace":
-        from batchfit.memory._hf_trace import estimate_trace
+        from batchfit.memory._trace_estimate import estimate_trace
 
         result = estimate_trace(model, setup, **kwargs)
     else:

@@ -1,10 +1,11 @@
 """The largest micro-batch under a memory budget, from a few traced batch sizes.
 
-Within one phase of a step, memory is affine in the micro-batch (weights and states fixed,
-activations and their transients proportional to it), but the peak is the largest of several
-phases (the optimizer step does not grow with the batch; backward does). So each phase is fitted
-separately over traced sizes 1 and 2, the largest size whose every phase fits is solved for, and
-a trace at that size confirms it (stepping down while the confirmation overshoots).
+Within one moment of a step (the start of backward, its end, the optimizer step, ...) memory
+is affine in the micro-batch: weights and states are fixed, activations and their transients
+grow with it. The peak is the largest moment, so each moment's line is fitted through traced
+sizes 1 and 2, the largest size under every line is solved for, and traces at that size (it
+must fit) and the next (it must not) confirm it. Where a confirmation disagrees, the search
+narrows the bracket with the secant through the sizes traced on both sides.
 """
 
 from __future__ import annotations
@@ -31,13 +32,49 @@ def _total(est: MemoryEstimate) -> int:
     return est.device_total_bytes
 
 
+def _by_lines(one: MemoryEstimate, two: MemoryEstimate, budget: int, limit: int) -> int | None:
+    """The largest size under every moment's line through sizes 1 and 2 (None: no lines)."""
+    lines = moment_lines(one, two)
+    if lines is None:
+        return None
+    outside = two.device_total_bytes - two.peak_bytes  # allocator reserve, context, NCCL
+    best = limit
+    for at_one, slope in lines:
+        if slope > 0:
+            best = min(best, math.floor((budget - outside - at_one) / slope) + 1)
+    return max(best, 1)
+
+
+def moment_lines(one: MemoryEstimate, two: MemoryEstimate) -> list[tuple[int, int]] | None:
+    """Each peak moment's (bytes at size 1, bytes per sample) from traces at sizes 1 and 2."""
+    low, high = one.extras.get("moments"), two.extras.get("moments")
+    if not isinstance(low, dict) or not isinstance(high, dict) or set(low) != set(high):
+        return None
+    return [(at_one, high[key] - at_one) for key, at_one in low.items()]
+
+
+def predict(
+    one: MemoryEstimate, two: MemoryEstimate, budget_bytes: int, limit: int = 1 << 16
+) -> tuple[int, int] | None:
+    """The largest size within budget by the moments' lines, and its device total by them
+    (None without lines); no trace confirms it, so it is for what-ifs, not for the plan."""
+    if one.device_total_bytes > budget_bytes:
+        return 0, one.device_total_bytes
+    lines = moment_lines(one, two)
+    best = _by_lines(one, two, budget_bytes, limit)
+    if lines is None or best is None:
+        return None
+    outside = two.device_total_bytes - two.peak_bytes
+    return best, outside + max(a + s * (best - 1) for a, s in lines)
+
+
 def fit_micro_batch(
-    estimate_at: Estimator, budget_bytes: int, *, limit: int = 1 << 16, max_traces: int = 8
+    estimate_at: Estimator, budget_bytes: int, *, limit: int = 1 << 16, max_traces: int = 10
 ) -> FitResult:
     """Largest micro-batch whose estimate's ``device_total_bytes`` stays within the budget.
 
-    ``estimate_at(b)`` returns the estimate at micro-batch ``b``. Typically 3-4 calls: b = 1, 2,
-    the secant's answer and its neighbour; the answer is always a size that was traced.
+    ``estimate_at(b)`` returns the estimate at micro-batch ``b``. Typically 4 calls: b = 1, 2,
+    the lines' answer and the size after it; the answer is always a size that was traced.
 
     Example:
         >>> from batchfit.memory.types import MemoryEstimate
@@ -60,34 +97,27 @@ def fit_micro_batch(
 
     if _total(at(1)) > budget_bytes:
         return FitResult(0, cache[1], tuple(traced))
-    lo, hi = 1, None  # largest size traced within budget, smallest traced over it
-    guess, predicted, slope = 2, None, 0.0
-    for _ in range(max_traces - 1):
-        guess = max(lo + 1, min(guess, limit, (hi or limit + 1) - 1))
-        if guess <= lo or (hi is not None and guess >= hi):
-            break
-        total = _total(at(guess))
-        if total <= budget_bytes:
+    lo, hi = 1, limit + 1  # largest size known to fit, smallest known not to (or past limit)
+    guess = 2
+    while hi - lo > 1 and len(cache) < max_traces:
+        guess = min(max(guess, lo + 1), hi - 1)
+        if _total(at(guess)) <= budget_bytes:
             lo = guess
-            # The secant predicted this size's memory and the next size is over budget:
-            # the law is confirmed where it matters, no further trace is needed.
-            confirmed = predicted is not None and abs(total - predicted) <= 0.005 * budget_bytes
-            if confirmed and total + slope > budget_bytes:
-                break
         else:
             hi = guess
-        if hi == lo + 1 or lo == limit:
-            break
-        # Memory is convex in the batch (the largest of affine phases): the secant through the
-        # bracket lies above it, so its crossing never overshoots; before a bracket exists the
-        # secant through the two largest fitting sizes extrapolates.
-        if hi is not None:
+        predicted = _by_lines(cache[1], cache[2], budget_bytes, limit) if 2 in cache else None
+        if predicted is not None and lo < predicted < hi and predicted not in cache:
+            guess = predicted  # the moments' lines: exact where memory is affine
+        elif hi <= limit:
+            # Memory is convex in the batch (the largest of affine moments): the secant
+            # through the bracket lies above it, so its crossing never overshoots.
             slope = (_total(cache[hi]) - _total(cache[lo])) / (hi - lo)
+            step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else 1
+            guess = lo + max(1, step)
         else:
-            prev = max(b for b in cache if b < lo)
-            slope = (_total(cache[lo]) - _total(cache[prev])) / (lo - prev)
-        step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else limit
-        guess = lo + max(1, step)
-        predicted = _total(cache[lo]) + slope * (guess - lo)
-    b = lo
-    return FitResult(b, at(b), tuple(traced))
+            prev = max(b for b in cache if b < lo) if lo > 1 else None
+            slope = (_total(cache[lo]) - _total(cache[prev])) / (lo - prev) if prev else 0.0
+            # flat so far (a constant moment on top): jump ahead, the bracket then narrows
+            step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else 15 * lo
+            guess = lo + max(1, step)
+    return FitResult(lo, at(lo), tuple(traced))

@@ -14,11 +14,13 @@ v2's fp32 ``dq_accum`` (like q) and ``softmax_d`` (fp32, b x heads x s) workspac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+# The function a mode intercepts; never reassigned, so user code always sees torch's own.
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
 class FlashAttentionMemory(torch.autograd.Function):
@@ -53,17 +55,6 @@ def _cuda_sdpa(
 ) -> torch.Tensor:
     result: torch.Tensor = FlashAttentionMemory.apply(query, key, value)  # type: ignore[no-untyped-call, unused-ignore]
     return result
-
-
-@contextlib.contextmanager
-def cuda_kernels() -> Iterator[None]:
-    """Within the block, SDPA allocates as CUDA's flash / memory-efficient kernels do."""
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _cuda_sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 # Ops CUDA autocast runs in fp32 that CPU autocast leaves in the input's 16-bit dtype
@@ -116,34 +107,57 @@ def _upcast(value: Any) -> Any:
     return value
 
 
-class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
-    """Applies CUDA autocast's fp32 list on top of CPU autocast, above autograd.
+class _CudaEmulation(torch.overrides.TorchFunctionMode):
+    """CUDA's SDPA kernels and autocast policy, as a torch-function mode above autograd.
 
-    Casting here (not at the dispatch level) records the cast in autograd, so what backward
-    saves is the fp32 copy, as under CUDA autocast.
+    A mode acts only while it is entered, on this thread, and is popped when its block exits
+    however it exits: nothing outside the block (the user's ``model_fn``, a notebook after an
+    exception) sees a patched ``F.scaled_dot_product_attention``. Casting here (not at the
+    dispatch level) records the cast in autograd, so what backward saves is the fp32 copy, as
+    under CUDA autocast.
     """
+
+    def __init__(self, *, sdpa: bool, autocast_policy: bool) -> None:
+        super().__init__()
+        self.sdpa = sdpa
+        self.autocast_policy = autocast_policy
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.sdpa and func is _ORIGINAL_SDPA:
+            return _cuda_sdpa(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if torch.is_autocast_enabled("cpu") and name in _CUDA_ONLY_FP32:
+        if self.autocast_policy and torch.is_autocast_enabled("cpu") and name in _CUDA_ONLY_FP32:
             args = _upcast(args)
             if name in ("softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod"):
                 kwargs = {**kwargs, "dtype": kwargs.get("dtype") or torch.float32}
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def cuda_autocast_policy() -> Iterator[None]:
-    """Within the block, CPU autocast also upcasts what CUDA autocast runs in fp32."""
-    with _CudaAutocastPolicy():
-        yield
+def cuda_kernels() -> contextlib.AbstractContextManager[Any]:
+    """Within the block, SDPA allocates as CUDA's flash / memory-efficient kernels do."""
+    return _CudaEmulation(sdpa=True, autocast_policy=False)
+
+
+def cuda_autocast_policy() -> contextlib.AbstractContextManager[Any]:
+    """Within the block, CUDA's kernels, and CPU autocast also upcasts what CUDA's runs in fp32.
+
+    Torch-function modes are not active while backward recomputes a checkpointed layer, so the
+    recompute enters this (``context_fn``): it brings the SDPA kernels too, as the forward had.
+    """
+    return _CudaEmulation(sdpa=True, autocast_policy=True)
 
 
 def emulation(emulate_cuda: bool) -> contextlib.AbstractContextManager[Any]:
-    """CUDA's kernels and autocast policy for a dry run that stands for a CUDA run."""
-    stack = contextlib.ExitStack()
+    """CUDA's kernels and autocast policy for a dry run that stands for a CUDA run.
+
+    Nothing happens until the block is entered, and nothing is left when it exits.
+
+    Example:
+        >>> kernels = emulation(True)  # not entered yet: SDPA is torch's own
+        >>> F.scaled_dot_product_attention is _ORIGINAL_SDPA
+        True
+    """
     if emulate_cuda:
-        stack.enter_context(cuda_kernels())
-        stack.enter_context(cuda_autocast_policy())
-    return stack
+        return cuda_autocast_policy()
+    return contextlib.nullcontext()

@@ -1,7 +1,7 @@
 """The trace engine: run the real training step on fake tensors and count every allocation.
 
 The real transformers model, the real loss, ``backward()``, the real optimizer's ``step()`` and
-``zero_grad(set_to_none=True)``, twice (optimizers allocate state on the first step), under
+``zero_grad(set_to_none=True)`` (a first optimizer step on zero gradients creates the state), under
 ``FakeTensorMode`` on the CPU: shapes and dtypes are real, no memory is. Deep homogeneous stacks
 are traced at two depths and extrapolated per layer, so a 70B model costs what 4 layers cost.
 """
@@ -12,77 +12,25 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from batchfit.memory._tracker import CATEGORIES, AllocationTracker, Timeline
+from batchfit.memory._trace_result import PHASES, PhaseResult, TraceResult, extrapolate
+from batchfit.memory._tracker import AllocationTracker, Timeline
 from batchfit.spec import Loop
 
-PHASES = ("forward", "backward", "optimizer-step", "zero-grad")
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    """Components at one moment's peak (bytes).
-
-    ``phase`` is forward, backward, optimizer-step or zero-grad; ``moment`` says which part of
-    it (``s2m1`` = step 2, first micro-step; ``.head``, ``.0top``, ``.0bottom``, ``.0below`` = in
-    backward, before the layer stack, in its top layer, in its bottom layer, below it).
-    """
-
-    phase: str
-    components: dict[str, int]
-    moment: str = ""
-
-    @property
-    def total(self) -> int:
-        return sum(self.components.values())
-
-    @property
-    def key(self) -> str:
-        return f"{self.phase}|{self.moment}"
-
-    def describe(self) -> str:
-        """The moment in words, e.g. "backward (step 2, in the top layer)"."""
-        head, _, where = self.moment.partition(".")
-        parts = []
-        if head.startswith("s"):
-            step, _, micro = head[1:].partition("m")
-            parts.append(f"step {step}")
-            if micro == "2":
-                parts.append("a later micro-step, gradients held")
-        if where:
-            stack = where.rstrip("abcdefghijklmnopqrstuvwxyz")
-            name = where[len(stack) :]
-            layer = _WHERE.get(name, name)
-            parts.append(f"{layer} of stack {int(stack) + 1}" if stack not in ("", "0") else layer)
-        return f"{self.phase} ({', '.join(parts)})" if parts else self.phase
-
-
-_WHERE = {
-    "head": "before the layer stack (loss, head)",
-    "top": "in the top layer",
-    "middle": "in a middle layer",
-    "bottom": "in the bottom layer",
-    "below": "below the layer stack (embeddings)",
-}
-
-
-@dataclass(frozen=True)
-class TraceResult:
-    """What a traced step allocated: each moment's peak, and the overall peak."""
-
-    phases: tuple[PhaseResult, ...]
-    seconds: float
-    top_modules: tuple[tuple[str, int], ...] = ()
-    events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
-    reserved_bytes: int = 0  # from the caching allocator simulation (CUDA runs only)
-
-    @property
-    def peak(self) -> PhaseResult:
-        return max(self.phases, key=lambda p: p.total)
+__all__ = [
+    "PHASES",
+    "PhaseResult",
+    "TraceResult",
+    "extrapolate",
+    "fake_mode",
+    "layer_stacks",
+    "quiet",
+    "run_steps",
+    "training_steps",
+]
 
 
 def _autocast(
@@ -372,46 +320,6 @@ def _result(timeline: Timeline, seconds: float) -> TraceResult:
             by_module[name] = by_module.get(name, 0) + timeline.sizes[key]
     top = tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:10])
     return TraceResult(tuple(phases), seconds, top, tuple(timeline.events))
-
-
-def extrapolate(
-    shallow: TraceResult, deep: TraceResult, depth_shallow: int, depth_deep: int, depth: int
-) -> TraceResult:
-    """Per moment and category, extend two traces of a homogeneous stack to ``depth`` layers.
-
-    Each moment (the start of backward, its end, the optimizer step, ...) is a line in the
-    depth on its own; the peak is the largest moment at ``depth``. Extrapolating each phase's
-    peak instead mixes moments when the peak moves between the traced depths.
-    """
-    scale = (depth - depth_shallow) / (depth_deep - depth_shallow)
-    phases = []
-    deep_by = {p.key: p for p in deep.phases}
-    for low in shallow.phases:
-        high = deep_by.get(low.key)
-        if high is None:
-            continue
-        phases.append(
-            PhaseResult(
-                low.phase,
-                {
-                    c: max(
-                        0,
-                        round(low.components[c] + scale * (high.components[c] - low.components[c])),
-                    )
-                    for c in CATEGORIES
-                },
-                low.moment,
-            )
-        )
-    # The allocator's overhead (reserved beyond the peak) comes from how a few large blocks
-    # fit into segments, not from a per-layer term: extrapolating it amplifies noise, so the
-    # larger of the two traced overheads is carried over.
-    over_low = shallow.reserved_bytes - shallow.peak.total
-    over_high = deep.reserved_bytes - deep.peak.total
-    result = TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
-    if shallow.reserved_bytes or deep.reserved_bytes:
-        result = replace(result, reserved_bytes=result.peak.total + max(0, over_low, over_high))
-    return result
 
 
 def quiet() -> contextlib.AbstractContextManager[Any]:

@@ -21,13 +21,15 @@ from batchfit.errors import UsageError
 from batchfit.models._arch import (
     ENCODER_DECODER_TYPES,
     ENCODER_TYPES,
+    NO_SDPA_TYPES,
+    SHAPE_KEYS,
     Architecture,
     arch_from_config,
     default_task,
 )
 from batchfit.models._config import existing_path, hub_cache_config, read_config_file
 from batchfit.models._generic import generic_decoder_config, generic_rows
-from batchfit.spec import Task
+from batchfit.spec import Attention, Task
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -141,6 +143,33 @@ class ModelInfo:
     @property
     def total_params(self) -> int:
         return sum(g.total for g in self.params)
+
+    @property
+    def supports_sdpa(self) -> bool:
+        """Whether transformers' model class runs SDPA attention (its ``_supports_sdpa``)."""
+        return self.arch.model_type not in NO_SDPA_TYPES
+
+    def resolve_attention(self, requested: Attention) -> Attention:
+        """``--attention`` made concrete for this model class, as transformers resolves it.
+
+        ``auto`` is SDPA where the class supports it, else eager (transformers'
+        ``get_correct_attn_implementation``); other choices are kept.
+
+        Example:
+            >>> resolve_model("gpt2").resolve_attention("auto")
+            'sdpa'
+
+        Raises:
+            UsageError: ``sdpa`` asked of a model class without it (transformers raises too).
+        """
+        if requested == "auto":
+            return "sdpa" if self.supports_sdpa else "eager"
+        if requested == "sdpa" and not self.supports_sdpa:
+            raise UsageError(
+                f"--attention sdpa: transformers has no SDPA attention for "
+                f"{self.arch.model_type} models; use --attention eager (or auto)"
+            )
+        return requested
 
     def params_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KIND_ORDER, 0)
@@ -318,14 +347,8 @@ def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -
     )
 
 
-# Config keys that set each shape (first match wins in arch_from_config).
-_SHAPE_KEYS = {
-    "hidden size": ("hidden_size", "n_embd", "d_model", "dim"),
-    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-    "attention heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
-    "intermediate size": ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim"),
-    "vocabulary": ("vocab_size",),
-}
+# The shapes a minimal config.json may leave to transformers' defaults, said in a warning.
+_DEFAULTED_SHAPES = ("hidden size", "layers", "attention heads", "intermediate size", "vocabulary")
 
 
 def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
@@ -339,8 +362,8 @@ def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
     }
     missing = [
         f"{name} {values[name]}"
-        for name, keys in _SHAPE_KEYS.items()
-        if not any(k in raw for k in keys)
+        for name in _DEFAULTED_SHAPES
+        if not any(k in raw for k in SHAPE_KEYS[name])
     ]
     if not missing:
         return ()

@@ -37,6 +37,10 @@ LEARNED_POSITION_TYPES = frozenset(
         "albert",
         "bart",
         "mbart",
+        # Pegasus and Marian add fixed sinusoidal tables of max_position_embeddings rows: a
+        # hard limit on the sequence, as learned tables are (modeling_pegasus.py).
+        "pegasus",
+        "marian",
         "biogpt",
     }
 )
@@ -60,6 +64,112 @@ RMSNORM_TYPES = frozenset(
         "granite",
     }
 )
+# Model types whose transformers model class has ``_supports_sdpa = False`` (transformers
+# 5.23; tests/models/test_i10_attention.py checks this against the installed classes). Asked for
+# SDPA, transformers raises; left to choose, it runs eager attention. Kept as data so the
+# analytic engine knows without importing transformers.
+NO_SDPA_TYPES = frozenset(
+    {
+        "big_bird",
+        "bigbird_pegasus",
+        "bloom",
+        "canine",
+        "codegen",
+        "convbert",
+        "cpmant",
+        "deberta",
+        "deberta-v2",
+        "deepseek_v4",
+        "falcon_mamba",
+        "flaubert",
+        "flint",
+        "fnet",
+        "fsmt",
+        "funnel",
+        "gemma2",
+        "git",
+        "got_ocr2",
+        "gpt_neo",
+        "gpt_neox_japanese",
+        "gpt_oss",
+        "gptj",
+        "granite_swa",
+        "granitemoe_swa",
+        "hy_v4",
+        "ibert",
+        "inkling2_text",
+        "layoutlmv2",
+        "layoutlmv3",
+        "led",
+        "lilt",
+        "longformer",
+        "longt5",
+        "luke",
+        "mamba",
+        "mamba2",
+        "markuplm",
+        "megatron-bert",
+        "mimo_v2_flash",
+        "mpnet",
+        "mpt",
+        "mra",
+        "mvp",
+        "nllb-moe",
+        "nystromformer",
+        "openai-gpt",
+        "pegasus_x",
+        "perceiver",
+        "prophetnet",
+        "reformer",
+        "rembert",
+        "roformer",
+        "rwkv",
+        "squeezebert",
+        "switch_transformers",
+        "t5gemma",
+        "tapas",
+        "trocr",
+        "vaultgemma",
+        "xglm",
+        "xlm",
+        "xlnet",
+        "xlstm",
+        "yoso",
+    }
+)
+# The config keys that set each shape, first match wins; the one list both the reader below
+# and the value checks of _config.py use. Model types name a field apart: GPT-2 n_embd, T5
+# d_model / num_layers / num_heads / d_ff, BART d_model / encoder_layers /
+# encoder_attention_heads / encoder_ffn_dim (its decoder_* keys size the decoder).
+SHAPE_KEYS: dict[str, tuple[str, ...]] = {
+    "hidden size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers"),
+    "decoder layers": ("num_decoder_layers", "decoder_layers"),
+    "attention heads": (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+        "encoder_attention_heads",
+    ),
+    "decoder attention heads": ("decoder_attention_heads",),
+    "key/value heads": ("num_key_value_heads",),
+    "head size": ("head_dim", "d_kv"),
+    "intermediate size": (
+        "intermediate_size",
+        "n_inner",
+        "ffn_dim",
+        "d_ff",
+        "hidden_dim",
+        "encoder_ffn_dim",
+    ),
+    "decoder intermediate size": ("decoder_ffn_dim",),
+    "vocabulary": ("vocab_size",),
+    "positions": ("max_position_embeddings", "n_positions"),
+}
+# Of those, the counts of layers (module lists), as opposed to widths.
+DEPTH_SHAPES = ("layers", "decoder layers")
+
 # RoBERTa-style embeddings start positions at padding_idx + 1 = 2 (modeling_roberta.py).
 _POSITION_OFFSET = {"roberta": 2, "xlm-roberta": 2, "camembert": 2}
 
@@ -106,7 +216,7 @@ def _family(mt: str) -> str:
 
 def _positions(mt: str, cfg: dict[str, Any]) -> tuple[str, int | None]:
     """The position scheme and the longest sequence it has learned (None: no hard limit)."""
-    max_pos = _first(cfg, "max_position_embeddings", "n_positions")
+    max_pos = _first(cfg, *SHAPE_KEYS["positions"])
     if mt in LEARNED_POSITION_TYPES and max_pos is not None:
         return "learned", int(max_pos) - _POSITION_OFFSET.get(mt, 0)
     if mt in RELATIVE_POSITION_TYPES:
@@ -128,20 +238,19 @@ def _mlp(mt: str, family: str, cfg: dict[str, Any]) -> tuple[bool, str]:
     )
     if mt in ("t5", "mt5", "umt5"):
         return act.startswith("gated-"), act.removeprefix("gated-")
-    gated = mt not in LEARNED_POSITION_TYPES and family != "encoder" and not mt.startswith("t5")
+    # Learned-position decoders (GPT-2, OPT) and BART-style encoder-decoders use plain MLPs.
+    gated = family == "decoder" and mt not in LEARNED_POSITION_TYPES
     return gated, act
 
 
 def arch_from_config(cfg: dict[str, Any]) -> Architecture:
     """Normalise a config.json dict's field names (GPT-2, BERT, T5, OPT, Llama, ...)."""
     mt = cfg.get("model_type", "")
-    hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model", "dim"))
-    layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-    heads = int(_first(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"))
-    inter = _first(
-        cfg, "intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim"
-    )
-    kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+    hidden = int(_first(cfg, *SHAPE_KEYS["hidden size"]))
+    layers = int(_first(cfg, *SHAPE_KEYS["layers"]))
+    heads = int(_first(cfg, *SHAPE_KEYS["attention heads"]))
+    inter = _first(cfg, *SHAPE_KEYS["intermediate size"])
+    kv_heads = int(_first(cfg, *SHAPE_KEYS["key/value heads"], default=heads))
     if heads % kv_heads:
         raise UsageError(
             f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}: "
@@ -155,14 +264,14 @@ def arch_from_config(cfg: dict[str, Any]) -> Architecture:
         family=family,
         hidden_size=hidden,
         num_layers=layers,
-        num_decoder_layers=int(_first(cfg, "num_decoder_layers", default=layers))
+        num_decoder_layers=int(_first(cfg, *SHAPE_KEYS["decoder layers"], default=layers))
         if family == "encoder-decoder"
         else 0,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(_first(cfg, "head_dim", "d_kv", default=hidden // heads)),
+        head_dim=int(_first(cfg, *SHAPE_KEYS["head size"], default=hidden // heads)),
         intermediate_size=int(inter) if inter is not None else 4 * hidden,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=int(_first(cfg, *SHAPE_KEYS["vocabulary"])),
         max_positions=max_pos,
         positional=positional,
         gated_mlp=gated,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import UsageError
+from batchfit.models._arch import DEPTH_SHAPES, SHAPE_KEYS
 
 # Hugging Face config.json files are a few KiB; a sharded model's index is the largest JSON
 # beside them (about 100 KiB). Anything past this is not a config.
@@ -27,46 +28,10 @@ _MAX_WIDTH = 2**31 - 1
 # Counts that transformers turns into Python lists or module lists, one entry each.
 _MAX_REPEATS = 2**20
 
-# Keys that must be positive integers where present: the ones arch_from_config and the
-# common transformers configs read as sizes.
-_WIDTH_KEYS = frozenset(
-    {
-        "hidden_size",
-        "n_embd",
-        "d_model",
-        "dim",
-        "num_attention_heads",
-        "n_head",
-        "num_heads",
-        "n_heads",
-        "encoder_attention_heads",
-        "decoder_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "d_kv",
-        "intermediate_size",
-        "n_inner",
-        "ffn_dim",
-        "d_ff",
-        "hidden_dim",
-        "encoder_ffn_dim",
-        "decoder_ffn_dim",
-        "vocab_size",
-        "max_position_embeddings",
-        "n_positions",
-    }
-)
-LAYER_KEYS = frozenset(
-    {
-        "num_hidden_layers",
-        "n_layer",
-        "num_layers",
-        "n_layers",
-        "num_decoder_layers",
-        "encoder_layers",
-        "decoder_layers",
-    }
-)
+# Keys that must be positive integers where present: the shape keys arch_from_config reads
+# (one list, _arch.SHAPE_KEYS), split into layer counts and widths.
+LAYER_KEYS = frozenset(k for shape in DEPTH_SHAPES for k in SHAPE_KEYS[shape])
+_WIDTH_KEYS = frozenset(k for keys in SHAPE_KEYS.values() for k in keys) - LAYER_KEYS
 # Counts where 0 means "none" (a dense model has no experts).
 _COUNT_KEYS = frozenset({"num_local_experts", "num_experts", "num_experts_per_tok"})
 # Dropout probabilities (torch.nn.Dropout takes 0 <= p <= 1); null means "no dropout layer".

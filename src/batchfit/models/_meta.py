@@ -55,9 +55,26 @@ def make_config(config: dict[str, Any], task: str) -> Any:
             f"transformers cannot read this config (model_type {config.get('model_type')!r}): "
             f"{_first_sentence(e)}"
         ) from e
-    if task == "classification" and "num_labels" not in config and "id2label" not in config:
-        cfg.num_labels = 2
+    if task == "classification":
+        if "num_labels" not in config and "id2label" not in config:
+            cfg.num_labels = 2
+        # Sequence classification pools the last non-pad token and refuses a batch of more
+        # than one without a pad token (GPT-2 has none): users set it to eos, as we do.
+        if getattr(cfg, "pad_token_id", None) is None and _eos_id(cfg) is not None:
+            cfg.pad_token_id = _eos_id(cfg)
+        # What the models infer from integer labels; said here because DeBERTa, left to
+        # infer it, selects labelled rows with nonzero(), whose shape a dry run cannot know.
+        if getattr(cfg, "problem_type", None) is None and (cfg.num_labels or 0) > 1:
+            cfg.problem_type = "single_label_classification"
     return cfg
+
+
+def _eos_id(cfg: Any) -> int | None:
+    """The config's end-of-sequence id (the first, where it lists several)."""
+    eos = getattr(cfg, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
 
 
 def build_on_meta(config: dict[str, Any], task: str) -> Any:

@@ -9,10 +9,13 @@ This module puts them together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
+from batchfit.memory.estimate import usable_engine
+from batchfit.memory.fit import predict
+from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
 from batchfit.plan._fit_table import FitRow, fit_table
@@ -117,22 +120,41 @@ class _Target:
     per_gpu: int
     headroom: int
 
-    def max_micro(self, setup: TrainingSetup, engine: str = "analytic") -> int:
+    engine: str
+
+    def max_micro(self, setup: TrainingSetup) -> int:
         args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
-        return max_micro_batch_traced(*args) if engine == "trace" else max_micro_batch(*args)
+        if self.engine == "trace":
+            return max_micro_batch_traced(*args)
+        return max_micro_batch(*args)
+
+    def fits(self, setup: TrainingSetup, micro: int) -> tuple[bool, MemoryEstimate]:
+        accum = max(self.per_gpu // micro, 1)
+        return fits(
+            self.model, setup, self.gpu, micro, self.seq_len, accum, self.headroom, self.engine
+        )
 
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
-        """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives."""
+        """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
+
+        By the trace engine, from each peak moment's line through sizes 1 and 2 (a what-if,
+        not confirmed by a trace at that size; the plan's own choice is); by the formulas when
+        the trace cannot run the setup.
+        """
+        if self.engine == "trace":
+            one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
+            budget = self.gpu.memory_bytes - max(self.headroom, 1)
+            lines = predict(one, two, budget, self.per_gpu)
+            if lines is not None:
+                return Alternative(combo, setup, lines[0], lines[1])
         best = self.max_micro(setup)
-        micro = max(best, 1)
-        accum = max(self.per_gpu // micro, 1)
-        _, est = fits(self.model, setup, self.gpu, micro, self.seq_len, accum, self.headroom)
+        _, est = self.fits(setup, max(best, 1))
         return Alternative(combo, setup, best, est.device_total_bytes)
 
 
-def _climb(target: _Target, setup: TrainingSetup, wanted: int | None, engine: str) -> _Fit:
+def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     """Try every rung of the ladder; take the first that fits ``wanted`` (or 1) if needed."""
-    base_max = target.max_micro(setup, engine)
+    base_max = target.max_micro(setup)
     needs_ladder = base_max == 0 or (wanted is not None and wanted > base_max)
     chosen = _Fit(setup, (), base_max, ())
     alternatives = []
@@ -210,9 +232,12 @@ def make_plan(
     base_lr: float | None = None,
     base_batch: int | None = None,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
-    engine: str = "analytic",
+    engine: str = "trace",
 ) -> Plan:
     """Plan micro-batch, accumulation and techniques that hit the global batch exactly.
+
+    Every figure comes from ``engine`` (``estimate`` with the same setup gives the same
+    numbers); ``"trace"`` falls back to the formulas, and says so, when torch is missing.
 
     Example:
         >>> from batchfit.models import resolve_model
@@ -225,18 +250,18 @@ def make_plan(
     global_samples = samples_from_target(global_batch, global_batch_tokens, seq_len, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
     _check_inputs(micro_batch_size, per_gpu, base_lr, base_batch)
-    target = _Target(model, gpu, seq_len, per_gpu, headroom_bytes)
-    fit = _climb(target, setup, micro_batch_size, engine)
-    fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)  # by the ladder's analytic figures
-    if engine == "trace" and fit.techniques:
-        fit = replace(fit, max_micro_batch=target.max_micro(fit.setup, engine))
+    engine, engine_note = usable_engine(engine)
+    target = _Target(model, gpu, seq_len, per_gpu, headroom_bytes, engine)
+    fit = _climb(target, setup, micro_batch_size)
+    fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)
     micro = micro_batch_size or largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
     accum = per_gpu // micro
-    _, est = fits(model, fit.setup, gpu, micro, seq_len, accum, headroom_bytes, engine)
+    _, est = target.fits(fit.setup, micro)
     # --base-batch is in the unit of the target: tokens when the target is in tokens
     lr_target = global_batch_tokens if global_batch_tokens is not None else global_samples
     lr, rule = _learning_rate(base_lr, base_batch, lr_target, fit.setup.optimizer)
     warnings = [
+        *([engine_note] if engine_note else []),
         *est.warnings,
         *fit_warnings,
         *_advice_warnings(model, gpu, fit.setup, micro, accum),

@@ -6,9 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.hardware import GpuSpec
+from batchfit.memory.estimate import usable_engine
 from batchfit.models import ModelInfo
 from batchfit.plan._ladder import Combo, apply, ladder
-from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES, fits, max_micro_batch
+from batchfit.plan._max_micro_batch import (
+    DEFAULT_HEADROOM_BYTES,
+    fits,
+    max_micro_batch,
+    max_micro_batch_traced,
+)
 from batchfit.spec import TrainingSetup
 
 
@@ -40,23 +46,27 @@ def fit_table(
     *,
     seq_len: int,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+    engine: str = "trace",
 ) -> list[FitRow]:
     """For every GPU: the largest micro-batch that fits, else the first ladder rung that does.
 
-    The seed guides' "batch size by model & GPU" tables, computed.
+    The seed guides' "batch size by model & GPU" tables, computed by ``engine`` (the trace
+    engine's figures are those ``estimate`` and ``plan`` give for the same setup).
     """
+    engine = usable_engine(engine)[0]
+    largest = max_micro_batch_traced if engine == "trace" else max_micro_batch
     rows = []
     for gpu in gpus:
         chosen = setup
         techniques: Combo = ()
-        best = max_micro_batch(model, setup, gpu, seq_len, None, headroom_bytes)
+        best = largest(model, setup, gpu, seq_len, None, headroom_bytes)
         if best == 0:
             for combo in ladder(setup, gpu):
                 alt = apply(setup, combo)
-                best = max_micro_batch(model, alt, gpu, seq_len, None, headroom_bytes)
+                best = largest(model, alt, gpu, seq_len, None, headroom_bytes)
                 if best:
                     chosen, techniques = alt, combo
                     break
-        _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes)
+        _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
         rows.append(FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques))
     return rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchfit._units import BYTES_IN_GIB
 from batchfit.hardware import GpuSpec
+from batchfit.memory._device import fits_on_card
 from batchfit.memory.estimate import estimate
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -33,7 +34,7 @@ def fits(
         grad_accum_steps=accum,
         engine=engine,  # type: ignore[arg-type]
     )
-    return gpu.memory_bytes - est.device_total_bytes >= headroom, est
+    return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
 
 
 def max_micro_batch(
@@ -71,14 +72,18 @@ def max_micro_batch_traced(
     setup: TrainingSetup,
     gpu: GpuSpec,
     seq_len: int,
-    per_gpu_batch: int,
+    per_gpu_batch: int | None,
     headroom: int,
 ) -> int:
-    """Largest micro-batch by the trace engine: an affine fit over traced sizes, confirmed."""
+    """Largest micro-batch by the trace engine: each peak moment's line through traced sizes
+    1 and 2, confirmed by traces at the answer (fits) and the size after it (does not)."""
     from batchfit.memory.fit import fit_micro_batch
 
     def at(m: int) -> MemoryEstimate:
-        accum = max(per_gpu_batch // m, 1)
+        accum = max(per_gpu_batch // m, 1) if per_gpu_batch else 1
         return fits(model, setup, gpu, m, seq_len, min(accum, 2), headroom, "trace")[1]
 
-    return fit_micro_batch(at, gpu.memory_bytes - headroom, limit=per_gpu_batch).micro_batch_size
+    limit = per_gpu_batch or 1 << 16
+    # a fit leaves at least a byte free (fits_on_card), whatever the headroom asked
+    budget = gpu.memory_bytes - max(headroom, 1)
+    return fit_micro_batch(at, budget, limit=limit).micro_batch_size

@@ -178,9 +178,13 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
 
     device = torch.device(spec["device"])
     info = resolve_model(spec["model"], spec.get("task"))
-    setup = TrainingSetup(**spec["setup"]).resolved(
-        device="cpu" if device.type == "cpu" else "cuda",
-        bf16_supported=device.type == "cpu" or torch.cuda.is_bf16_supported(),
+    asked = TrainingSetup(**spec["setup"])
+    setup = dataclasses.replace(
+        asked.resolved(
+            device="cpu" if device.type == "cpu" else "cuda",
+            bf16_supported=device.type == "cpu" or torch.cuda.is_bf16_supported(),
+        ),
+        attention=info.resolve_attention(asked.attention),  # what the model class runs
     )
     budget = spec.get("memory_budget")
     warm_up(info, setup)

@@ -1,0 +1,266 @@
+"""The trace engine's estimate: dry runs (or their cached results), extrapolated over depth.
+
+Torch-free until a dry run must actually run (``_hf_trace``): a result found in the cache is
+turned into a ``MemoryEstimate`` without importing torch or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any, Literal
+
+from batchfit import _cache
+from batchfit._units import BYTES_IN_MIB
+from batchfit.errors import UsageError
+from batchfit.hardware import GpuSpec
+from batchfit.memory import analytic
+from batchfit.memory._device import (
+    DeviceTotals,
+    StepMemory,
+    assemble,
+    device_totals,
+    gpu_extras,
+)
+from batchfit.memory._trace_result import (
+    TraceResult,
+    extrapolate,
+    result_from_json,
+    result_to_json,
+)
+from batchfit.memory.types import Line, MemoryEstimate
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
+
+CACHE_NAMESPACE = "trace"
+
+# Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
+# alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
+DEPTHS = (1, 2)
+ALTERNATING_DEPTHS = (2, 4)
+
+
+def trace_depths(model: ModelInfo) -> tuple[int, int]:
+    """The two depths to trace ``model`` at before extrapolating."""
+    layer_types = model.config.get("layer_types")
+    alternating = model.arch.model_type in ("gemma2", "gemma3_text") or (
+        isinstance(layer_types, list) and len(set(layer_types)) > 1
+    )
+    return ALTERNATING_DEPTHS if alternating else DEPTHS
+
+
+def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
+    """Why the trace cannot model this setup yet (then the analytic engine answers)."""
+    if setup.method == "qlora":
+        return "QLoRA needs bitsandbytes' 4-bit layers"
+    if model.arch.num_experts:
+        return "MoE routing has data-dependent shapes"
+    if setup.precision == "fp16":
+        return "fp16 with an fp32 master copy is DeepSpeed's optimizer wrapper"
+    if setup.sharding not in ("none", "ddp") or setup.offload != "none":
+        return f"--sharding {setup.sharding} / --offload {setup.offload}"
+    if setup.num_gpus > 1:
+        return "several GPUs"
+    return None
+
+
+def traced_result(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro: int,
+    seq: int,
+    device: Literal["cpu", "cuda"],
+    workspace: int,
+    grad_accum_steps: int,
+    full_depth: bool,
+) -> tuple[TraceResult, list[str]]:
+    """The step's moments at the model's depth, from the cache or from dry runs.
+
+    What a dry run depends on is the key: the model's config and task, the resolved setup,
+    the sizes, the device and, on CUDA, the cuBLAS workspace (the GPU's only other input).
+    """
+    depth = model.arch.num_layers
+    low, high = trace_depths(model)
+    extrapolated = not (full_depth or depth <= high)
+    notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
+    key = {
+        "model": model.name,
+        "config": model.config,
+        "task": model.task,
+        "setup": asdict(setup),
+        "micro": micro,
+        "seq": seq,
+        "device": device,
+        "workspace": workspace,
+        "grad_accum_steps": grad_accum_steps,
+        "full_depth": full_depth,
+    }
+    record = _cache.load(CACHE_NAMESPACE, key)
+    if record is not None:
+        try:
+            return result_from_json(record), notes
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # a record of another shape: trace again and overwrite it
+    from batchfit.memory._hf_trace import trace_once
+
+    kw: dict[str, Any] = {
+        "micro": micro,
+        "seq": seq,
+        "device": device,
+        "workspace": workspace,
+        "grad_accum_steps": grad_accum_steps,
+    }
+    if extrapolated:
+        shallow = trace_once(model, setup, depth=low, **kw)
+        deep = trace_once(model, setup, depth=high, **kw)
+        result = extrapolate(shallow, deep, low, high, depth)
+    else:
+        result = trace_once(model, setup, depth=None, **kw)
+    _cache.store(CACHE_NAMESPACE, key, result_to_json(result))
+    return result, notes
+
+
+def estimate_trace(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    grad_accum_steps: int = 1,
+    full_depth: bool = False,
+) -> MemoryEstimate:
+    """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
+    resolved = analytic.resolve_setup(model, setup, device, gpu)
+    formulas = analytic.estimate_analytic(
+        model,
+        setup,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        device=device,
+        gpu=gpu,
+        grad_accum_steps=grad_accum_steps,
+    )
+    why_not = unsupported(model, resolved)
+    if resolved.is_lora:  # bad targets are the user's error, before any trace
+        model.lora_params(resolved.lora_rank, resolved.lora_targets)
+    if why_not is None:
+        try:
+            traced = _estimate_traced(
+                model,
+                resolved,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                device=device,
+                gpu=gpu,
+                grad_accum_steps=grad_accum_steps,
+                full_depth=full_depth,
+            )
+        except UsageError:
+            raise
+        except Exception as e:
+            from batchfit.memory._hf_trace import is_trace_limit
+
+            if not is_trace_limit(e):
+                raise
+            first_line = (str(e).splitlines() or [""])[0][:160]
+            why_not = f"the dry run failed ({type(e).__name__}: {first_line})"
+        else:
+            # The formulas' checks of the setup (bf16 support, kernels) apply to the trace too.
+            return replace(traced, warnings=tuple(dict.fromkeys(formulas.warnings)))
+    return replace(
+        formulas,
+        warnings=(
+            f"the trace engine cannot run this setup yet: {why_not}; the analytic engine answered",
+            *formulas.warnings,
+        ),
+    )
+
+
+def _estimate_traced(
+    model: ModelInfo,
+    resolved: TrainingSetup,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    grad_accum_steps: int,
+    full_depth: bool,
+) -> MemoryEstimate:
+    result, notes = traced_result(
+        model,
+        resolved,
+        micro=micro_batch_size,
+        seq=seq_len,
+        device=device,
+        workspace=gpu_extras(gpu, resolved).workspace if device == "cuda" else 0,
+        grad_accum_steps=min(grad_accum_steps, 2),
+        full_depth=full_depth,
+    )
+    components = dict(result.peak.components)
+    peak_bytes = sum(components.values())
+    reserved = max(result.reserved_bytes, peak_bytes)
+    totals = device_totals(peak_bytes, reserved, device, gpu, resolved)
+    trainable = _trainable(model, resolved)
+    step = StepMemory(
+        components=components,
+        peak_phase=result.peak.phase,
+        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
+        total_params=model.total_params + (trainable if resolved.is_lora else 0),
+        trainable_params=trainable,
+        lines=_trace_lines(components, result.peak.phase, totals, device),
+        warnings=tuple(model.warnings),
+        extras={
+            "top_modules": list(result.top_modules),
+            "moments": {p.key: p.total for p in result.phases},
+            "trace_seconds": result.seconds,
+            "peak_moment": result.peak.describe(),
+            "notes": notes,
+        },
+    )
+    return assemble(
+        step,
+        totals,
+        model=model.name,
+        engine="trace",
+        setup=resolved,
+        workload=(micro_batch_size, seq_len),
+        device=device,
+        gpu=gpu,
+    )
+
+
+def _trace_lines(
+    components: dict[str, int], phase: str, totals: DeviceTotals, device: str
+) -> tuple[Line, ...]:
+    """The accounting of a traced step: components at the peak, then the device's totals."""
+    lines = [
+        Line(c, f"at the peak ({phase})", v, "counted in a dry run of the real step")
+        for c, v in components.items()
+    ]
+    if device == "cuda":
+        lines.append(
+            Line(
+                "other",
+                "allocator: reserved beyond allocated",
+                totals.reserved - totals.peak,
+                "caching allocator simulation (segments, rounding, splits)",
+            )
+        )
+        lines.append(
+            Line(
+                "other",
+                "CUDA context (outside the allocator)",
+                totals.context,
+                f"{totals.context // BYTES_IN_MIB} MiB",
+            )
+        )
+    return tuple(lines)
+
+
+def _trainable(model: ModelInfo, setup: TrainingSetup) -> int:
+    if setup.is_lora:
+        return model.lora_params(setup.lora_rank, setup.lora_targets)
+    return model.total_params
