@@ -6,54 +6,96 @@ size first (loads kernels and thread pools), glibc returning freed blocks
 (/proc/self/clear_refs, "5") and the model is built and trained for two steps so optimizer
 state exists. Truth = VmHWM - VmRSS before the model is built.
 
-    python _truth.py '{"model": "gpt2", "setup": {...}, "micro": 4, "seq": 256}'
+The model, optimizer and batches are built as batchfit builds them (``step_parts``: the setup
+applied), but the loop is written here, apart from batchfit's own loop code, since it is the
+ground truth (issue #10). ``loop`` picks which of the two loops users run:
+
+- ``trainer`` (HF Trainer, TRL, Lightning): ``loss = model(**batch).loss`` inside autocast, so
+  the outputs (logits) die before backward; ``del batch``; ``loss.backward()``.
+- ``keep-outputs`` (the HF course loop, nanoGPT): ``out = model(**batch)``;
+  ``out.loss.backward()`` while ``out`` (and the batch) are held.
+
+Both run two optimizer steps with ``zero_grad(set_to_none=True)`` after each.
+
+    python _truth.py '{"model": "gpt2", "setup": {...}, "micro": 4, "seq": 256, "loop": "trainer"}'
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from batchfit._memwatch import status_bytes
 from batchfit._oom import _malloc_trim
 
+LOOPS = ("trainer", "keep-outputs")
+
+
+def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    make_batch: Callable[[], dict[str, Any]],
+    autocast_dtype: torch.dtype | None,
+    loop: str,
+    steps: int,
+) -> None:
+    """``steps`` optimizer steps of ``loop`` (see the module docstring)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop {loop!r} is not one of: {', '.join(LOOPS)}")
+    for _ in range(steps):
+        batch = make_batch()
+        if loop == "trainer":
+            with autocast(autocast_dtype):
+                loss = model(**batch).loss  # HF Trainer.compute_loss returns only the loss
+            del batch
+            loss.backward()
+            del loss
+        else:
+            with autocast(autocast_dtype):
+                out = model(**batch)
+            out.loss.backward()  # the outputs and the batch live through backward
+            del out, batch
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    import torch
-
-    from batchfit.memory import _hf_trace, trace
+    from batchfit.memory import _hf_trace
     from batchfit.models import resolve_model
-    from batchfit.search._probe import warm_up
     from batchfit.spec import TrainingSetup
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
     info = resolve_model(spec["model"], spec.get("task"))
     setup = TrainingSetup(**spec["setup"]).resolved(device="cpu", bf16_supported=True)
+    loop = spec.get("loop", "trainer")
 
-    def step(micro: int, seq: int) -> None:
-        with trace.quiet():
-            parts = _hf_trace.step_parts(info, setup, micro=micro, seq=seq, emulate_cuda=False)
-            trace.training_steps(
-                parts.model,
-                parts.optimizer,
-                parts.make_batch,
-                parts.loss_of,
-                autocast_dtype=parts.autocast_dtype,
-                steps=2,
-            )
+    def step(micro: int, seq: int, depth: int | None, steps: int) -> None:
+        parts = _hf_trace.step_parts(
+            info, setup, micro=micro, seq=seq, emulate_cuda=False, depth=depth
+        )
+        train(parts.model, parts.optimizer, parts.make_batch, parts.autocast_dtype, loop, steps)
 
-    warm_up(info, setup)  # the probe's own warm-up: a 1-layer step at a tiny size
+    step(1, 8, 1, 1)  # warm-up: a 1-layer step at a tiny size loads kernels and thread pools
     gc.collect()
     _malloc_trim()
     rss0 = status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = time.perf_counter()
-    step(spec["micro"], spec["seq"])
+    step(spec["micro"], spec["seq"], None, 2)
     print(
         json.dumps(
             {
