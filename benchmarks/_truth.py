@@ -9,8 +9,8 @@ the process: 16.6 MiB for a 512-wide model with a 50k vocabulary on 2 threads, n
 all). With the old warm-up at a tiny size this cache was half loaded and the other half (about
 10.5 MiB) landed in the truth as a constant the step does not allocate again. Then, with glibc
 returning freed blocks (MALLOC_MMAP_THRESHOLD_=65536, set by the parent), the kernel's high-water
-mark is reset (/proc/self/clear_refs, "5") and the model is built and trained for two steps so optimizer
-state exists. Truth = VmHWM - VmRSS before the model is built.
+mark is reset (/proc/self/clear_refs, "5") and the model is built and trained for two steps so
+optimizer state exists. Truth = VmHWM - VmRSS before the model is built.
 
 The model, optimizer and batches are built as batchfit builds them (``step_parts``: the setup
 applied), but the loop is written here, apart from batchfit's own loop code, since it is the
