@@ -19,6 +19,7 @@ from batchfit.memory._device import (
     CUBLAS_HANDLES,
 )
 from batchfit.memory._optim import make_optimizer
+from batchfit.memory._tracker import cpu_bf16_gemm_scratch
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 
@@ -286,6 +287,7 @@ def trace_once(
                 grad_accum_steps=grad_accum_steps,
                 extra_other=cuda_workspaces,
                 loop=setup.loop,
+                gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
             )
     if emulate_cuda:
         from batchfit.memory.allocator import simulate

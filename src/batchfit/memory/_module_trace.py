@@ -13,6 +13,7 @@ from batchfit.memory import trace
 from batchfit.memory._device import StepMemory, assemble, device_totals
 from batchfit.memory._hf_trace import materialize_fake
 from batchfit.memory._optim import make_optimizer
+from batchfit.memory._tracker import cpu_bf16_gemm_scratch
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.spec import TrainingSetup
 
@@ -90,6 +91,7 @@ def estimate_module(
                 autocast_dtype=autocast,
                 grad_accum_steps=grad_accum_steps,
                 loop=resolved.loop,
+                gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
             )
     peak = result.peak
     reserved = peak.total

@@ -20,6 +20,37 @@ from torch.utils._pytree import tree_flatten
 
 from batchfit.memory._trace_result import CATEGORIES
 
+_aten = torch.ops.aten
+# matmuls and where their two matrices sit in args (addmm/baddbmm lead with the added input)
+_GEMMS = {
+    _aten.mm.default: 0,
+    _aten.bmm.default: 0,
+    _aten.addmm.default: 1,
+    _aten.baddbmm.default: 1,
+}
+
+
+def cpu_bf16_gemm_scratch() -> bool:
+    """Whether this CPU's bf16 matmuls take PyTorch's own fallback kernel (no oneDNN bf16, as on
+    AVX2-only CPUs), whose ``A.t() @ B`` case sums into an fp32 matrix the size of the output
+    (``c_accum`` in aten/src/ATen/native/BlasKernel.cpp) and frees it when the op returns."""
+    return not bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _fp32_scratch(func: Any, args: Any, out: Any) -> int:
+    """Bytes of the fallback kernel's fp32 accumulator for this op, or 0: bf16 operands, the
+    first matrix transposed (column-major) and the second row-major, as in every weight
+    gradient ``grad.t() @ x``; bmm runs its batch one matrix at a time, so one matrix's worth."""
+    first = _GEMMS.get(func)
+    if first is None or not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16:
+        return 0
+    a, b = args[first], args[first + 1]
+    if a.dim() < 2 or b.dim() < 2 or a.dtype != torch.bfloat16:
+        return 0
+    if a.stride(-1) != 1 and a.stride(-2) == 1 and b.stride(-1) == 1:
+        return 4 * int(out.shape[-1]) * int(out.shape[-2])
+    return 0
+
 
 @dataclass
 class PhasePeak:
@@ -72,10 +103,25 @@ class Timeline:
 
 
 class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unused-ignore]
-    """Dispatch mode that tracks live storage bytes and records a :class:`Timeline`."""
+    """Dispatch mode that tracks live storage bytes and records a :class:`Timeline`.
 
-    def __init__(self) -> None:
+    Two things a real step does that its tensors alone do not show are modelled here:
+
+    - ``gemm_scratch``: on a CPU whose bf16 matmuls take the fallback kernel
+      (:func:`cpu_bf16_gemm_scratch`), each ``A.t() @ B`` holds an fp32 output-sized
+      accumulator for the op's duration (recorded as a transient, born and freed in the op).
+    - Gradient accumulation in place: when one tensor gets several gradients (a tied
+      embedding), autograd's input buffer sums them with ``add_`` if it holds the only
+      reference to a plain (non-view) buffer (``can_accumulate_inplace`` in
+      torch/csrc/autograd/input_buffer.cpp), with ``add`` otherwise. Under a dispatch mode the
+      engine always calls ``add``; the output is tracked after the next op starts, when it is
+      known whether the first buffer died with the add (in place: no extra bytes) or not.
+    """
+
+    def __init__(self, gemm_scratch: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
+        self.gemm_scratch = gemm_scratch
+        self._pending: torch.Tensor | None = None  # an accumulating add's output, not yet tracked
         self.timeline = Timeline()
         self.phase = "setup"
         self.moments: tuple[str, ...] = ("",)
@@ -145,13 +191,63 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self.set_moments(*moments)
 
     def set_moments(self, *moments: str) -> None:
+        self._settle()
         self.moments = moments or ("",)
         self._note_peak()
 
+    def transient(self, nbytes: int) -> None:
+        """Record ``nbytes`` allocated and freed inside one op (a kernel's own scratch)."""
+        key = self._next_key
+        self._next_key += 1
+        self.timeline.sizes[key] = nbytes
+        self.timeline.born_in[key] = self.phase
+        self.timeline.labels[key] = "other"
+        self._live.add(key)
+        self._live_bytes += nbytes
+        self.timeline.events.append((key, nbytes))
+        self._note_peak()
+        self._free(-1, key)
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._settle()
+        return super().__exit__(*exc)
+
+    def _settle(self) -> None:
+        """Track a held-back accumulating add's output (see the class docstring)."""
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            self.track(out)
+
+    def _accumulating_add(self, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether this op may be autograd's in-place gradient sum (see the class docstring)."""
+        if self.phase != "backward" or func is not _aten.add.Tensor or len(args) != 2:
+            return False
+        first, second = args
+        return (
+            isinstance(first, torch.Tensor)
+            and isinstance(second, torch.Tensor)
+            and kwargs.get("alpha", 1) == 1
+            and first.shape == second.shape
+            and first.dtype == second.dtype
+            and first.is_contiguous()
+            and not first._is_view()
+            and not first.requires_grad
+            and id(first.untyped_storage()) in self._key_of
+        )
+
     # --- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        self._settle()
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._accumulating_add(func, args, kwargs):
+            self._pending = out
+            return out
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):
                 self.track(item)
+        if self.gemm_scratch:
+            scratch = _fp32_scratch(func, args, out)
+            if scratch:
+                self.transient(scratch)
         return out

@@ -216,14 +216,17 @@ def run_steps(
     grad_accum_steps: int = 1,
     extra_other: Callable[[AllocationTracker], None] | None = None,
     loop: Loop = "trainer",
+    gemm_scratch: bool = False,
 ) -> TraceResult:
     """Run ``steps`` optimizer steps of ``grad_accum_steps`` micro-steps under the tracker.
 
     Works on fake and on real CPU tensors alike; ``loop`` as in :func:`training_steps`. All but
     the last step are primed (:func:`_prime`): only the last one's moments are measured.
+    ``gemm_scratch``: count the CPU bf16 fallback matmul's fp32 accumulator
+    (:class:`AllocationTracker`); for a step that runs on such a CPU.
     """
     start = time.perf_counter()
-    tracker = AllocationTracker()
+    tracker = AllocationTracker(gemm_scratch)
     for p in model.parameters():
         tracker.track(p, "weights")
     for b in model.buffers():
