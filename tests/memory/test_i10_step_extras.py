@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from batchfit.memory._tracker import AllocationTracker, _fp32_scratch, cpu_bf16_gemm_scratch
 
@@ -23,8 +22,9 @@ aten = torch.ops.aten
 def _real_hwm_delta(body: str) -> dict[str, int]:
     """Run ``body`` in a fresh process (glibc returning freed blocks at once); it sets
     ``out[name] = VmHWM rise`` through ``hwm(name, fn)``."""
-    script = textwrap.dedent(
-        """
+    script = (
+        textwrap.dedent(
+            """
         import json, torch
         import torch.nn.functional as F
         from batchfit._memwatch import status_bytes
@@ -37,7 +37,10 @@ def _real_hwm_delta(body: str) -> dict[str, int]:
             fn()
             out[name] = status_bytes("VmHWM") - base
         """
-    ) + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+        )
+        + textwrap.dedent(body)
+        + "\nprint(json.dumps(out))\n"
+    )
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
