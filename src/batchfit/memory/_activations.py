@@ -295,6 +295,11 @@ def step_activations(
     else:
         kept, copies, end, lines = _stored(arch, stack, tokens, amp_copies)
     lines += [final_line, *loss_lines]
+    end_extra, end_lines = _held_at_backward_end(
+        model, rg, tokens, setup.loop, full=lora_targets is None
+    )
+    end += end_extra
+    lines += end_lines
     if amp_copies:
         why = "2 B per matmul weight, saved for backward"
         if setup.grad_ckpt:
@@ -369,6 +374,27 @@ def _loss(model: ModelInfo, rg: Regime, tokens: int, loop: str) -> tuple[float, 
             ),
         ]
     return held, bwd_extra, lines
+
+
+def _held_at_backward_end(
+    model: ModelInfo, rg: Regime, tokens: int, loop: str, *, full: bool
+) -> tuple[float, list[Line]]:
+    """What the bottom of the stack's backward holds besides the gradients: the logits a
+    ``keep-outputs`` loop keeps (counted in the loss's line), and a tied embedding's second
+    gradient (the lookup's dense ``vocab x hidden``) and, unless autograd can add it in place,
+    the sum of the two: out of place when the head's gradient came first as a view (fp32 and
+    16-bit weights), in place under autocast, where it is a fresh fp32 cast (the trace, #10)."""
+    if model.task == "classification":
+        return 0.0, []
+    arch = model.arch
+    held = rg.compute_bytes * arch.vocab_size * tokens if loop == "keep-outputs" else 0.0
+    if not (arch.tied_embeddings and full):
+        return held, []
+    copies = 1 if rg.amp else 2
+    tied = copies * arch.vocab_size * arch.hidden_size * rg.stream_bytes
+    why = f"{copies} x {arch.vocab_size:,} x {arch.hidden_size:,} x {rg.stream_bytes} B"
+    what = "tied embedding: second gradient" + ("" if rg.amp else " + their sum")
+    return held + tied, [Line("activations", what, int(tied), why)]
 
 
 def _amp_copies(model: ModelInfo, rg: Regime, *, lora: bool) -> float:

@@ -28,9 +28,10 @@ class Peak:
 
 
 def step_temporaries(
-    shapes: Shapes, setup: TrainingSetup, state_elem: int, device: Device
+    shapes: Shapes, setup: TrainingSetup, state_elem: int, device: Device, grad_bytes: int = 4
 ) -> tuple[float, str]:
-    """Bytes the optimizer's step allocates on top of its state, and why."""
+    """Bytes the optimizer's step allocates on top of its state, and why (the most alive at
+    once; the trace engine checks these against the optimizers' code, issue #10)."""
     opt, impl = setup.optimizer, setup.optimizer_impl
     total = sum(math.prod(s) * c for s, c in shapes)
     largest = max((math.prod(s) for s, _ in shapes), default=0)
@@ -43,10 +44,18 @@ def step_temporaries(
         if impl == "foreach":
             return total * state_elem, "foreach AdamW: _foreach_sqrt(exp_avg_sq) of every parameter"
         if impl == "for-loop":
-            return largest * state_elem, "per-parameter AdamW: one sqrt(exp_avg_sq) at a time"
+            # torch.optim.adam._single_tensor_adam: (exp_avg_sq.sqrt() / bias_correction2_sqrt)
+            return 2 * largest * state_elem, (
+                "per-parameter AdamW: sqrt(exp_avg_sq) and its division by the bias "
+                "correction, one parameter at a time"
+            )
         return 0, "fused AdamW: no temporaries"
     if opt == "adafactor":
-        return 3 * 4 * largest, "Adafactor: grad^2, approximate update and its RMS, one tensor"
+        # transformers' Adafactor.step: update = grad**2 + eps (two fp32 tensors at once); 16-bit
+        # parameters are first copied to fp32 (grad.float(), p.float()) for the whole step
+        if grad_bytes < 4:
+            return 4 * 4 * largest, "Adafactor: fp32 copies of grad and weight, grad^2, + eps"
+        return 2 * 4 * largest, "Adafactor: grad^2 and grad^2 + eps of one parameter"
     if opt == "lion":
         return largest * state_elem, "Lion: one update tensor at a time"
     return 0, "in place"
@@ -64,7 +73,9 @@ def peak(
     grad_accum_steps: int,
 ) -> Peak:
     """The largest of the three moments; ``fixed`` is what every moment holds besides."""
-    temps, temps_why = step_temporaries(params.trainable_shapes, setup, params.state_elem, device)
+    temps, temps_why = step_temporaries(
+        params.trainable_shapes, setup, params.state_elem, device, params.grad_bytes
+    )
     if setup.offload != "none":
         temps = 0.0  # the step runs on the CPU
     temps /= sharded.shard
