@@ -408,10 +408,21 @@ def gpus(
             headroom_bytes=headroom_bytes,
             engine=engine_name,
         )
+    from batchfit.memory.estimate import usable_engine
+
+    answered, _ = usable_engine(engine_name)
     if as_json:
-        _emit_json({"model": info.name, "seq_len": seq_len, "gpus": [r.to_json() for r in rows]})
+        _emit_json(
+            {
+                "model": info.name,
+                "seq_len": seq_len,
+                "engine": answered,
+                "grad_accum_steps": 1,
+                "gpus": [r.to_json() for r in rows],
+            }
+        )
     else:
-        render.fit_table(info, seq_len, rows)
+        render.fit_table(info, seq_len, rows, answered)
 
 
 @app.callback(invoke_without_command=True)

@@ -17,6 +17,7 @@ from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan import FitRow, Plan
+from batchfit.spec import TrainingSetup
 
 
 class _Console(Console):
@@ -177,6 +178,25 @@ def _amount(num_bytes: int) -> str:
     return f"{num_bytes:,} B"
 
 
+def technique_flags(p: Plan) -> str:
+    """The flags that switch on what the plan's techniques changed in the setup, for the
+    `batchfit estimate` line that reproduces its figures (``""`` without techniques)."""
+    if not p.techniques:
+        return ""
+    s, base = p.setup, TrainingSetup()
+    flags = ["--grad-ckpt"] if s.grad_ckpt else []
+    for name, value, default in (
+        ("--method", s.method, base.method),
+        ("--precision", s.precision, base.precision),
+        ("--optimizer", s.optimizer, base.optimizer),
+        ("--sharding", s.sharding, base.sharding),
+        ("--offload", s.offload, base.offload),
+    ):
+        if value != default:
+            flags.append(f"{name} {value}")
+    return "".join(" " + f for f in flags)
+
+
 def plan(p: Plan, info: ModelInfo) -> None:
     est = p.estimate
     out.print(f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], seq {p.seq_len}")
@@ -216,7 +236,10 @@ def plan(p: Plan, info: ModelInfo) -> None:
         f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
         f"asked for {gib(p.headroom_wanted_bytes)})"
     )
-    same = f"batchfit estimate ... -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
+    same = (
+        f"batchfit estimate ... -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
+        + technique_flags(p)
+    )
     if est.engine == "trace":
         out.print(f"  engine: trace (dry runs of the step; `{same}` gives these figures)")
     else:
@@ -224,7 +247,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
     out.print(_breakdown(est, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
     if p.alternatives:
         how = (
-            "; trace engine: each peak moment's line through micro-batch 1 and 2, not confirmed"
+            "; trace engine: each peak moment's line through micro-batch 1 and 2, "
+            "traced at its size for the plan's own rung"
             if est.engine == "trace"
             else ""
         )
@@ -367,9 +391,10 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
     out.print(_plain_table(title, columns, rows, "GPU"))
 
 
-def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow]) -> None:
+def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) -> None:
     table = Table(
-        title=f"{escape(info.name)}, seq {seq_len}: largest micro-batch per GPU (analytic engine)",
+        title=f"{escape(info.name)}, seq {seq_len}: largest micro-batch per GPU "
+        f"({engine} engine; no gradient accumulation)",
         title_justify="left",
     )
     for col in ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "what it takes"):

@@ -151,6 +151,15 @@ class _Target:
         _, est = self.fits(setup, max(best, 1))
         return Alternative(combo, setup, best, est.device_total_bytes)
 
+    def confirmed(self, alt: Alternative) -> Alternative:
+        """``alt`` with its largest micro-batch searched and confirmed as the plan's own is
+        (the trace at the answer fits, the size after it does not); as is by the formulas."""
+        if self.engine != "trace":
+            return alt
+        best = self.max_micro(alt.setup)
+        _, est = self.fits(alt.setup, max(best, 1))
+        return Alternative(alt.techniques, alt.setup, best, est.device_total_bytes)
+
 
 def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     """Try every rung of the ladder; take the first that fits ``wanted`` (or 1) if needed."""
@@ -163,9 +172,11 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
             alt = target.alternative(combo, apply(setup, combo))
         except UsageError:
             continue  # a rung this model cannot take (no module matches the LoRA targets)
-        alternatives.append(alt)
         if needs_ladder and not chosen.techniques and alt.max_micro_batch >= (wanted or 1):
-            chosen = _Fit(alt.setup, combo, alt.max_micro_batch, ())
+            alt = target.confirmed(alt)  # the lines' answer is a what-if: the plan's is traced
+            if alt.max_micro_batch >= (wanted or 1):
+                chosen = _Fit(alt.setup, combo, alt.max_micro_batch, ())
+        alternatives.append(alt)
     return _Fit(chosen.setup, chosen.techniques, chosen.max_micro_batch, tuple(alternatives))
 
 
