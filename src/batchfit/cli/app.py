@@ -79,7 +79,12 @@ NoCacheO = Annotated[
 
 
 VerboseO = Annotated[
-    bool, typer.Option("--verbose", "-v", help="Notes on the trace cache (misses it ignored).")
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Notes on the trace cache (unreadable or unwritable files it skipped).",
+    ),
 ]
 
 

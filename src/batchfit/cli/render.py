@@ -213,6 +213,11 @@ def plan(p: Plan, info: ModelInfo) -> None:
             f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus} "
             "samples each GPU takes per step)"
         )
+    elif p.max_micro_batch == p.global_batch_size // p.num_gpus:
+        out.print(
+            f"  largest micro-batch that fits: {p.max_micro_batch} (all the samples each GPU "
+            "takes per step; the search stops there)"
+        )
     else:
         out.print(f"  largest micro-batch that fits: {p.max_micro_batch}")
     if p.learning_rate is not None:
