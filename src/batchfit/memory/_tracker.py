@@ -210,7 +210,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
 
     def __exit__(self, *exc: Any) -> Any:
         self._settle()
-        return super().__exit__(*exc)
+        return super().__exit__(*exc)  # type: ignore[no-untyped-call, unused-ignore]
 
     def _settle(self) -> None:
         """Track a held-back accumulating add's output (see the class docstring)."""
