@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 from batchfit.errors import UsageError
 
@@ -29,6 +29,20 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 # outputs die before backward) or "keep-outputs" (a hand loop that holds ``out`` through
 # ``out.loss.backward()``: the HF course, nanoGPT). It decides one logits-sized tensor.
 Loop = Literal["trainer", "keep-outputs"]
+# How a language-model head's loss is computed. "full": the head's vocabulary-wide logits, then
+# cross-entropy (transformers' ForCausalLMLoss upcasts them to fp32). "chunked": the head and
+# the loss per chunk of the sequence, fp32 per chunk (torchtune's CEWithChunkedOutputLoss,
+# litgpt's chunked_cross_entropy). "fused": Liger's fused linear cross-entropy, which never
+# holds the logits: it computes the gradients of the head's input and weight chunk by chunk
+# during forward and keeps those for backward.
+LossKind = Literal["full", "chunked", "fused"]
+# The dtype LoRA adapters are stored (and trained) in: peft upcasts them to fp32 by default
+# (``autocast_adapter_dtype=True``); litgpt ``bf16-true`` keeps them in bf16.
+LoraDtype = Literal["fp32", "bf16", "fp16"]
+# The dtype of the frozen base under LoRA: "auto" = 16-bit under a 16-bit precision (a model
+# loaded with ``torch_dtype``), fp32 under fp32; "fp32" as Lightning ``bf16-mixed`` keeps it.
+FrozenDtype = Literal["auto", "fp32", "bf16", "fp16"]
+DEFAULT_LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss(num_output_chunks=8)
 
 TASKS: tuple[str, ...] = get_args(Task)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -39,6 +53,9 @@ ATTENTIONS: tuple[str, ...] = get_args(Attention)
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 LOOPS: tuple[str, ...] = get_args(Loop)
+LOSSES: tuple[str, ...] = get_args(LossKind)
+LORA_DTYPES: tuple[str, ...] = get_args(LoraDtype)
+FROZEN_DTYPES: tuple[str, ...] = get_args(FrozenDtype)
 
 # Optimizers that plan.scale_learning_rate scales by the square root of the batch ratio.
 # Malladi et al. 2022 (SDE scaling rule) is the source for Adam and AdamW, and the 8-bit
@@ -53,6 +70,26 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise UsageError(f"{name} {value!r} is not one of: {', '.join(choices)}")
     return value
+
+
+def parse_loss(text: str) -> tuple[LossKind, int]:
+    """``--loss``'s value as (kind, chunks): ``full``, ``fused``, ``chunked`` or ``chunked:N``.
+
+    Example:
+        >>> parse_loss("chunked:16")
+        ('chunked', 16)
+        >>> parse_loss("fused")
+        ('fused', 8)
+    """
+    kind, sep, count = text.partition(":")
+    choices = "full, chunked, chunked:N (N chunks), fused"
+    if kind not in LOSSES or (sep and kind != "chunked"):
+        raise UsageError(f"--loss {text!r} is not one of: {choices}")
+    if not sep:
+        return cast(LossKind, kind), DEFAULT_LOSS_CHUNKS
+    if not count.isdigit() or not 1 <= int(count) <= 1 << 20:
+        raise UsageError(f"--loss {text!r}: N in chunked:N must be an integer from 1 to 1048576")
+    return "chunked", int(count)
 
 
 def _check_finite(name: str, value: object) -> float:
@@ -93,6 +130,10 @@ class TrainingSetup:
     sharding: Sharding = "none"
     offload: Offload = "none"
     loop: Loop = "trainer"
+    loss: LossKind = "full"
+    loss_chunks: int = DEFAULT_LOSS_CHUNKS  # chunks along the sequence, for loss="chunked"
+    lora_dtype: LoraDtype = "fp32"
+    frozen_dtype: FrozenDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.task is not None:
@@ -105,6 +146,13 @@ class TrainingSetup:
         check_choice("--sharding", self.sharding, SHARDINGS)
         check_choice("--offload", self.offload, OFFLOADS)
         check_choice("--loop", self.loop, LOOPS)
+        check_choice("--loss", self.loss, LOSSES)
+        check_choice("--lora-dtype", self.lora_dtype, LORA_DTYPES)
+        check_choice("--frozen-dtype", self.frozen_dtype, FROZEN_DTYPES)
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int):
+            raise UsageError(f"--loss chunked:N needs an integer N, got {self.loss_chunks!r}")
+        if not 1 <= self.loss_chunks <= 1 << 20:
+            raise UsageError(f"--loss chunked:N needs 1 <= N <= 1048576, got {self.loss_chunks}")
         if isinstance(self.lora_targets, list):  # accept lists from Python callers
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
@@ -122,6 +170,8 @@ class TrainingSetup:
                 "--method qlora computes in 16-bit: use --precision amp-bf16, amp-fp16, "
                 "bf16 or fp16, not fp32"
             )
+        if not self.is_lora and (self.lora_dtype != "fp32" or self.frozen_dtype != "auto"):
+            raise UsageError("--lora-dtype and --frozen-dtype need --method lora or qlora")
         if self.offload == "optimizer" and self.sharding not in ("zero1", "zero2", "zero3", "fsdp"):
             raise UsageError(
                 "--offload optimizer needs ZeRO: add --sharding zero1, zero2, zero3 or fsdp"
@@ -132,6 +182,11 @@ class TrainingSetup:
     @property
     def is_lora(self) -> bool:
         return self.method in ("lora", "qlora")
+
+    @property
+    def loss_label(self) -> str:
+        """The loss as ``--loss`` spells it: ``full``, ``chunked:8``, ``fused``."""
+        return f"chunked:{self.loss_chunks}" if self.loss == "chunked" else self.loss
 
     def resolved(self, *, device: Literal["cpu", "cuda"], bf16_supported: bool) -> TrainingSetup:
         """Return a copy with ``precision="auto"`` and ``attention="auto"`` made concrete.

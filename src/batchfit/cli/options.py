@@ -18,7 +18,9 @@ import typer
 from batchfit.errors import UsageError
 from batchfit.spec import (
     ATTENTIONS,
+    FROZEN_DTYPES,
     LOOPS,
+    LORA_DTYPES,
     METHODS,
     OFFLOADS,
     OPTIMIZER_IMPLS,
@@ -27,7 +29,9 @@ from batchfit.spec import (
     SHARDINGS,
     TASKS,
     Attention,
+    FrozenDtype,
     Loop,
+    LoraDtype,
     Method,
     Offload,
     Optimizer,
@@ -37,6 +41,7 @@ from batchfit.spec import (
     Task,
     TrainingSetup,
     check_choice,
+    parse_loss,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,6 +69,7 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
         raise UsageError(
             "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
         )
+    loss, loss_chunks = parse_loss(raw["loss"])
     return TrainingSetup(
         task=cast(Task, check_choice("--task", raw["task"], TASKS)) if raw["task"] else None,
         precision=cast(Precision, check_choice("--precision", raw["precision"], PRECISIONS)),
@@ -84,6 +90,12 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
         sharding=cast(Sharding, check_choice("--sharding", raw.get("sharding", "none"), SHARDINGS)),
         offload=cast(Offload, check_choice("--offload", raw.get("offload", "none"), OFFLOADS)),
         loop=cast(Loop, check_choice("--loop", raw["loop"], LOOPS)),
+        loss=loss,
+        loss_chunks=loss_chunks,
+        lora_dtype=cast(LoraDtype, check_choice("--lora-dtype", raw["lora_dtype"], LORA_DTYPES)),
+        frozen_dtype=cast(
+            FrozenDtype, check_choice("--frozen-dtype", raw["frozen_dtype"], FROZEN_DTYPES)
+        ),
     )
 
 
@@ -135,6 +147,28 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         "--loop",
         help=f"{_choices(LOOPS)}; trainer = only the loss outlives forward (HF Trainer, TRL, "
         "Lightning); keep-outputs = a hand loop holding the outputs through backward.",
+    ),
+    "loss": _option(
+        str,
+        "full",
+        "--loss",
+        help="full|chunked[:N]|fused; full = vocabulary-wide logits (HF); chunked = head and "
+        "loss per N chunks of the sequence (torchtune, litgpt; N=8); fused = Liger's fused "
+        "linear cross-entropy (no logits held).",
+    ),
+    "lora_dtype": _option(
+        str,
+        "fp32",
+        "--lora-dtype",
+        help=f"{_choices(LORA_DTYPES)}; the LoRA adapters' dtype (peft: fp32; litgpt "
+        "bf16-true: bf16).",
+    ),
+    "frozen_dtype": _option(
+        str,
+        "auto",
+        "--frozen-dtype",
+        help=f"{_choices(FROZEN_DTYPES)}; LoRA's frozen base; auto = 16-bit under a 16-bit "
+        "precision; fp32 as Lightning bf16-mixed keeps it.",
     ),
 }
 # Data parallelism: not for `gpus` (one GPU each) nor `probe` (this machine's one device).

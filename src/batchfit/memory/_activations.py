@@ -10,6 +10,7 @@ the ``s x s`` scores. Terms are bytes per token; the caller multiplies by ``b * 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from batchfit.memory.types import Line
@@ -253,6 +254,30 @@ def loss_terms(vocab: int, rg: Regime, loop: str = "trainer") -> tuple[float, fl
     return held, 8 * vocab
 
 
+def chunked_loss_terms(vocab: int, rg: Regime, loop: str, chunks: int) -> tuple[float, float]:
+    """As :func:`loss_terms` for a loss computed per chunk of the tokens.
+
+    Every chunk's fp32 log-softmax is saved, as with the full loss; what shrinks is the
+    transient. torchtune's LinearCrossEntropyLoss (the trainer loop) projects and upcasts one
+    chunk at a time; a loop that keeps the outputs (litgpt) holds every chunk's logits while
+    one chunk's fp32 copy is made. In backward one chunk's fp32 gradients (and their 16-bit
+    cast) exist at a time. The larger of forward's and backward's transient is the extra.
+    """
+    upcast = 4 * vocab if rg.compute_bytes < 4 else 0  # .float() copies only 16-bit logits
+    kept = loop == "keep-outputs"
+    held = 4 * vocab + (rg.compute_bytes * vocab if kept else 0)
+    in_forward = (0 if kept else rg.compute_bytes * vocab) / chunks + upcast / chunks
+    in_backward = (8 * vocab + (rg.compute_bytes * vocab if upcast else 0)) / chunks
+    return held, max(in_forward, in_backward)
+
+
+def fused_loss_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Rows of one chunk of Liger's fused linear cross-entropy:
+    ``next_power_of_2(cdiv(BT, cdiv(V, H)))`` (``fused_linear_cross_entropy.py``)."""
+    rows = -(-tokens // -(-vocab // hidden))
+    return min(1 << max(0, math.ceil(math.log2(max(rows, 1)))), tokens)
+
+
 @dataclass(frozen=True)
 class Activations:
     """Activation bytes of one micro-batch at the two moments of backward, with their lines."""
@@ -288,15 +313,19 @@ def step_activations(
     arch, tokens = model.arch, micro_batch_size * seq_len
     stack = _stack(arch, setup, rg, on_cpu, seq_len, tokens, lora_targets)
     final, final_line = _final_norm(arch, rg, tokens, head_trainable=lora_targets is None)
-    held, bwd_extra, loss_lines = _loss(model, rg, tokens, setup.loop)
-    amp_copies = _amp_copies(model, rg, lora=lora_targets is not None)
+    held, bwd_extra, loss_lines = _loss(
+        model, setup, rg, tokens, head_trainable=lora_targets is None
+    )
+    amp_copies = _amp_copies(
+        model, rg, lora=lora_targets is not None and setup.frozen_dtype != "fp32"
+    )
     if setup.grad_ckpt:
         kept, copies, end, lines = _checkpointed(arch, rg, stack, tokens, amp_copies)
     else:
         kept, copies, end, lines = _stored(arch, stack, tokens, amp_copies)
     lines += [final_line, *loss_lines]
     end_extra, end_lines = _held_at_backward_end(
-        model, rg, tokens, setup.loop, full=lora_targets is None
+        model, rg, tokens, setup, full=lora_targets is None
     )
     end += end_extra
     lines += end_lines
@@ -347,37 +376,73 @@ def _final_norm(
     return final, line
 
 
-def _loss(model: ModelInfo, rg: Regime, tokens: int, loop: str) -> tuple[float, float, list[Line]]:
+def _loss(
+    model: ModelInfo, setup: TrainingSetup, rg: Regime, tokens: int, *, head_trainable: bool
+) -> tuple[float, float, list[Line]]:
     """Logits and loss buffers held through backward, and the extra at its start."""
     if model.task == "classification":
         return 0.0, 0.0, []
-    vocab = model.arch.vocab_size
-    held_pt, extra_pt = loss_terms(vocab, rg, loop)
+    vocab, loop = model.arch.vocab_size, setup.loop
+    if setup.loss == "fused":
+        return _fused_loss(model, rg, tokens, head_trainable=head_trainable)
+    if setup.loss == "chunked":
+        held_pt, extra_pt = chunked_loss_terms(vocab, rg, loop, setup.loss_chunks)
+        extra_why = f"the larger of forward and backward over {setup.loss_chunks} chunks"
+    else:
+        held_pt, extra_pt = loss_terms(vocab, rg, loop)
+        extra_why = f"{tokens:,} x {vocab:,} x 8 B, at the start of backward"
     held, bwd_extra = held_pt * tokens, extra_pt * tokens
-    lines = []
-    if held:
-        what, per = "fp32 log-softmax (the loop frees the logits)", "4"
-        if loop == "keep-outputs":
-            what, per = "logits (kept by the loop) + fp32 log-softmax", f"({rg.compute_bytes} + 4)"
-        lines = [
-            Line(
-                "activations",
-                what,
-                int(held),
-                f"{tokens:,} tokens x {vocab:,} vocab x {per} B",
-            ),
-            Line(
-                "activations",
-                "loss backward (fp32 grads of logits)",
-                int(bwd_extra),
-                f"{tokens:,} x {vocab:,} x 8 B, at the start of backward",
-            ),
-        ]
+    what, per = "fp32 log-softmax (the loop frees the logits)", "4"
+    if loop == "keep-outputs":
+        what, per = "logits (kept by the loop) + fp32 log-softmax", f"({rg.compute_bytes} + 4)"
+    if setup.loss == "chunked":
+        what = f"{what}, {setup.loss_chunks} chunks"
+    lines = [
+        Line("activations", what, int(held), f"{tokens:,} tokens x {vocab:,} vocab x {per} B"),
+        Line("activations", "loss backward (fp32 grads of logits)", int(bwd_extra), extra_why),
+    ]
     return held, bwd_extra, lines
 
 
+def _fused_loss(
+    model: ModelInfo, rg: Regime, tokens: int, *, head_trainable: bool
+) -> tuple[float, float, list[Line]]:
+    """Liger's fused linear cross-entropy: the gradients of the head's input (and weight, when
+    it trains) and the per-token fp32 losses are made in forward and held through backward;
+    one chunk's logits (and, for an fp32 input, their fp32 cast for the weight's gradient)
+    are the transient."""
+    arch = model.arch
+    rows = fused_loss_rows(tokens, arch.vocab_size, arch.hidden_size)
+    weight_grad = arch.vocab_size * arch.hidden_size * (4 if rg.amp else rg.stream_bytes)
+    held = (rg.stream_bytes * arch.hidden_size + 4) * tokens + (
+        weight_grad if head_trainable else 0
+    )
+    chunk = (
+        rows
+        * arch.vocab_size
+        * (rg.compute_bytes + (4 if rg.stream_bytes > rg.compute_bytes else 0))
+    )
+    chunk += rows * arch.hidden_size * rg.compute_bytes
+    lines = [
+        Line(
+            "activations",
+            "fused loss: head input gradient + fp32 losses"
+            + (" + head gradient" if head_trainable else ""),
+            int(held),
+            f"{tokens:,} x ({rg.stream_bytes} x {arch.hidden_size:,} + 4) B, made in forward",
+        ),
+        Line(
+            "activations",
+            "fused loss: one chunk's logits",
+            int(chunk),
+            f"{rows:,} rows x {arch.vocab_size:,} vocab, in forward",
+        ),
+    ]
+    return held, float(chunk), lines
+
+
 def _held_at_backward_end(
-    model: ModelInfo, rg: Regime, tokens: int, loop: str, *, full: bool
+    model: ModelInfo, rg: Regime, tokens: int, setup: TrainingSetup, *, full: bool
 ) -> tuple[float, list[Line]]:
     """What the bottom of the stack's backward holds besides the gradients: the logits a
     ``keep-outputs`` loop keeps (counted in the loss's line), and a tied embedding's second
@@ -387,7 +452,8 @@ def _held_at_backward_end(
     if model.task == "classification":
         return 0.0, []
     arch = model.arch
-    held = rg.compute_bytes * arch.vocab_size * tokens if loop == "keep-outputs" else 0.0
+    kept = setup.loop == "keep-outputs" and setup.loss != "fused"  # fused: no logits exist
+    held = rg.compute_bytes * arch.vocab_size * tokens if kept else 0.0
     if not (arch.tied_embeddings and full):
         return held, []
     copies = 1 if rg.amp else 2
@@ -398,7 +464,11 @@ def _held_at_backward_end(
 
 
 def _amp_copies(model: ModelInfo, rg: Regime, *, lora: bool) -> float:
-    """Autocast casts each matmul's fp32 weight to 16-bit; the copy is saved for backward."""
+    """Autocast casts each matmul's fp32 weight to 16-bit; the copy is saved for backward.
+
+    ``lora``: the frozen base is stored in 16-bit (no casts); an fp32 frozen base (Lightning
+    ``bf16-mixed``) is cast like a trained one: each frozen linear's input needs a gradient,
+    so its 16-bit weight copy is saved too."""
     if not rg.amp or lora:
         return 0.0
     copies = 2 * sum(g.total for g in model.params if g.is_matrix_weight)

@@ -37,6 +37,9 @@ TRACE_LIMITS: tuple[type[Exception], ...] = (
 )
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def is_trace_limit(exc: BaseException) -> bool:
     """Whether ``exc`` says the dry run cannot model this step (not a bug to raise)."""
     if isinstance(exc, TRACE_LIMITS):
@@ -129,6 +132,8 @@ def _build(
         dtype = torch.bfloat16
     elif setup.precision in ("fp16", "amp-fp16") and (setup.precision == "fp16" or setup.is_lora):
         dtype = torch.float16
+    if setup.is_lora and setup.frozen_dtype != "auto":
+        dtype = _DTYPES[setup.frozen_dtype]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -164,6 +169,10 @@ def _build(
                 target_modules=targets,
             ),
         )
+        if setup.lora_dtype != "fp32":  # peft upcast them (autocast_adapter_dtype); litgpt does not
+            for name, param in net.named_parameters():
+                if param.requires_grad and "lora_" in name:
+                    param.data = param.data.to(_DTYPES[setup.lora_dtype])
         if setup.grad_ckpt:
             net.enable_input_require_grads()
     net.train()
@@ -210,6 +219,16 @@ def step_parts(
 ) -> StepParts:
     """Model (setup applied), optimizer, batch factory and autocast dtype for one step."""
     net = built if built is not None else _build(model, setup, depth)
+    if setup.loss != "full" and model.task != "classification":
+        from batchfit.memory._lm_loss import HeadLoss
+
+        net = HeadLoss(
+            net,
+            loss=setup.loss,
+            chunks=setup.loss_chunks,
+            shift=model.task == "causal-lm",
+            keep_logits=setup.loop == "keep-outputs",
+        )
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)

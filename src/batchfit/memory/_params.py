@@ -31,8 +31,23 @@ class ParamBytes:
     master: int  # separate fp32 master copy (fp16 mixed precision, ZeRO's K=12 includes it)
 
 
-# peft keeps adapters in fp32 (autocast_adapter_dtype=True) whatever the base dtype.
-ADAPTER_BYTES = ParamBytes(4, 4, 4, 0)
+# peft keeps adapters in fp32 (autocast_adapter_dtype=True) whatever the base dtype;
+# --lora-dtype bf16/fp16 (litgpt bf16-true) stores them, their gradients and states in 16-bit.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def adapter_bytes(lora_dtype: str) -> ParamBytes:
+    """Bytes per adapter parameter: weight, gradient and optimizer state in ``lora_dtype``."""
+    size = DTYPE_BYTES[lora_dtype]
+    return ParamBytes(size, size, size, 0)
+
+
+def frozen_bytes(setup: TrainingSetup) -> int:
+    """Bytes per frozen base parameter under LoRA: ``--frozen-dtype``, or auto: the 16-bit
+    dtype a 16-bit precision loads it in (``torch_dtype``), fp32 under fp32."""
+    if setup.frozen_dtype != "auto":
+        return DTYPE_BYTES[setup.frozen_dtype]
+    return 4 if setup.precision == "fp32" else 2
 
 
 def param_bytes(precision: str) -> ParamBytes:
@@ -172,19 +187,21 @@ def _lora_weights(model: ModelInfo, setup: TrainingSetup, targets: tuple[str, ..
         )
     lora_n = model.lora_params(setup.lora_rank, targets)
     base, lines = _frozen_base(model, setup)
+    per = adapter_bytes(setup.lora_dtype)
     lines.append(
         Line(
             "weights",
             "LoRA adapters",
-            lora_n * 4,
-            f"{lora_n:,} params x 4 B (fp32), r={setup.lora_rank} on {','.join(targets)}",
+            lora_n * per.weight,
+            f"{lora_n:,} params x {per.weight} B ({setup.lora_dtype}), r={setup.lora_rank} on "
+            f"{','.join(targets)}",
         )
     )
     return _Weights(
-        weights=base + lora_n * 4,
+        weights=base + lora_n * per.weight,
         trainable=lora_n,
         shapes=_lora_shapes(model, setup.lora_rank, targets),
-        per_param=ADAPTER_BYTES,
+        per_param=per,
         lines=tuple(lines),
         warnings=tuple(warnings),
     )
@@ -195,7 +212,8 @@ def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Li
     total = model.total_params
     if setup.method == "qlora":
         q = model.quantizable_params()
-        return q * NF4_BYTES_PER_PARAM + (total - q) * 2, [
+        rest_b = frozen_bytes(setup)
+        return q * NF4_BYTES_PER_PARAM + (total - q) * rest_b, [
             Line(
                 "weights",
                 "base, NF4 + double quant",
@@ -204,13 +222,13 @@ def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Li
             ),
             Line(
                 "weights",
-                "base, not quantised (16-bit)",
-                (total - q) * 2,
-                f"{total - q:,} params x 2 B (embeddings, norms, output head)",
+                f"base, not quantised ({8 * rest_b}-bit)",
+                (total - q) * rest_b,
+                f"{total - q:,} params x {rest_b} B (embeddings, norms, output head)",
             ),
         ]
     # A frozen base needs no fp32 master: peft recipes load it in 16-bit unless fp32.
-    base_b = 4 if setup.precision == "fp32" else 2
+    base_b = frozen_bytes(setup)
     why = f"{total:,} params x {base_b} B (frozen, no master copy)"
     return total * base_b, [Line("weights", "frozen base", total * base_b, why)]
 

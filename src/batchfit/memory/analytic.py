@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from batchfit._units import BYTES_IN_MIB
+from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory import _activations as act
 from batchfit.memory._advice import advice
@@ -58,6 +59,11 @@ def resolve_setup(
     Attention is resolved for the model class (``ModelInfo.resolve_attention``): ``auto`` on
     DeBERTa is eager, as transformers runs it.
     """
+    if setup.loss != "full" and model.task == "classification":
+        raise UsageError(
+            f"--loss {setup.loss_label} computes a language model's loss over its vocabulary; "
+            "a classification head has none: use --loss full"
+        )
     bf16_ok = gpu.bf16 if gpu else True
     resolved = setup.resolved(device=device, bf16_supported=bf16_ok)
     attention = model.resolve_attention(setup.attention)

@@ -1,0 +1,241 @@
+"""The loss and dtype conventions of issue #11: ``--loss chunked|fused``, ``--lora-dtype``,
+``--frozen-dtype``. The losses must compute what the full loss computes (value and gradients),
+and their dry run must allocate what the real CPU step allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from batchfit.errors import UsageError
+from batchfit.hardware import get_gpu
+from batchfit.memory import _hf_trace, trace
+from batchfit.memory.estimate import estimate
+from batchfit.models import resolve_model
+from batchfit.spec import TrainingSetup, parse_loss
+from tests._cli import run_cli
+
+pytestmark = pytest.mark.slow
+
+# Tiny Llama with a wide vocabulary, so the loss's buffers are what moves the peak.
+WIDE_VOCAB_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 8192,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture
+def wide(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(WIDE_VOCAB_LLAMA))
+    return resolve_model(str(path))
+
+
+def _parts(info, setup, micro=2, seq=64):
+    setup = setup.resolved(device="cpu", bf16_supported=True)
+    return _hf_trace.step_parts(info, setup, micro=micro, seq=seq, emulate_cuda=False)
+
+
+def _loss_and_grads(info, setup):
+    torch.manual_seed(0)
+    parts = _parts(info, setup)
+    torch.manual_seed(1)
+    batch = parts.make_batch()
+    out = trace._call(parts.model, batch)
+    loss = parts.loss_of(out, batch)
+    loss.backward()
+    grads = {
+        name.removeprefix("net."): p.grad.clone()
+        for name, p in parts.model.named_parameters()
+        if p.grad is not None
+    }
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("loss", ["chunked", "chunked:3", "fused"])
+@pytest.mark.parametrize("loop", ["trainer", "keep-outputs"])
+def test_the_loss_and_its_gradients_equal_the_full_loss(wide, loss, loop):
+    kind, chunks = parse_loss(loss)
+    full_loss, full_grads = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
+    got_loss, got_grads = _loss_and_grads(
+        wide, TrainingSetup(precision="fp32", loss=kind, loss_chunks=chunks, loop=loop)
+    )
+    torch.testing.assert_close(got_loss, full_loss, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_fused_loss_on_a_tied_head_sums_both_gradients(tmp_path):
+    cfg = {**WIDE_VOCAB_LLAMA, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    info = resolve_model(str(tmp_path / "config.json"))
+    _, full = _loss_and_grads(info, TrainingSetup(precision="fp32"))
+    _, fused = _loss_and_grads(info, TrainingSetup(precision="fp32", loss="fused"))
+    torch.testing.assert_close(
+        fused["model.embed_tokens.weight"], full["model.embed_tokens.weight"]
+    )
+
+
+SETUPS = [
+    TrainingSetup(precision="fp32", loss="chunked"),
+    TrainingSetup(precision="fp32", loss="chunked", loop="keep-outputs"),
+    TrainingSetup(precision="fp32", loss="fused"),
+    TrainingSetup(precision="amp-bf16", loss="fused"),
+    TrainingSetup(precision="amp-bf16", loss="chunked", grad_ckpt=True),
+    TrainingSetup(method="lora", precision="bf16", lora_dtype="bf16"),
+    TrainingSetup(method="lora", precision="amp-bf16", frozen_dtype="fp32"),
+]
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=repr)
+def test_dry_run_matches_real_cpu_tensors(wide, setup):
+    # The same step on real CPU tensors and on fake tensors allocates the same storages.
+    torch.manual_seed(0)
+    parts = _parts(wide, setup)
+    real = trace.run_steps(
+        parts.model,
+        parts.optimizer,
+        parts.make_batch,
+        parts.loss_of,
+        autocast_dtype=parts.autocast_dtype,
+        loop=setup.loop,
+    )
+    fake = _hf_trace.trace_once(
+        wide,
+        setup.resolved(device="cpu", bf16_supported=True),
+        micro=2,
+        seq=64,
+        device="cpu",
+        workspace=0,
+        depth=None,
+        grad_accum_steps=1,
+    )
+    fake_by = {p.key: p for p in fake.phases}
+    assert set(fake_by) == {p.key for p in real.phases}
+    for phase in real.phases:
+        # checkpointing stashes a few KB per layer (RNG state) that only the fake run sees
+        assert fake_by[phase.key].total == pytest.approx(phase.total, rel=0.01), phase.key
+
+
+def _peak(info, engine, **kw):
+    setup = TrainingSetup(precision="amp-bf16", **kw)
+    est = estimate(
+        info,
+        setup,
+        micro_batch_size=4,
+        seq_len=256,
+        device="cuda",
+        gpu=get_gpu("a100-80gb"),
+        engine=engine,
+    )
+    return est.peak_bytes
+
+
+@pytest.mark.parametrize("engine", ["trace", "analytic"])
+def test_chunked_and_fused_losses_hold_less_than_the_full_loss(wide, engine):
+    full = _peak(wide, engine)
+    chunked = _peak(wide, engine, loss="chunked")
+    fused = _peak(wide, engine, loss="fused")
+    assert fused < chunked < full
+    # a loop that keeps the outputs holds the chunks' logits; the fused loss makes none
+    assert _peak(wide, engine, loss="chunked", loop="keep-outputs") > chunked
+    assert _peak(wide, engine, loss="fused", loop="keep-outputs") == fused
+
+
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
+def test_the_analytic_saving_agrees_with_the_trace(wide, loss):
+    # what the loss saves against the full loss, by formulas and by the dry run
+    by_trace = _peak(wide, "trace") - _peak(wide, "trace", loss=loss)
+    by_formula = _peak(wide, "analytic") - _peak(wide, "analytic", loss=loss)
+    assert by_formula == pytest.approx(by_trace, rel=0.15)
+
+
+@pytest.mark.parametrize("engine", ["trace", "analytic"])
+def test_adapter_and_frozen_dtypes_move_the_weights(engine):
+    info = resolve_model("llama-3.2-1b")
+
+    def weights(**kw):
+        setup = TrainingSetup(method="lora", precision="amp-bf16", **kw)
+        est = estimate(
+            info,
+            setup,
+            micro_batch_size=1,
+            seq_len=128,
+            device="cuda",
+            gpu=get_gpu("a100-80gb"),
+            engine=engine,
+        )
+        return est.components["weights"], est.trainable_params
+
+    base, trainable = weights()
+    bf16_adapters, _ = weights(lora_dtype="bf16")
+    assert base - bf16_adapters == pytest.approx(2 * trainable, rel=0.01)
+    fp32_base, _ = weights(frozen_dtype="fp32")
+    assert fp32_base - base == pytest.approx(2 * info.total_params, rel=0.01)
+
+
+def test_classification_refuses_a_vocabulary_loss():
+    with pytest.raises(UsageError, match="--loss full"):
+        estimate(
+            resolve_model("bert-base-uncased", "classification"),
+            TrainingSetup(loss="fused"),
+            micro_batch_size=1,
+            seq_len=64,
+            device="cpu",
+            engine="analytic",
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--loss", "sparse"], "--loss 'sparse' is not one of"),
+        (["--loss", "chunked:0"], "N in chunked:N"),
+        (["--loss", "fused:4"], "is not one of"),
+        (["--lora-dtype", "int8", "--method", "lora"], "--lora-dtype 'int8' is not one of"),
+        (["--frozen-dtype", "bf16"], "need --method lora or qlora"),
+    ],
+)
+def test_bad_loss_and_dtype_options_are_one_line(args, message, capsys):
+    code, out, err = run_cli(
+        ["estimate", "gpt2", "-b", "1", "-s", "64", "--engine", "analytic", *args], capsys
+    )
+    assert code == 2 and not out
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_cli_passes_the_loss_through(capsys):
+    code, out, _ = run_cli(
+        ["estimate", "gpt2", "-b", "8", "-s", "1024", "--engine", "analytic", "--json"], capsys
+    )
+    full = json.loads(out)
+    code, out, _ = run_cli(
+        [
+            "estimate",
+            "gpt2",
+            "-b",
+            "8",
+            "-s",
+            "1024",
+            "--engine",
+            "analytic",
+            "--loss",
+            "chunked:4",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0
+    chunked = json.loads(out)
+    assert chunked["setup"]["loss"] == "chunked" and chunked["setup"]["loss_chunks"] == 4
+    assert chunked["peak_bytes"] < full["peak_bytes"]
