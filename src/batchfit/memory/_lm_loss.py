@@ -12,9 +12,10 @@ and ``fused`` the model's output head is bypassed (its forward returns the hidde
   Either way each chunk's fp32 log-softmax is saved for backward.
 - ``fused``: Liger's ``LigerFusedLinearCrossEntropyFunction``
   (``ops/fused_linear_cross_entropy.py``): during forward, per chunk of
-  ``next_power_of_2(ceil(BT / ceil(V / H)))`` rows, the chunk's logits are computed, turned into their gradient in place, and multiplied into the gradients
-  of the head's input (``zeros_like(input)``) and weight (``zeros_like(weight)``), which are
-  saved for backward; no logits outlive the chunk.
+  ``next_power_of_2(ceil(BT / ceil(V / H)))`` rows, the chunk's logits are computed, turned
+  into their gradient in place, and multiplied into the gradients of the head's input
+  (``zeros_like(input)``) and weight (``zeros_like(weight)``), which are saved for backward;
+  no logits outlive the chunk.
 """
 
 from __future__ import annotations
