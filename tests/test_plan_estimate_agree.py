@@ -110,10 +110,16 @@ def test_a_ladder_rung_the_plan_takes_is_confirmed_and_its_hint_reproduces_it(ca
     plan = _json(
         ["plan", "llama-2-7b", *flags, "--global-batch", "40", "--headroom", "100MiB"], capsys
     )
-    assert [t["name"] for t in plan["techniques"]] == ["gradient-checkpointing", "lora"]
+    assert [t["name"] for t in plan["techniques"]] == [
+        "fused-loss",
+        "gradient-checkpointing",
+        "lora",
+    ]
     assert plan["fits"]
     setup = plan["setup"]
     technique_flags = [
+        "--loss",
+        setup["loss"],
         "--grad-ckpt",
         "--method",
         setup["method"],

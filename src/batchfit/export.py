@@ -82,6 +82,10 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         "bf16": setup.precision in ("amp-bf16", "bf16"),
         "fp16": setup.precision in ("amp-fp16", "fp16"),
     }
+    if setup.loss == "fused":
+        # Trainer patches the model with Liger's kernels, fused linear cross-entropy among them
+        # (trainer.py: _apply_liger_kernel_to_instance); needs `pip install liger-kernel`.
+        kwargs["use_liger_kernel"] = True
     if setup.optimizer == "sgd-momentum":
         kwargs["optim_args"] = "momentum=0.9"
     # The same decay the DeepSpeed export writes: Trainer refuses configs that disagree.

@@ -114,6 +114,10 @@ def estimate(
         f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
         f"{', grad-ckpt' if setup.grad_ckpt else ''}"
         f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
+        f"{f', loss {setup.loss_label}' if setup.loss != 'full' else ''}"
+        f"{f', adapters {setup.lora_dtype}' if setup.lora_dtype != 'fp32' else ''}"
+        f"{f', frozen base {setup.frozen_dtype}' if setup.frozen_dtype != 'auto' else ''}"
+        f", {setup.loop} loop"
     )
     out.print(
         _breakdown(
@@ -185,6 +189,8 @@ def technique_flags(p: Plan) -> str:
         return ""
     s, base = p.setup, TrainingSetup()
     flags = ["--grad-ckpt"] if s.grad_ckpt else []
+    if s.loss != base.loss:
+        flags.append(f"--loss {s.loss_label}")
     for name, value, default in (
         ("--method", s.method, base.method),
         ("--precision", s.precision, base.precision),

@@ -167,7 +167,7 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     needs_ladder = base_max == 0 or (wanted is not None and wanted > base_max)
     chosen = _Fit(setup, (), base_max, ())
     alternatives = []
-    for combo in ladder(setup, target.gpu):
+    for combo in ladder(setup, target.gpu, target.model):
         try:
             alt = target.alternative(combo, apply(setup, combo))
         except UsageError:
@@ -216,6 +216,17 @@ def _advice_warnings(
         warnings.append(
             f"BatchNorm statistics come from each micro-batch of {micro}, not the "
             "global batch: accumulation does not make them exact"
+        )
+    if setup.loss == "chunked":
+        warnings.append(
+            f"the plan assumes a chunked loss ({setup.loss_chunks} chunks): HF Trainer has no "
+            "switch for it (torchtune's LinearCrossEntropyLoss or axolotl's "
+            "chunked_cross_entropy: true do it; in a Trainer, override compute_loss)"
+        )
+    elif setup.loss == "fused":
+        warnings.append(
+            "the plan assumes Liger's fused linear cross-entropy: pip install liger-kernel "
+            "(the HF export sets use_liger_kernel)"
         )
     return warnings
 

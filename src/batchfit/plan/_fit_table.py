@@ -61,7 +61,7 @@ def fit_table(
         techniques: Combo = ()
         best = largest(model, setup, gpu, seq_len, None, headroom_bytes)
         if best == 0:
-            for combo in ladder(setup, gpu):
+            for combo in ladder(setup, gpu, model):
                 alt = apply(setup, combo)
                 best = largest(model, alt, gpu, seq_len, None, headroom_bytes)
                 if best:

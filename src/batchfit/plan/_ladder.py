@@ -14,6 +14,7 @@ from functools import reduce
 from typing import Literal
 
 from batchfit.hardware import GpuSpec
+from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 
 Kind = Literal["exact", "changes-training"]
@@ -40,6 +41,85 @@ GRAD_CKPT = Technique(
     "recompute each layer in backward",
     lambda s: replace(s, grad_ckpt=True),
 )
+FUSED_LOSS = Technique(
+    "fused-loss",
+    "exact",
+    "Liger's fused linear cross-entropy: no logits held (TrainingArguments use_liger_kernel)",
+    lambda s: replace(s, loss="fused"),
+)
+CHUNKED_LOSS = Technique(
+    "chunked-loss",
+    "exact",
+    "head and loss per chunk of tokens (torchtune LinearCrossEntropyLoss, axolotl "
+    "chunked_cross_entropy)",
+    lambda s: replace(s, loss="chunked"),
+)
+# The model types Liger patches (liger_kernel/transformers/monkey_patch.py,
+# MODEL_TYPE_TO_APPLY_LIGER_FN, at ead96b61 of 2026-08-21); others get the chunked loss.
+LIGER_TYPES = frozenset(
+    [
+        "deepseek_v4",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "gemma3",
+        "gemma4_text",
+        "gemma4",
+        "glm4",
+        "glm4v",
+        "glm4v_moe",
+        "gpt_oss",
+        "internvl",
+        "llama",
+        "llama4_text",
+        "llama4",
+        "llava",
+        "granite",
+        "mllama",
+        "mllama_text_model",
+        "ministral",
+        "mistral",
+        "mixtral",
+        "nemotron",
+        "olmo2",
+        "pixtral",
+        "olmo3",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen2_vl",
+        "qwen2_vl_text",
+        "qwen2_5_vl",
+        "qwen2_5_vl_text",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_vl",
+        "qwen3_vl_text",
+        "qwen3_vl_moe",
+        "qwen3_vl_moe_text",
+        "smollm3",
+        "phi3",
+        "paligemma",
+        "falcon_h1",
+        "smolvlm",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "exaone4",
+    ]
+)
+
+
+def lean_loss(model: ModelInfo | None, setup: TrainingSetup) -> Technique | None:
+    """The loss rung for ``model``: fused where Liger supports the model type, else chunked;
+    None for a classification head or a loss that is already lean."""
+    if model is None or model.task == "classification" or setup.loss != "full":
+        return None
+    return FUSED_LOSS if model.arch.model_type in LIGER_TYPES else CHUNKED_LOSS
+
+
 ZeroStage = Literal["zero1", "zero2", "zero3"]
 _ZERO_STAGES: tuple[ZeroStage, ...] = ("zero1", "zero2", "zero3")
 
@@ -128,16 +208,24 @@ def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Com
     return rungs
 
 
-def ladder(setup: TrainingSetup, gpu: GpuSpec) -> tuple[Combo, ...]:
+def ladder(setup: TrainingSetup, gpu: GpuSpec, model: ModelInfo | None = None) -> tuple[Combo, ...]:
     """Technique combinations to try, exact ones first, cheapest in time first (DESIGN.md).
 
-    Gradient checkpointing comes first and stays on under every later rung.
+    A lean loss (``model``'s: fused or chunked; it costs no time) comes first, then gradient
+    checkpointing (recompute: about a fifth of the step), and both stay on under every later
+    rung.
 
     Example:
         >>> from batchfit.hardware import get_gpu
-        >>> [[t.name for t in combo] for combo in ladder(TrainingSetup(), get_gpu("t4"))][:2]
-        [['gradient-checkpointing'], ['gradient-checkpointing', 'zero2', 'offload-optimizer']]
+        >>> from batchfit.models import resolve_model
+        >>> rungs = ladder(TrainingSetup(), get_gpu("t4"), resolve_model("llama-3.2-1b"))
+        >>> [[t.name for t in combo] for combo in rungs][:2]
+        [['fused-loss'], ['fused-loss', 'gradient-checkpointing']]
     """
-    base: Combo = () if setup.grad_ckpt else (GRAD_CKPT,)
-    first: list[Combo] = [] if setup.grad_ckpt else [(GRAD_CKPT,)]
+    loss = lean_loss(model, setup)
+    base: Combo = () if loss is None else (loss,)
+    first: list[Combo] = [base] if base else []
+    if not setup.grad_ckpt:
+        base = (*base, GRAD_CKPT)
+        first.append(base)
     return (*first, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))
