@@ -42,7 +42,11 @@ LoraDtype = Literal["fp32", "bf16", "fp16"]
 # The dtype of the frozen base under LoRA: "auto" = 16-bit under a 16-bit precision (a model
 # loaded with ``torch_dtype``), fp32 under fp32; "fp32" as Lightning ``bf16-mixed`` keeps it.
 FrozenDtype = Literal["auto", "fp32", "bf16", "fp16"]
-DEFAULT_LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss(num_output_chunks=8)
+DEFAULT_LOSS_CHUNKS = 8  # torchtune's LinearCrossEntropyLoss(num_output_chunks=8)
+# The training framework whose conventions the step follows (batchfit/frameworks.py: each
+# preset's loop, loss, dtypes and optimizer, with the framework's source lines). None:
+# batchfit's defaults (HF Trainer's loop and loss, PyTorch's optimizer implementation).
+Framework = Literal["hf-trainer", "accelerate", "lightning", "litgpt", "torchtune", "axolotl"]
 
 TASKS: tuple[str, ...] = get_args(Task)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -56,6 +60,7 @@ LOOPS: tuple[str, ...] = get_args(Loop)
 LOSSES: tuple[str, ...] = get_args(LossKind)
 LORA_DTYPES: tuple[str, ...] = get_args(LoraDtype)
 FROZEN_DTYPES: tuple[str, ...] = get_args(FrozenDtype)
+FRAMEWORKS: tuple[str, ...] = get_args(Framework)
 
 # Optimizers that plan.scale_learning_rate scales by the square root of the batch ratio.
 # Malladi et al. 2022 (SDE scaling rule) is the source for Adam and AdamW, and the 8-bit
@@ -72,24 +77,34 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     return value
 
 
-def parse_loss(text: str) -> tuple[LossKind, int]:
-    """``--loss``'s value as (kind, chunks): ``full``, ``fused``, ``chunked`` or ``chunked:N``.
+def parse_loss(text: str) -> tuple[LossKind, int, int | None]:
+    """``--loss``'s value as (kind, chunks, chunk tokens): ``full``, ``fused``, ``chunked``,
+    ``chunked:N`` (N chunks of the tokens) or ``chunked:Nt`` (chunks of N tokens along the
+    sequence, as litgpt's ``lm_head_chunk_size``).
 
     Example:
         >>> parse_loss("chunked:16")
-        ('chunked', 16)
+        ('chunked', 16, None)
+        >>> parse_loss("chunked:128t")
+        ('chunked', 8, 128)
         >>> parse_loss("fused")
-        ('fused', 8)
+        ('fused', 8, None)
     """
     kind, sep, count = text.partition(":")
-    choices = "full, chunked, chunked:N (N chunks), fused"
+    choices = "full, chunked, chunked:N (N chunks), chunked:Nt (chunks of N tokens), fused"
     if kind not in LOSSES or (sep and kind != "chunked"):
         raise UsageError(f"--loss {text!r} is not one of: {choices}")
     if not sep:
-        return cast(LossKind, kind), DEFAULT_LOSS_CHUNKS
-    if not count.isdigit() or not 1 <= int(count) <= 1 << 20:
-        raise UsageError(f"--loss {text!r}: N in chunked:N must be an integer from 1 to 1048576")
-    return "chunked", int(count)
+        return cast(LossKind, kind), DEFAULT_LOSS_CHUNKS, None
+    per_token = count.endswith("t")
+    digits = count[:-1] if per_token else count
+    if not digits.isdigit() or not 1 <= int(digits) <= 1 << 20:
+        raise UsageError(
+            f"--loss {text!r}: N in chunked:N (or chunked:Nt) must be an integer from 1 to 1048576"
+        )
+    if per_token:
+        return "chunked", DEFAULT_LOSS_CHUNKS, int(digits)
+    return "chunked", int(digits), None
 
 
 def _check_finite(name: str, value: object) -> float:
@@ -131,9 +146,12 @@ class TrainingSetup:
     offload: Offload = "none"
     loop: Loop = "trainer"
     loss: LossKind = "full"
-    loss_chunks: int = DEFAULT_LOSS_CHUNKS  # chunks along the sequence, for loss="chunked"
+    loss_chunks: int = DEFAULT_LOSS_CHUNKS  # chunks of the tokens, for loss="chunked"
+    # or chunks of this many tokens along the sequence (litgpt's lm_head_chunk_size=128)
+    loss_chunk_tokens: int | None = None
     lora_dtype: LoraDtype = "fp32"
     frozen_dtype: FrozenDtype = "auto"
+    framework: Framework | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None:
@@ -149,6 +167,13 @@ class TrainingSetup:
         check_choice("--loss", self.loss, LOSSES)
         check_choice("--lora-dtype", self.lora_dtype, LORA_DTYPES)
         check_choice("--frozen-dtype", self.frozen_dtype, FROZEN_DTYPES)
+        if self.framework is not None:
+            check_choice("--framework", self.framework, FRAMEWORKS)
+        tokens = self.loss_chunk_tokens
+        if tokens is not None and (
+            isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 1 << 40
+        ):
+            raise UsageError(f"--loss chunked:Nt needs 1 <= N tokens, got {tokens!r}")
         if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int):
             raise UsageError(f"--loss chunked:N needs an integer N, got {self.loss_chunks!r}")
         if not 1 <= self.loss_chunks <= 1 << 20:
@@ -185,8 +210,32 @@ class TrainingSetup:
 
     @property
     def loss_label(self) -> str:
-        """The loss as ``--loss`` spells it: ``full``, ``chunked:8``, ``fused``."""
-        return f"chunked:{self.loss_chunks}" if self.loss == "chunked" else self.loss
+        """The loss as ``--loss`` spells it: ``full``, ``chunked:8``, ``chunked:128t``, ``fused``.
+
+        Example:
+            >>> TrainingSetup(loss="chunked", loss_chunk_tokens=128).loss_label
+            'chunked:128t'
+        """
+        if self.loss != "chunked":
+            return self.loss
+        if self.loss_chunk_tokens:
+            return f"chunked:{self.loss_chunk_tokens}t"
+        return f"chunked:{self.loss_chunks}"
+
+    def loss_chunk_count(self, tokens: int, seq_len: int) -> int:
+        """How many chunks the chunked loss splits ``tokens`` (a micro-batch) into."""
+        if self.loss_chunk_tokens:
+            return -(-seq_len // self.loss_chunk_tokens)
+        return min(self.loss_chunks, max(tokens, 1))
+
+    @property
+    def outputs_fp32(self) -> bool:
+        """Whether the framework casts the model's outputs to fp32 after a 16-bit forward:
+        accelerate's ``convert_outputs_to_fp32`` (``accelerator.py``: ``prepare`` wraps
+        ``model.forward``; HF Trainer and axolotl go through it) and Fabric's
+        ``convert_output`` (litgpt; ``fabric/wrappers.py``), both to the default dtype."""
+        mixed = self.precision not in ("fp32", "auto")
+        return mixed and self.framework in ("hf-trainer", "accelerate", "axolotl", "litgpt")
 
     def resolved(self, *, device: Literal["cpu", "cuda"], bf16_supported: bool) -> TrainingSetup:
         """Return a copy with ``precision="auto"`` and ``attention="auto"`` made concrete.
@@ -198,6 +247,11 @@ class TrainingSetup:
             'amp-bf16'
         """
         precision = self.precision
+        # torchtune has no autocast (pure bf16, its recipes' `dtype: bf16`); litgpt's shipped
+        # configs all set `precision: bf16-true`
+        pure_bf16 = self.framework in ("torchtune", "litgpt")
+        if precision == "auto" and device != "cpu" and bf16_supported and pure_bf16:
+            precision = "bf16"
         if precision == "auto":
             precision = "fp32" if device == "cpu" else "amp-bf16" if bf16_supported else "amp-fp16"
         attention = self.attention

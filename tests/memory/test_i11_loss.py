@@ -5,6 +5,7 @@ and their dry run must allocate what the real CPU step allocates."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,14 +62,15 @@ def _loss_and_grads(info, setup):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("loss", ["chunked", "chunked:3", "fused"])
+@pytest.mark.parametrize("loss", ["chunked", "chunked:3", "chunked:20t", "fused"])
 @pytest.mark.parametrize("loop", ["trainer", "keep-outputs"])
 def test_the_loss_and_its_gradients_equal_the_full_loss(wide, loss, loop):
-    kind, chunks = parse_loss(loss)
+    kind, chunks, tokens = parse_loss(loss)
     full_loss, full_grads = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
-    got_loss, got_grads = _loss_and_grads(
-        wide, TrainingSetup(precision="fp32", loss=kind, loss_chunks=chunks, loop=loop)
+    setup = TrainingSetup(
+        precision="fp32", loss=kind, loss_chunks=chunks, loss_chunk_tokens=tokens, loop=loop
     )
+    got_loss, got_grads = _loss_and_grads(wide, setup)
     torch.testing.assert_close(got_loss, full_loss, rtol=1e-5, atol=1e-5)
     assert got_grads.keys() == full_grads.keys()
     for name, grad in full_grads.items():
@@ -239,3 +241,94 @@ def test_the_cli_passes_the_loss_through(capsys):
     chunked = json.loads(out)
     assert chunked["setup"]["loss"] == "chunked" and chunked["setup"]["loss_chunks"] == 4
     assert chunked["peak_bytes"] < full["peak_bytes"]
+
+
+# --- framework presets -------------------------------------------------------------------
+
+
+def test_every_preset_value_is_a_valid_setup_and_cites_its_source():
+    from batchfit.frameworks import PRESETS, with_framework
+    from batchfit.spec import FRAMEWORKS
+
+    assert set(PRESETS) == set(FRAMEWORKS)
+    for name, preset in PRESETS.items():
+        assert preset.sources and all(":" in source for source in preset.sources), name
+        for method in ("full", "lora"):
+            setup = with_framework(TrainingSetup(method=method), name)
+            assert setup.framework == name
+            assert setup.loop == preset.values["loop"]
+
+
+@pytest.mark.parametrize(
+    ("framework", "expected"),
+    [
+        (
+            "torchtune",
+            {"loss": "chunked", "loss_chunks": 8, "loop": "trainer", "lora_dtype": "bf16"},
+        ),
+        ("litgpt", {"loss": "chunked", "loss_chunk_tokens": 128, "loop": "keep-outputs"}),
+        ("lightning", {"frozen_dtype": "fp32", "loop": "trainer", "loss": "full"}),
+        ("accelerate", {"loop": "keep-outputs", "optimizer_impl": "auto"}),
+        ("hf-trainer", {"optimizer_impl": "fused", "lora_dtype": "fp32"}),
+    ],
+)
+def test_the_cli_applies_a_preset_and_explicit_options_win(framework, expected, capsys):
+    common = ["estimate", "llama-3.2-1b", "-b", "1", "-s", "256", "--gpu", "a100-80gb"]
+    common += ["--engine", "analytic", "--method", "lora", "--json"]
+    code, out, err = run_cli([*common, "--framework", framework], capsys)
+    assert code == 0, err
+    setup = json.loads(out)["setup"]
+    assert setup["framework"] == framework
+    assert {k: setup[k] for k in expected} == expected
+    code, out, err = run_cli(
+        [*common, "--framework", framework, "--loop", "keep-outputs", "--loss", "fused"], capsys
+    )
+    setup = json.loads(out)["setup"]
+    assert (setup["loop"], setup["loss"], setup["loss_chunk_tokens"]) == (
+        "keep-outputs",
+        "fused",
+        None,
+    )
+
+
+def test_pure_bf16_frameworks_resolve_auto_precision_to_bf16():
+    for framework, precision in (
+        ("torchtune", "bf16"),
+        ("litgpt", "bf16"),
+        ("lightning", "amp-bf16"),
+    ):
+        setup = TrainingSetup(framework=framework)  # type: ignore[arg-type]
+        assert setup.resolved(device="cuda", bf16_supported=True).precision == precision
+        assert setup.resolved(device="cpu", bf16_supported=True).precision == "fp32"
+
+
+def test_unknown_framework_is_one_line(capsys):
+    code, _out, err = run_cli(
+        ["estimate", "gpt2", "-b", "1", "-s", "64", "--engine", "analytic", "--framework", "keras"],
+        capsys,
+    )
+    assert code == 2 and "--framework 'keras' is not one of" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("engine", ["trace", "analytic"])
+def test_cast_outputs_are_held_in_fp32_by_a_keep_outputs_loop(wide, engine):
+    # accelerate's convert_outputs_to_fp32: the loop holds an fp32 copy of the logits, not the
+    # bf16 ones (2 more bytes per logit)
+    plain = _peak(wide, engine, loop="keep-outputs")
+    cast = _peak(wide, engine, loop="keep-outputs", framework="accelerate")
+    logits = 4 * 256 * WIDE_VOCAB_LLAMA["vocab_size"]
+    assert cast - plain == pytest.approx(2 * logits, rel=0.15)
+
+
+def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide):
+    setup = TrainingSetup(
+        precision="bf16",
+        framework="litgpt",
+        loop="keep-outputs",
+        loss="chunked",
+        loss_chunk_tokens=16,
+    )
+    test_dry_run_matches_real_cpu_tensors(wide, setup)
+    loss, _ = _loss_and_grads(wide, replace(setup, precision="fp32"))
+    full, _ = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
+    torch.testing.assert_close(loss, full, rtol=1e-5, atol=1e-5)

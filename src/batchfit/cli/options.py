@@ -18,6 +18,7 @@ import typer
 from batchfit.errors import UsageError
 from batchfit.spec import (
     ATTENTIONS,
+    FRAMEWORKS,
     FROZEN_DTYPES,
     LOOPS,
     LORA_DTYPES,
@@ -62,14 +63,39 @@ def _choices(values: tuple[str, ...]) -> str:
     return "|".join(values)
 
 
+# Options a --framework preset sets: None on the command line means "not given", so the preset
+# (or, without one, the default here) applies; a value given wins over the preset.
+_PRESET_DEFAULTS = {
+    "loop": "trainer",
+    "loss": "full",
+    "lora_dtype": "fp32",
+    "frozen_dtype": "auto",
+    "optimizer_impl": "auto",
+}
+
+
 def _parse(raw: dict[str, Any]) -> TrainingSetup:
+    explicit = frozenset(k for k in _PRESET_DEFAULTS if raw[k] is not None)
+    raw = {**raw, **{k: v for k, v in _PRESET_DEFAULTS.items() if raw[k] is None}}
+    framework = raw["framework"]
+    if framework is not None:
+        check_choice("--framework", framework, FRAMEWORKS)
+    setup = _setup(raw)
+    if framework is None:
+        return setup
+    from batchfit.frameworks import with_framework
+
+    return with_framework(setup, framework, explicit)
+
+
+def _setup(raw: dict[str, Any]) -> TrainingSetup:
     targets = raw["lora_targets"]
     lora = (targets, raw["lora_rank"], raw["lora_alpha"], raw["lora_dropout"])
     if raw["method"] == "full" and lora != (None, 8, 8.0, 0.0):
         raise UsageError(
             "--lora-rank/--lora-alpha/--lora-dropout/--lora-targets need --method lora or qlora"
         )
-    loss, loss_chunks = parse_loss(raw["loss"])
+    loss, loss_chunks, loss_chunk_tokens = parse_loss(raw["loss"])
     return TrainingSetup(
         task=cast(Task, check_choice("--task", raw["task"], TASKS)) if raw["task"] else None,
         precision=cast(Precision, check_choice("--precision", raw["precision"], PRECISIONS)),
@@ -92,6 +118,7 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
         loop=cast(Loop, check_choice("--loop", raw["loop"], LOOPS)),
         loss=loss,
         loss_chunks=loss_chunks,
+        loss_chunk_tokens=loss_chunk_tokens,
         lora_dtype=cast(LoraDtype, check_choice("--lora-dtype", raw["lora_dtype"], LORA_DTYPES)),
         frozen_dtype=cast(
             FrozenDtype, check_choice("--frozen-dtype", raw["frozen_dtype"], FROZEN_DTYPES)
@@ -120,10 +147,11 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     ),
     "optimizer": _option(str, "adamw", "--optimizer", help=_choices(OPTIMIZERS)),
     "optimizer_impl": _option(
-        str,
-        "auto",
+        str | None,
+        None,
         "--optimizer-impl",
-        help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks.",
+        help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks (the default unless "
+        "--framework sets it).",
     ),
     "method": _option(str, "full", "--method", help=_choices(METHODS)),
     "lora_rank": _option(int, 8, "--lora-rank", help="LoRA rank r."),
@@ -141,31 +169,38 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     ),
     "grad_ckpt": _option(bool, False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
     "attention": _option(str, "auto", "--attention", help=_choices(ATTENTIONS)),
+    "framework": _option(
+        str | None,
+        None,
+        "--framework",
+        help=f"{_choices(FRAMEWORKS)}: that framework's loop, loss, adapter/frozen dtypes, "
+        "optimizer (and precision for torchtune/litgpt); options given explicitly win.",
+    ),
     "loop": _option(
-        str,
-        "trainer",
+        str | None,
+        None,
         "--loop",
         help=f"{_choices(LOOPS)}; trainer = only the loss outlives forward (HF Trainer, TRL, "
         "Lightning); keep-outputs = a hand loop holding the outputs through backward.",
     ),
     "loss": _option(
-        str,
-        "full",
+        str | None,
+        None,
         "--loss",
-        help="full|chunked[:N]|fused; full = vocabulary-wide logits (HF); chunked = head and "
-        "loss per N chunks of the sequence (torchtune, litgpt; N=8); fused = Liger's fused "
-        "linear cross-entropy (no logits held).",
+        help="full|chunked[:N|:Nt]|fused; full = vocabulary-wide logits (HF; default); chunked = "
+        "head and loss per N chunks of the tokens (torchtune; N=8) or per chunk of N tokens "
+        "(litgpt: 128t); fused = Liger's fused linear cross-entropy (no logits held).",
     ),
     "lora_dtype": _option(
-        str,
-        "fp32",
+        str | None,
+        None,
         "--lora-dtype",
         help=f"{_choices(LORA_DTYPES)}; the LoRA adapters' dtype (peft: fp32; litgpt "
         "bf16-true: bf16).",
     ),
     "frozen_dtype": _option(
-        str,
-        "auto",
+        str | None,
+        None,
         "--frozen-dtype",
         help=f"{_choices(FROZEN_DTYPES)}; LoRA's frozen base; auto = 16-bit under a 16-bit "
         "precision; fp32 as Lightning bf16-mixed keeps it.",

@@ -118,6 +118,7 @@ def estimate(
         f"{f', adapters {setup.lora_dtype}' if setup.lora_dtype != 'fp32' else ''}"
         f"{f', frozen base {setup.frozen_dtype}' if setup.frozen_dtype != 'auto' else ''}"
         f", {setup.loop} loop"
+        f"{f', {setup.framework} conventions' if setup.framework else ''}"
     )
     out.print(
         _breakdown(

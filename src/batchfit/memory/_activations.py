@@ -242,19 +242,25 @@ def layer_terms(
     return terms + _mlp(arch, rg, roles)
 
 
-def loss_terms(vocab: int, rg: Regime, loop: str = "trainer") -> tuple[float, float]:
+def loss_terms(
+    vocab: int, rg: Regime, loop: str = "trainer", kept_bytes: int | None = None
+) -> tuple[float, float]:
     """Bytes per token held by logits and the loss, and the extra during the loss's backward.
 
     transformers' ForCausalLMLoss upcasts logits (``logits.float()``); cross-entropy's
     log_softmax keeps its fp32 output; its backward adds the incoming and outgoing gradients
     (both fp32, ``b*s*V`` each). The logits themselves outlive forward only when the loop
-    keeps the model's outputs through backward (``loop="keep-outputs"``).
+    keeps the model's outputs through backward (``loop="keep-outputs"``), in ``kept_bytes``
+    per element (fp32 where the framework casts the outputs: accelerate, Fabric).
     """
-    held = 4 * vocab + (rg.compute_bytes * vocab if loop == "keep-outputs" else 0)
+    kept = rg.compute_bytes if kept_bytes is None else kept_bytes
+    held = 4 * vocab + (kept * vocab if loop == "keep-outputs" else 0)
     return held, 8 * vocab
 
 
-def chunked_loss_terms(vocab: int, rg: Regime, loop: str, chunks: int) -> tuple[float, float]:
+def chunked_loss_terms(
+    vocab: int, rg: Regime, loop: str, chunks: int, kept_bytes: int | None = None
+) -> tuple[float, float]:
     """As :func:`loss_terms` for a loss computed per chunk of the tokens.
 
     Every chunk's fp32 log-softmax is saved, as with the full loss; what shrinks is the
@@ -265,7 +271,9 @@ def chunked_loss_terms(vocab: int, rg: Regime, loop: str, chunks: int) -> tuple[
     """
     upcast = 4 * vocab if rg.compute_bytes < 4 else 0  # .float() copies only 16-bit logits
     kept = loop == "keep-outputs"
-    held = 4 * vocab + (rg.compute_bytes * vocab if kept else 0)
+    held = 4 * vocab + (
+        (rg.compute_bytes if kept_bytes is None else kept_bytes) * vocab if kept else 0
+    )
     in_forward = (0 if kept else rg.compute_bytes * vocab) / chunks + upcast / chunks
     in_backward = (8 * vocab + (rg.compute_bytes * vocab if upcast else 0)) / chunks
     return held, max(in_forward, in_backward)
@@ -314,7 +322,7 @@ def step_activations(
     stack = _stack(arch, setup, rg, on_cpu, seq_len, tokens, lora_targets)
     final, final_line = _final_norm(arch, rg, tokens, head_trainable=lora_targets is None)
     held, bwd_extra, loss_lines = _loss(
-        model, setup, rg, tokens, head_trainable=lora_targets is None
+        model, setup, rg, tokens, seq_len, head_trainable=lora_targets is None
     )
     amp_copies = _amp_copies(
         model, rg, lora=lora_targets is not None and setup.frozen_dtype != "fp32"
@@ -376,27 +384,41 @@ def _final_norm(
     return final, line
 
 
+def _kept_logit_bytes(setup: TrainingSetup, rg: Regime) -> int:
+    """Bytes per element of the logits a keep-outputs loop holds: fp32 where the framework
+    casts the outputs (``TrainingSetup.outputs_fp32``), else the compute dtype."""
+    return 4 if setup.outputs_fp32 else rg.compute_bytes
+
+
 def _loss(
-    model: ModelInfo, setup: TrainingSetup, rg: Regime, tokens: int, *, head_trainable: bool
+    model: ModelInfo,
+    setup: TrainingSetup,
+    rg: Regime,
+    tokens: int,
+    seq_len: int,
+    *,
+    head_trainable: bool,
 ) -> tuple[float, float, list[Line]]:
     """Logits and loss buffers held through backward, and the extra at its start."""
     if model.task == "classification":
         return 0.0, 0.0, []
     vocab, loop = model.arch.vocab_size, setup.loop
+    kept_b = _kept_logit_bytes(setup, rg)
     if setup.loss == "fused":
         return _fused_loss(model, rg, tokens, head_trainable=head_trainable)
+    chunks = setup.loss_chunk_count(tokens, seq_len)
     if setup.loss == "chunked":
-        held_pt, extra_pt = chunked_loss_terms(vocab, rg, loop, setup.loss_chunks)
-        extra_why = f"the larger of forward and backward over {setup.loss_chunks} chunks"
+        held_pt, extra_pt = chunked_loss_terms(vocab, rg, loop, chunks, kept_b)
+        extra_why = f"the larger of forward and backward over {chunks} chunks"
     else:
-        held_pt, extra_pt = loss_terms(vocab, rg, loop)
+        held_pt, extra_pt = loss_terms(vocab, rg, loop, kept_b)
         extra_why = f"{tokens:,} x {vocab:,} x 8 B, at the start of backward"
     held, bwd_extra = held_pt * tokens, extra_pt * tokens
     what, per = "fp32 log-softmax (the loop frees the logits)", "4"
     if loop == "keep-outputs":
-        what, per = "logits (kept by the loop) + fp32 log-softmax", f"({rg.compute_bytes} + 4)"
+        what, per = "logits (kept by the loop) + fp32 log-softmax", f"({kept_b} + 4)"
     if setup.loss == "chunked":
-        what = f"{what}, {setup.loss_chunks} chunks"
+        what = f"{what}, {chunks} chunks"
     lines = [
         Line("activations", what, int(held), f"{tokens:,} tokens x {vocab:,} vocab x {per} B"),
         Line("activations", "loss backward (fp32 grads of logits)", int(bwd_extra), extra_why),
@@ -453,7 +475,7 @@ def _held_at_backward_end(
         return 0.0, []
     arch = model.arch
     kept = setup.loop == "keep-outputs" and setup.loss != "fused"  # fused: no logits exist
-    held = rg.compute_bytes * arch.vocab_size * tokens if kept else 0.0
+    held = _kept_logit_bytes(setup, rg) * arch.vocab_size * tokens if kept else 0.0
     if not (arch.tied_embeddings and full):
         return held, []
     copies = 1 if rg.amp else 2

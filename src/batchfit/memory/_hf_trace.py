@@ -226,9 +226,15 @@ def step_parts(
             net,
             loss=setup.loss,
             chunks=setup.loss_chunks,
+            chunk_tokens=setup.loss_chunk_tokens,
             shift=model.task == "causal-lm",
             keep_logits=setup.loop == "keep-outputs",
+            fp32_logits=setup.outputs_fp32,
         )
+    elif setup.outputs_fp32:
+        from batchfit.memory._lm_loss import Fp32Outputs
+
+        net = Fp32Outputs(net)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)

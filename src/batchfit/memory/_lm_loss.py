@@ -107,11 +107,20 @@ class HeadLoss(torch.nn.Module):
     """A Hugging Face language model whose head and loss run as ``loss`` does (see above)."""
 
     def __init__(
-        self, net: torch.nn.Module, *, loss: str, chunks: int, shift: bool, keep_logits: bool
+        self,
+        net: torch.nn.Module,
+        *,
+        loss: str,
+        chunks: int,
+        chunk_tokens: int | None,
+        shift: bool,
+        keep_logits: bool,
+        fp32_logits: bool,
     ) -> None:
         super().__init__()
         self.net = net
-        self.kind, self.chunks, self.shift, self.keep_logits = loss, chunks, shift, keep_logits
+        self.kind, self.chunks, self.chunk_tokens = loss, chunks, chunk_tokens
+        self.shift, self.keep_logits, self.fp32_logits = shift, keep_logits, fp32_logits
         getter = getattr(net, "get_base_model", None)
         base: Any = getter() if callable(getter) else net
         head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
@@ -154,9 +163,12 @@ class HeadLoss(torch.nn.Module):
         if self.keep_logits:
             # The model returns every chunk's logits (litgpt's lm_head_chunk_size) and the
             # loop holds them: all exist before the loss runs.
-            parts = hidden.chunk(self.chunks, dim=1)
-            targets = labels.chunk(self.chunks, dim=1)
+            size = self.chunk_tokens or -(-hidden.shape[1] // self.chunks)
+            parts = torch.split(hidden, size, dim=1)
+            targets = torch.split(labels, size, dim=1)
             logits = [self._logits(part) for part in parts]
+            if self.fp32_logits:  # Fabric's convert_output, before the loss sees them
+                logits = [part.float() for part in logits]
             total = sum(
                 (
                     self._chunk_loss(part, target)
@@ -170,9 +182,17 @@ class HeadLoss(torch.nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         total = torch.zeros((), device=hidden.device)
-        for part, target in zip(
-            flat.tensor_split(self.chunks), flat_labels.tensor_split(self.chunks), strict=True
-        ):
+        if self.chunk_tokens:
+            pairs = zip(
+                torch.split(flat, self.chunk_tokens),
+                torch.split(flat_labels, self.chunk_tokens),
+                strict=True,
+            )
+        else:
+            pairs = zip(
+                flat.tensor_split(self.chunks), flat_labels.tensor_split(self.chunks), strict=True
+            )
+        for part, target in pairs:
             total = total + self._chunk_loss(self._logits(part), target)
         return LossOutput(total / count, None)
 
@@ -184,6 +204,23 @@ class HeadLoss(torch.nn.Module):
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
+
+
+class Fp32Outputs(torch.nn.Module):
+    """The model with its logits cast to fp32 after forward, as accelerate's
+    ``convert_outputs_to_fp32`` does under mixed precision (the loss, computed inside
+    forward, saw the 16-bit logits)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, **inputs: Any) -> Any:
+        out = self.net(**inputs)
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.dtype != torch.float32:
+            out.logits = logits.float()
+        return out
 
 
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
