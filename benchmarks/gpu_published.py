@@ -33,6 +33,56 @@ TARGETS = {
 }
 GPUS = {"a100": "a100-80gb"}
 
+# The conventions of the run each row measured, read from the framework's code at the time of
+# the measurement (the notes in gpu_measurements.json name the config and commit).
+_TORCHTUNE_2024 = {
+    # torchtune 42033116 (2024-05): recipes/lora_finetune_single_device.py:476-485 holds
+    # `logits` through `loss.backward()`; modules/transformer.py:251 `self.output(h).float()`;
+    # configs/llama2/*: torch.nn.CrossEntropyLoss. In memory terms: a keep-outputs loop, the
+    # outputs cast to fp32, the full loss (the accelerate preset's conventions), pure bf16.
+    "framework": "accelerate",
+    "loop": "keep-outputs",
+    "loss": "full",
+}
+_LIT_GPT_2023 = {"framework": "litgpt", "lora_alpha": 16.0, "lora_dropout": 0.05}
+CONVENTIONS: dict[str, dict[str, Any]] = {
+    "torchtune-llama2-7b-qlora-4090": {**_TORCHTUNE_2024, "lora_dtype": "bf16"},
+    "torchtune-llama2-7b-lora-4090": {**_TORCHTUNE_2024, "lora_dtype": "bf16"},
+    "torchtune-llama2-7b-full-4090": _TORCHTUNE_2024,
+    # the notes: "loss CEWithChunkedOutputLoss" (8 chunks), `del logits` before backward
+    "torchtune-llama3.1-8b-full-4090": {"framework": "torchtune", "optimizer_impl": "auto"},
+    "torchtune-llama3.1-8b-lora-4090": {"framework": "torchtune", "optimizer_impl": "auto"},
+    "torchtune-llama3.1-8b-qlora-4090": {"framework": "torchtune", "optimizer_impl": "auto"},
+    # "standard cross-entropy (no chunking)"; the later rows add CEWithChunkedOutputLoss
+    "torchtune-llama3.2-3b-full-packed-4096-a100": {
+        "framework": "torchtune",
+        "loss": "full",
+        "optimizer_impl": "auto",
+    },
+    "torchtune-llama3.2-3b-full-packed-compile-chunkedce-ac-a100": {
+        "framework": "torchtune",
+        "optimizer_impl": "auto",
+    },
+    "torchtune-llama3.2-3b-lora-packed-4096-a100": {
+        "framework": "torchtune",
+        "optimizer_impl": "auto",
+    },
+    "torchtune-llama3.2-3b-qlora-packed-4096-a100": {
+        "framework": "torchtune",
+        "optimizer_impl": "auto",
+    },
+    # lit-gpt 8641822 (2023-10) and litgpt's config hub: bf16-true, lm_head_chunk_size=128
+    # (LoRA), Fabric casting the outputs to fp32, the logits held through backward; lit-gpt's
+    # finetune/lora.py of that month (cf91ad27): lora_alpha = 16, lora_dropout = 0.05
+    "litgpt-llama2-7b-lora-mbs1-a100-40gb": _LIT_GPT_2023,
+    "litgpt-llama2-7b-lora-mbs2-a100-40gb": _LIT_GPT_2023,
+    "litgpt-llama2-7b-qlora-nf4-mbs1-a100-40gb": _LIT_GPT_2023,
+    # finetune/full.py: the whole logits, then chunked_cross_entropy over 128-row chunks
+    "litgpt-llama3.2-1b-full-a10g": {"framework": "litgpt", "loss": "full"},
+    "litgpt-llama3.2-3b-full-a10g": {"framework": "litgpt", "loss": "full"},
+    "litgpt-tinyllama-1.1b-full-a10g": {"framework": "litgpt", "loss": "full"},
+}
+
 
 def setup_of(m: dict[str, Any]) -> dict[str, Any]:
     setup: dict[str, Any] = {
@@ -52,16 +102,27 @@ def setup_of(m: dict[str, Any]) -> dict[str, Any]:
     return setup
 
 
+def conventions(setup: Any, row_id: str) -> Any:
+    """``setup`` with the row's framework conventions (``CONVENTIONS``): the preset, then the
+    values the row's notes state."""
+    from batchfit.frameworks import with_framework
+
+    values = dict(CONVENTIONS.get(row_id, {}))
+    framework = values.pop("framework", None)
+    if framework is None:
+        return setup
+    from dataclasses import replace
+
+    setup = with_framework(setup, framework, frozenset(values))
+    if "loss" in values:
+        values.setdefault("loss_chunk_tokens", None)
+    return replace(setup, **values)
+
+
 def excluded_why(m: dict[str, Any], info: Any) -> str | None:
     """Rows whose measurement cannot be the stated setup on the device alone."""
     if "paged" in (m.get("optimizer") or ""):
         return "paged optimizer: its states spill to CPU RAM under pressure"
-    if m["id"].startswith("torchtune") and info.arch.vocab_size >= 100_000:
-        return (
-            "torchtune computes the loss in chunks (CEWithChunkedOutputLoss): Llama-3's "
-            "vocabulary-wide logits are never whole; batchfit models HF's loss and does "
-            "not model chunked cross-entropy yet"
-        )
     if m["method"] == "full" and m.get("precision") == "bf16":
         states = 8 * info.total_params  # bf16 weights + gradients + AdamW moments
         if m["value_bytes"] < states:
@@ -86,8 +147,8 @@ def compare(m: dict[str, Any]) -> dict[str, Any] | None:
     except UsageError:
         return None
     gpu = get_gpu(GPUS.get(m["gpu"], m["gpu"]))
-    setup = TrainingSetup(**setup_of(m))
-    out: dict[str, Any] = {"m": m, "excluded": excluded_why(m, info)}
+    setup = conventions(TrainingSetup(**setup_of(m)), m["id"])
+    out: dict[str, Any] = {"m": m, "excluded": excluded_why(m, info), "setup": setup}
     for engine in ("trace", "analytic"):
         est = estimate(
             info,
@@ -145,15 +206,19 @@ def render(rows: list[dict[str, Any]]) -> str:
         "packs sequences, compiles, and chunks the loss in some rows), not the HF model batchfit "
         "traces. Produced by `python benchmarks/gpu_published.py`.",
         "",
-        "| id | model | GPU | micro x seq | setup | measured | published GiB | trace | analytic |",
+        "| id | model | GPU | micro x seq | setup; conventions | measured | published GiB | trace "
+        "| analytic |",
         "|---|---|---|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
         m = r["m"]
         s = setup_of(m)
+        conv = r["setup"]
         setup = f"{s['precision']} {s['optimizer']} {s['method']}" + (
             " ckpt" if s["grad_ckpt"] else ""
         )
+        if conv.framework:
+            setup += f"; {conv.framework}: {conv.loop}, loss {conv.loss_label}"
         truth = m["value_bytes"]
         lines.append(
             f"| {m['id']} | {m['model'].split('/')[-1]} | {m['gpu']} | {m['micro_batch_size']} x "
