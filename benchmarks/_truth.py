@@ -85,8 +85,11 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     info = resolve_model(spec["model"], spec.get("task"))
-    setup = TrainingSetup(**spec["setup"]).resolved(device="cpu", bf16_supported=True)
     loop = spec.get("loop", "trainer")
+    # the loop is part of the setup too: a chunked loss under keep-outputs returns every chunk's
+    # logits for the loop to hold (issue #11)
+    fields = {**spec["setup"], "loop": loop}
+    setup = TrainingSetup(**fields).resolved(device="cpu", bf16_supported=True)
 
     def step(micro: int, seq: int, depth: int | None, steps: int) -> None:
         parts = _hf_trace.step_parts(

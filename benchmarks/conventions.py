@@ -105,10 +105,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--only", default=None, help="substring of a case name (implies --no-write)")
     args = parser.parse_args()
     rows = []
     start = time.perf_counter()
     for case in CASES:
+        if args.only and args.only not in case.name:
+            continue
         truth = statistics.median(accuracy.truth(case, args.repeat))
         est = accuracy.predictions(case)
         rows.append((case, truth, est["trace"], est["analytic"]))
@@ -118,7 +121,7 @@ def main() -> int:
             flush=True,
         )
     seconds = time.perf_counter() - start
-    if not args.no_write:
+    if not args.no_write and not args.only:
         write_section("conventions", render(rows, seconds))
     return 0
 

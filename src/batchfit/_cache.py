@@ -9,7 +9,8 @@ file keeps the parts it was stored under, so a stale or colliding file is a miss
 The cache never fails a command: a missing, corrupt, unreadable or foreign file is a miss (the
 next store rewrites it), and a store that cannot write does nothing. What went wrong is logged
 on ``logging.getLogger("batchfit.cache")`` (the CLI shows it under ``--verbose``). It is off
-inside :func:`disabled` (``--no-cache``) and when ``BATCHFIT_NO_CACHE`` is set to 1.
+inside :func:`disabled` (``--no-cache``) and when ``BATCHFIT_NO_CACHE`` is set (to anything but
+0, false or no).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def cache_dir() -> Path:
 
 
 def enabled() -> bool:
-    return not _off and os.environ.get("BATCHFIT_NO_CACHE", "") not in ("1", "true", "yes")
+    # any value but an empty one, 0, false or no switches the cache off
+    flag = os.environ.get("BATCHFIT_NO_CACHE", "").strip().lower()
+    return not _off and flag in ("", "0", "false", "no")
 
 
 @contextlib.contextmanager

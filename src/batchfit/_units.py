@@ -31,7 +31,7 @@ _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMBT]?)\s*$", re.IGNORECASE)
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
-def parse_size(text: str | int | float, *, what: str = "size") -> int:
+def parse_size(text: str | int | float, *, what: str = "size", allow_zero: bool = False) -> int:
     """Parse a memory size such as ``16GiB``, ``500MB`` or ``1048576`` into bytes.
 
     Example:
@@ -51,7 +51,7 @@ def parse_size(text: str | int | float, *, what: str = "size") -> int:
     if not math.isfinite(value) or value * _SIZE_UNITS[unit] > MAX_SIZE_BYTES:
         raise UsageError(f"{what} {text!r} is too large: give at most 1 EiB, e.g. 16GiB")
     size_bytes = int(value * _SIZE_UNITS[unit])
-    if size_bytes <= 0:
+    if size_bytes < 0 or (size_bytes == 0 and not allow_zero):
         raise UsageError(f"{what} must be positive, got {text!r}")
     return size_bytes
 

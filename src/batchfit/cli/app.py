@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 
 import typer
 
-from batchfit._units import human_bytes, parse_size
+from batchfit._units import gib, human_bytes, parse_size
 from batchfit.cli.options import finite_float, setup_options
 from batchfit.errors import UsageError
 from batchfit.spec import TrainingSetup, check_choice
@@ -308,8 +308,13 @@ def plan(
             raise UsageError("--out needs --export KIND")
         _check_output(out, "--out")
     engine_name = _engine(engine)
-    headroom_bytes = parse_size(headroom, what="--headroom")
+    headroom_bytes = parse_size(headroom, what="--headroom", allow_zero=True)
     gpu_spec = get_gpu(gpu)
+    if headroom_bytes >= gpu_spec.memory_bytes:
+        raise UsageError(
+            f"--headroom {headroom} is all of {gpu_spec.name}'s "
+            f"{gib(gpu_spec.memory_bytes)}: keep less free, e.g. 0.5GiB"
+        )
     info = resolve_model(model, setup.task)
     check_workload(info, micro_batch or 1, seq_len)
     with _cache_switch(no_cache, verbose):
@@ -400,7 +405,7 @@ def gpus(
     from batchfit.models import resolve_model
     from batchfit.plan import fit_table
 
-    headroom_bytes = parse_size(headroom, what="--headroom")
+    headroom_bytes = parse_size(headroom, what="--headroom", allow_zero=True)
     info = resolve_model(model, setup.task)
     check_workload(info, 1, seq_len)
     engine_name = _engine(engine)
@@ -470,8 +475,8 @@ def probe(
         int,
         typer.Option(
             "--steps-per-trial",
-            help="Real steps for each size that is timed or chosen (the first is not timed); "
-            "a size only measured runs one.",
+            help="Real steps for each size that is timed or chosen (the first is not timed, so "
+            "at least 2); a size only measured runs one.",
         ),
     ] = 3,
     dataset_size: Annotated[

@@ -272,12 +272,15 @@ def plan(p: Plan, info: ModelInfo) -> None:
         for alt in p.alternatives:
             kinds = {t.kind for t in alt.techniques}
             table.add_row(
-                " + ".join(t.name for t in alt.techniques),
+                " + ".join(t.name for t in alt.techniques)
+                + (" (analytic)" if alt.engine != est.engine else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
                 gib_figure(alt.device_total_bytes),
             )
         out.print(table)
+        if any(alt.engine != est.engine for alt in p.alternatives):
+            out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
     _warn(p.warnings)
 
 
@@ -421,6 +424,8 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
         needs = (
             ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques) or "-"
         )
+        if r.engine != engine:
+            needs += " (analytic)"
         if r.precision in ("bf16", "amp-bf16") and not r.gpu.bf16:
             needs += " (no native bf16 on this GPU)"
         table.add_row(
@@ -433,3 +438,5 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
         )
     out.print(table)
     out.print("* changes what is learned; the others are exact")
+    if any(r.engine != engine for r in rows):
+        out.print("(analytic): the trace cannot run this setup yet; the formulas answered")

@@ -92,7 +92,12 @@ def traced_result(
     """
     depth = model.arch.num_layers
     low, high = trace_depths(model)
-    extrapolated = not (full_depth or depth <= high)
+    # An encoder-decoder's two stacks are cut to one traced depth; stacks of unequal depth
+    # (a 12-layer encoder, a 2-layer decoder) do not extrapolate along one line: trace them whole.
+    unequal = model.arch.family == "encoder-decoder" and (
+        model.arch.num_decoder_layers != model.arch.num_layers
+    )
+    extrapolated = not (full_depth or depth <= high or unequal)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
     key = {
         "model": model.name,

@@ -6,6 +6,7 @@ Imports torch and transformers: used for configs outside the catalog and by
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from typing import Any
@@ -46,7 +47,13 @@ def make_config(config: dict[str, Any], task: str) -> Any:
     """A transformers config object from a config.json dict (transformers fills defaults)."""
     import transformers
 
-    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    # a deep copy: transformers edits nested values in place (it adds rope_theta to a
+    # rope_scaling dict), and the caller's dict is what the trace cache is keyed by
+    fields = {
+        k: copy.deepcopy(v)
+        for k, v in config.items()
+        if k not in ("model_type", "transformers_version")
+    }
     rejected: tuple[type[Exception], ...] = (ValueError, KeyError, TypeError)
     try:
         cfg = transformers.AutoConfig.for_model(config["model_type"], **fields)

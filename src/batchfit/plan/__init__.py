@@ -146,10 +146,10 @@ class _Target:
             budget = self.gpu.memory_bytes - max(self.headroom, 1)
             lines = predict(one, two, budget, self.per_gpu)
             if lines is not None:
-                return Alternative(combo, setup, lines[0], lines[1])
+                return Alternative(combo, setup, lines[0], lines[1], two.engine)
         best = self.max_micro(setup)
         _, est = self.fits(setup, max(best, 1))
-        return Alternative(combo, setup, best, est.device_total_bytes)
+        return Alternative(combo, setup, best, est.device_total_bytes, est.engine)
 
     def confirmed(self, alt: Alternative) -> Alternative:
         """``alt`` with its largest micro-batch searched and confirmed as the plan's own is
@@ -158,7 +158,7 @@ class _Target:
             return alt
         best = self.max_micro(alt.setup)
         _, est = self.fits(alt.setup, max(best, 1))
-        return Alternative(alt.techniques, alt.setup, best, est.device_total_bytes)
+        return Alternative(alt.techniques, alt.setup, best, est.device_total_bytes, est.engine)
 
 
 def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
@@ -186,7 +186,7 @@ def _fit_warnings(gpu: GpuSpec, wanted: int | None, fit: _Fit) -> list[str]:
         return [
             f"nothing fits on {gpu.name}, with or without the techniques on the ladder: "
             "more GPUs (--num-gpus with --sharding zero3), a shorter --seq-len or a smaller "
-            "model are needed; the figures below show by how much it misses"
+            "model are needed; the figures show by how much it misses"
         ]
     if wanted is not None and wanted > best:
         names = ", ".join(t.name for t in fit.techniques)

@@ -27,6 +27,7 @@ class FitRow:
     max_micro_batch: int
     device_total_bytes: int  # at micro-batch max(1, max_micro_batch)
     techniques: Combo
+    engine: str = "trace"  # the one that answered: "analytic" where the trace cannot run it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -36,6 +37,7 @@ class FitRow:
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
             "techniques": [{"name": t.name, "kind": t.kind} for t in self.techniques],
+            "engine": self.engine,
         }
 
 
@@ -68,5 +70,7 @@ def fit_table(
                     chosen, techniques = alt, combo
                     break
         _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
-        rows.append(FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques))
+        rows.append(
+            FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques, est.engine)
+        )
     return rows

@@ -37,6 +37,14 @@ def fits(
     return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
 
 
+def _accum(micro: int, per_gpu_batch: int | None) -> int:
+    """The accumulation a plan at ``micro`` runs with: 1 only when one micro-batch is the
+    whole per-GPU batch; below it at least 2 (a size that does not divide the batch is never
+    planned without accumulation), and memory is the same for any count from 2 up (later
+    micro-steps hold the gradients of earlier ones)."""
+    return 1 if not per_gpu_batch or micro >= per_gpu_batch else 2
+
+
 def max_micro_batch(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -52,8 +60,7 @@ def max_micro_batch(
     cap = per_gpu_batch or 1 << 16
 
     def ok(m: int) -> bool:
-        accum = (per_gpu_batch // m) if per_gpu_batch else 1
-        return fits(model, setup, gpu, m, seq_len, max(accum, 1), headroom)[0]
+        return fits(model, setup, gpu, m, seq_len, _accum(m, per_gpu_batch), headroom)[0]
 
     if not ok(1):
         return 0
@@ -80,8 +87,7 @@ def max_micro_batch_traced(
     from batchfit.memory.fit import fit_micro_batch
 
     def at(m: int) -> MemoryEstimate:
-        accum = max(per_gpu_batch // m, 1) if per_gpu_batch else 1
-        return fits(model, setup, gpu, m, seq_len, min(accum, 2), headroom, "trace")[1]
+        return fits(model, setup, gpu, m, seq_len, _accum(m, per_gpu_batch), headroom, "trace")[1]
 
     limit = per_gpu_batch or 1 << 16
     # a fit leaves at least a byte free (fits_on_card), whatever the headroom asked

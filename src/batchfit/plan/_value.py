@@ -18,6 +18,7 @@ class Alternative:
     setup: TrainingSetup
     max_micro_batch: int  # 0 = nothing fits
     device_total_bytes: int  # at micro-batch max(1, max_micro_batch)
+    engine: str = "trace"  # the one that answered: "analytic" where the trace cannot run it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -25,6 +26,7 @@ class Alternative:
             "kinds": [t.kind for t in self.techniques],
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
+            "engine": self.engine,
         }
 
 
