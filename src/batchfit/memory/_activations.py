@@ -260,23 +260,23 @@ def loss_terms(
 
 def chunked_loss_terms(
     vocab: int, rg: Regime, loop: str, chunks: int, kept_bytes: int | None = None
-) -> tuple[float, float]:
-    """As :func:`loss_terms` for a loss computed per chunk of the tokens.
+) -> tuple[float, float, float]:
+    """As :func:`loss_terms` for a loss computed per chunk of the tokens: bytes per token held,
+    and the transients of forward and of backward.
 
     Every chunk's fp32 log-softmax is saved, as with the full loss; what shrinks is the
     transient. torchtune's LinearCrossEntropyLoss (the trainer loop) projects and upcasts one
     chunk at a time; a loop that keeps the outputs (litgpt) holds every chunk's logits while
     one chunk's fp32 copy is made. In backward one chunk's fp32 gradients (and their 16-bit
-    cast) exist at a time. The larger of forward's and backward's transient is the extra.
+    cast) exist at a time.
     """
     upcast = 4 * vocab if rg.compute_bytes < 4 else 0  # .float() copies only 16-bit logits
     kept = loop == "keep-outputs"
-    held = 4 * vocab + (
-        (rg.compute_bytes if kept_bytes is None else kept_bytes) * vocab if kept else 0
-    )
+    kept_b = rg.compute_bytes if kept_bytes is None else kept_bytes
+    held = 4 * vocab + (kept_b * vocab if kept else 0)
     in_forward = (0 if kept else rg.compute_bytes * vocab) / chunks + upcast / chunks
     in_backward = (8 * vocab + (rg.compute_bytes * vocab if upcast else 0)) / chunks
-    return held, max(in_forward, in_backward)
+    return held, in_forward, in_backward
 
 
 def fused_loss_rows(tokens: int, vocab: int, hidden: int) -> int:
@@ -408,12 +408,20 @@ def _loss(
         return _fused_loss(model, rg, tokens, head_trainable=head_trainable)
     chunks = setup.loss_chunk_count(tokens, seq_len)
     if setup.loss == "chunked":
-        held_pt, extra_pt = chunked_loss_terms(vocab, rg, loop, chunks, kept_b)
-        extra_why = f"the larger of forward and backward over {chunks} chunks"
+        held_pt, forward_pt, backward_pt = chunked_loss_terms(vocab, rg, loop, chunks, kept_b)
+        # Each chunk's projection gives the head's weight its own gradient; autograd sums them
+        # in a buffer before the weight's .grad exists: the buffer and one chunk's gradient.
+        head_sum = 2 * vocab * model.arch.hidden_size * (4 if rg.amp else rg.stream_bytes)
+        head_sum = head_sum if head_trainable else 0
+        held = held_pt * tokens
+        bwd_extra = max(forward_pt * tokens, backward_pt * tokens + head_sum)
+        extra_why = f"the larger of forward and backward over {chunks} chunks" + (
+            " (with the head's gradient summed over the chunks)" if head_sum else ""
+        )
     else:
         held_pt, extra_pt = loss_terms(vocab, rg, loop, kept_b)
         extra_why = f"{tokens:,} x {vocab:,} x 8 B, at the start of backward"
-    held, bwd_extra = held_pt * tokens, extra_pt * tokens
+        held, bwd_extra = held_pt * tokens, extra_pt * tokens
     what, per = "fp32 log-softmax (the loop frees the logits)", "4"
     if loop == "keep-outputs":
         what, per = "logits (kept by the loop) + fp32 log-softmax", f"({kept_b} + 4)"
@@ -478,10 +486,13 @@ def _held_at_backward_end(
     held = _kept_logit_bytes(setup, rg) * arch.vocab_size * tokens if kept else 0.0
     if not (arch.tied_embeddings and full):
         return held, []
-    copies = 1 if rg.amp else 2
+    # The fused loss hands the head a plain gradient it made in forward (not a view of a
+    # matmul's output): autograd sums the second one into it in place, as under autocast.
+    in_place = rg.amp or setup.loss == "fused"
+    copies = 1 if in_place else 2
     tied = copies * arch.vocab_size * arch.hidden_size * rg.stream_bytes
     why = f"{copies} x {arch.vocab_size:,} x {arch.hidden_size:,} x {rg.stream_bytes} B"
-    what = "tied embedding: second gradient" + ("" if rg.amp else " + their sum")
+    what = "tied embedding: second gradient" + ("" if in_place else " + their sum")
     return held + tied, [Line("activations", what, int(tied), why)]
 
 
