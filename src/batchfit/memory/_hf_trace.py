@@ -143,6 +143,11 @@ def _build(
             net = auto.from_config(cfg, torch_dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
+    if setup.method == "qlora":
+        from batchfit.memory._nf4 import quantize_linears
+
+        compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
+        quantize_linears(net, compute)
     if setup.grad_ckpt:
         ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
         if cuda_policy:
@@ -173,6 +178,10 @@ def _build(
             for name, param in net.named_parameters():
                 if param.requires_grad and "lora_" in name:
                     param.data = param.data.to(_DTYPES[setup.lora_dtype])
+        if setup.method == "qlora":
+            from batchfit.memory._nf4 import mark_lora_wrapped
+
+            mark_lora_wrapped(net)
         if setup.grad_ckpt:
             net.enable_input_require_grads()
     net.train()

@@ -61,8 +61,6 @@ def trace_depths(model: ModelInfo) -> tuple[int, int]:
 
 def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
     """Why the trace cannot model this setup yet (then the analytic engine answers)."""
-    if setup.method == "qlora":
-        return "QLoRA needs bitsandbytes' 4-bit layers"
     if model.arch.num_experts:
         return "MoE routing has data-dependent shapes"
     if setup.precision == "fp16":
@@ -99,6 +97,11 @@ def traced_result(
     )
     extrapolated = not (full_depth or depth <= high or unequal)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
+    if setup.method == "qlora":
+        notes.append(
+            "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
+            "double-quantised statistics, the 16-bit weight dequantised in forward and backward)"
+        )
     key = {
         "model": model.name,
         "config": model.config,
