@@ -202,9 +202,12 @@ def render(rows: list[dict[str, Any]]) -> str:
         "`benchmarks/data/gpu_measurements.json`; compared with the figure of the same kind "
         "(allocated -> `peak_bytes`, reserved -> `reserved_bytes`, nvidia-smi or unknown -> "
         "`device_total_bytes`). No GPU was available to this project: these are the only CUDA "
-        "checks so far. torchtune and litgpt rows run their own Llama code (torchtune also "
-        "packs sequences, compiles, and chunks the loss in some rows), not the HF model batchfit "
-        "traces. Produced by `python benchmarks/gpu_published.py`.",
+        "checks so far. Each row runs with the conventions of its framework at the time it was "
+        "measured (issue #11: loop, loss, adapter dtype, fp32 outputs; `CONVENTIONS` in the "
+        "script cites the code each follows). torchtune and litgpt rows still run their own "
+        "Llama code, not the HF model batchfit traces, and some torchtune rows compile the model "
+        "and offload activations, which batchfit does not model. Produced by "
+        "`python benchmarks/gpu_published.py`.",
         "",
         "| id | model | GPU | micro x seq | setup; conventions | measured | published GiB | trace "
         "| analytic |",
@@ -241,7 +244,7 @@ def render(rows: list[dict[str, Any]]) -> str:
                 f"{max(errs):.0%} (goal: median 10%, worst 20%)."
             )
     lines.append(
-        "\n[a]: the trace does not model this setup yet (QLoRA); the analytic engine answered."
+        "\n[a]: the trace does not model this setup yet; the analytic engine answered."
     )
     return "\n".join(lines)
 

@@ -269,17 +269,19 @@ def plan(p: Plan, info: ModelInfo) -> None:
         table.add_column("kind", overflow="fold")
         table.add_column("largest micro-batch", justify="right")
         table.add_column("GiB at that size", justify="right")
+        # mark the rows the formulas answered, when the trace answered any (it was asked for)
+        traced = est.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
         for alt in p.alternatives:
             kinds = {t.kind for t in alt.techniques}
             table.add_row(
                 " + ".join(t.name for t in alt.techniques)
-                + (" (analytic)" if alt.engine != est.engine else ""),
+                + (" (analytic)" if traced and alt.engine == "analytic" else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
                 gib_figure(alt.device_total_bytes),
             )
         out.print(table)
-        if any(alt.engine != est.engine for alt in p.alternatives):
+        if traced and any(alt.engine == "analytic" for alt in p.alternatives):
             out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
     _warn(p.warnings)
 

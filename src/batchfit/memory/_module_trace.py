@@ -109,7 +109,12 @@ def estimate_module(
             Line(c, f"at the peak ({peak.phase})", v, "dry run of your module")
             for c, v in peak.components.items()
         ),
-        extras={"top_modules": list(result.top_modules), "trace_seconds": result.seconds},
+        extras={
+            "top_modules": list(result.top_modules),
+            "trace_seconds": result.seconds,
+            # each moment's total: the planner fits its lines through sizes 1 and 2
+            "moments": {p.key: p.total for p in result.phases},
+        },
     )
     return assemble(
         step,

@@ -9,7 +9,9 @@ This module puts them together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
@@ -27,6 +29,7 @@ from batchfit.plan._max_micro_batch import (
     max_micro_batch,
     max_micro_batch_traced,
 )
+from batchfit.plan._own import OwnModel, own_model
 from batchfit.plan._value import Alternative, Plan
 from batchfit.spec import TrainingSetup
 
@@ -114,7 +117,7 @@ class _Fit:
 class _Target:
     """The fixed inputs of one plan: model, GPU, sequence length, per-GPU batch, headroom."""
 
-    model: ModelInfo
+    model: ModelInfo | OwnModel
     gpu: GpuSpec
     seq_len: int
     per_gpu: int
@@ -167,7 +170,10 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     needs_ladder = base_max == 0 or (wanted is not None and wanted > base_max)
     chosen = _Fit(setup, (), base_max, ())
     alternatives = []
-    for combo in ladder(setup, target.gpu, target.model):
+    own = isinstance(target.model, OwnModel)
+    model = None if isinstance(target.model, OwnModel) else target.model
+    rungs = ladder(setup, target.gpu, model, checkpointing=not own)
+    for combo in rungs:
         try:
             alt = target.alternative(combo, apply(setup, combo))
         except UsageError:
@@ -197,8 +203,14 @@ def _fit_warnings(gpu: GpuSpec, wanted: int | None, fit: _Fit) -> list[str]:
     return []
 
 
+def _has_batchnorm(model: ModelInfo | OwnModel) -> bool:
+    if isinstance(model, OwnModel):
+        return model.has_batchnorm()
+    return any("batchnorm" in g.module.lower() for g in model.params)
+
+
 def _advice_warnings(
-    model: ModelInfo, gpu: GpuSpec, setup: TrainingSetup, micro: int, accum: int
+    model: ModelInfo | OwnModel, gpu: GpuSpec, setup: TrainingSetup, micro: int, accum: int
 ) -> list[str]:
     warnings = []
     if accum > MAX_QUIET_ACCUM:
@@ -212,7 +224,7 @@ def _advice_warnings(
             "fp16 needs a GradScaler (loss scaling); bf16 does not"
             + ("" if gpu.bf16 else f" but {gpu.name} has no bf16")
         )
-    if any("batchnorm" in g.module.lower() for g in model.params) and micro < 16:
+    if micro < 16 and _has_batchnorm(model):
         warnings.append(
             f"BatchNorm statistics come from each micro-batch of {micro}, not the "
             "global batch: accumulation does not make them exact"
@@ -239,18 +251,20 @@ def _learning_rate(
     return scale_learning_rate(base_lr, base_batch, target, optimizer)
 
 
-def _lora_targets(model: ModelInfo, setup: TrainingSetup) -> tuple[str, ...]:
+def _lora_targets(model: ModelInfo | OwnModel, setup: TrainingSetup) -> tuple[str, ...]:
     if not setup.is_lora:
         return ()
+    if isinstance(model, OwnModel):
+        return setup.lora_targets or ()
     return setup.lora_targets or model.default_lora_targets()
 
 
 def make_plan(
-    model: ModelInfo,
+    model: ModelInfo | Callable[[], Any],
     gpu: GpuSpec,
     setup: TrainingSetup,
     *,
-    seq_len: int,
+    seq_len: int | None = None,
     global_batch: int | None = None,
     global_batch_tokens: int | None = None,
     micro_batch_size: int | None = None,
@@ -258,11 +272,19 @@ def make_plan(
     base_batch: int | None = None,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     engine: str = "trace",
+    batch_fn: Callable[[int], Any] | None = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
 ) -> Plan:
     """Plan micro-batch, accumulation and techniques that hit the global batch exactly.
 
     Every figure comes from ``engine`` (``estimate`` with the same setup gives the same
     numbers); ``"trace"`` falls back to the formulas, and says so, when torch is missing.
+
+    ``model`` is a resolved catalog/config model (with ``seq_len``), or a zero-argument
+    factory of your own ``nn.Module`` with ``batch_fn(micro_batch_size)`` (the inputs of that
+    many samples) and optionally ``loss_fn(out, batch)``: the plan then comes from dry runs of
+    your step (``seq_len`` is needed only for a target in tokens). Techniques your module
+    would have to apply itself (checkpointing, LoRA) are not on its ladder.
 
     Example:
         >>> from batchfit.models import resolve_model
@@ -272,11 +294,26 @@ def make_plan(
         >>> p.micro_batch_size, p.grad_accum_steps, p.tokens_per_step
         (16, 8, 32768)
     """
-    global_samples = samples_from_target(global_batch, global_batch_tokens, seq_len, setup.num_gpus)
+    target_model: ModelInfo | OwnModel
+    if isinstance(model, ModelInfo):
+        target_model = model
+        if seq_len is None:
+            raise UsageError("make_plan needs seq_len for a catalog or config model")
+    else:
+        target_model = own_model(model, batch_fn, loss_fn)
+        if engine != "trace":
+            raise UsageError(
+                f"engine={engine!r} needs a catalog or config model; your own nn.Module is "
+                "planned from dry runs (engine='trace')"
+            )
+        if global_batch_tokens is not None and seq_len is None:
+            raise UsageError("global_batch_tokens needs seq_len (tokens per sample)")
+    seq = seq_len or 0
+    global_samples = samples_from_target(global_batch, global_batch_tokens, seq, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
     _check_inputs(micro_batch_size, per_gpu, base_lr, base_batch)
     engine, engine_note = usable_engine(engine)
-    target = _Target(model, gpu, seq_len, per_gpu, headroom_bytes, engine)
+    target = _Target(target_model, gpu, seq, per_gpu, headroom_bytes, engine)
     fit = _climb(target, setup, micro_batch_size)
     fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)
     micro = micro_batch_size or largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
@@ -289,13 +326,13 @@ def make_plan(
         *([engine_note] if engine_note else []),
         *est.warnings,
         *fit_warnings,
-        *_advice_warnings(model, gpu, fit.setup, micro, accum),
+        *_advice_warnings(target_model, gpu, fit.setup, micro, accum),
     ]
     return Plan(
-        model=model.name,
-        task=model.task,
+        model=target_model.name,
+        task=target_model.task,
         gpu=gpu.name,
-        seq_len=seq_len,
+        seq_len=seq,
         micro_batch_size=micro,
         grad_accum_steps=accum,
         num_gpus=setup.num_gpus,
@@ -311,5 +348,5 @@ def make_plan(
         techniques=fit.techniques,
         alternatives=fit.alternatives,
         warnings=tuple(dict.fromkeys(warnings)),
-        lora_targets=_lora_targets(model, fit.setup),
+        lora_targets=_lora_targets(target_model, fit.setup),
     )

@@ -208,12 +208,19 @@ def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Com
     return rungs
 
 
-def ladder(setup: TrainingSetup, gpu: GpuSpec, model: ModelInfo | None = None) -> tuple[Combo, ...]:
+def ladder(
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    model: ModelInfo | None = None,
+    *,
+    checkpointing: bool = True,
+) -> tuple[Combo, ...]:
     """Technique combinations to try, exact ones first, cheapest in time first (DESIGN.md).
 
     A lean loss (``model``'s: fused or chunked; it costs no time) comes first, then gradient
     checkpointing (recompute: about a fifth of the step), and both stay on under every later
-    rung.
+    rung. ``checkpointing=False``: a model batchfit cannot checkpoint (your own module, which
+    checkpoints itself) gets the ladder without it.
 
     Example:
         >>> from batchfit.hardware import get_gpu
@@ -225,7 +232,7 @@ def ladder(setup: TrainingSetup, gpu: GpuSpec, model: ModelInfo | None = None) -
     loss = lean_loss(model, setup)
     base: Combo = () if loss is None else (loss,)
     first: list[Combo] = [base] if base else []
-    if not setup.grad_ckpt:
+    if checkpointing and not setup.grad_ckpt:
         base = (*base, GRAD_CKPT)
         first.append(base)
     return (*first, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))

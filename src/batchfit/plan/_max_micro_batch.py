@@ -8,13 +8,14 @@ from batchfit.memory._device import fits_on_card
 from batchfit.memory.estimate import estimate
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
+from batchfit.plan._own import OwnModel
 from batchfit.spec import TrainingSetup
 
 DEFAULT_HEADROOM_BYTES = BYTES_IN_GIB // 2
 
 
 def fits(
-    model: ModelInfo,
+    model: ModelInfo | OwnModel,
     setup: TrainingSetup,
     gpu: GpuSpec,
     micro: int,
@@ -24,6 +25,9 @@ def fits(
     engine: str = "analytic",
 ) -> tuple[bool, MemoryEstimate]:
     """Whether ``micro`` leaves ``headroom`` bytes free on ``gpu``; the estimate that says so."""
+    if isinstance(model, OwnModel):
+        own = model.estimate(setup, gpu, micro, accum)
+        return fits_on_card(own.device_total_bytes, gpu.memory_bytes, headroom), own
     est = estimate(
         model,
         setup,
@@ -46,7 +50,7 @@ def _accum(micro: int, per_gpu_batch: int | None) -> int:
 
 
 def max_micro_batch(
-    model: ModelInfo,
+    model: ModelInfo | OwnModel,
     setup: TrainingSetup,
     gpu: GpuSpec,
     seq_len: int,
@@ -75,7 +79,7 @@ def max_micro_batch(
 
 
 def max_micro_batch_traced(
-    model: ModelInfo,
+    model: ModelInfo | OwnModel,
     setup: TrainingSetup,
     gpu: GpuSpec,
     seq_len: int,

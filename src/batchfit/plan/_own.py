@@ -1,0 +1,70 @@
+"""Your own ``nn.Module`` in the planner: its factory, its batches by size, its loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batchfit.errors import UsageError
+from batchfit.hardware import GpuSpec
+from batchfit.memory.types import MemoryEstimate
+from batchfit.spec import TrainingSetup
+
+
+@dataclass(frozen=True)
+class OwnModel:
+    """A model the planner knows only by running it: ``model_fn()`` builds it (on the meta
+    device, as ``estimate`` does), ``batch_fn(n)`` returns the inputs of ``n`` samples and
+    ``loss_fn(out, batch)`` the loss (default: ``out.loss`` or a scalar output)."""
+
+    model_fn: Callable[[], Any]
+    batch_fn: Callable[[int], Any]
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    task: str = "custom"
+
+    @property
+    def name(self) -> str:
+        return getattr(self.model_fn, "__name__", type(self.model_fn).__name__)
+
+    def estimate(
+        self, setup: TrainingSetup, gpu: GpuSpec, micro: int, accum: int
+    ) -> MemoryEstimate:
+        """The dry run of one step at ``micro`` samples (``accum`` micro-steps), on ``gpu``."""
+        from batchfit.memory.estimate import estimate
+
+        try:
+            return estimate(
+                self.model_fn,
+                setup,
+                batch_fn=lambda: self.batch_fn(micro),
+                loss_fn=self.loss_fn,
+                device="cuda",
+                gpu=gpu,
+                grad_accum_steps=accum,
+                engine="trace",
+            )
+        except ValueError as e:  # a setup the module trace cannot apply (LoRA, checkpointing)
+            raise UsageError(str(e)) from e
+
+    def has_batchnorm(self) -> bool:
+        import torch
+
+        with torch.device("meta"):
+            net = self.model_fn()
+        return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def own_model(
+    model_fn: Callable[[], Any],
+    batch_fn: Callable[[int], Any] | None,
+    loss_fn: Callable[[Any, Any], Any] | None,
+) -> OwnModel:
+    """Check the own-model arguments of ``make_plan`` and bundle them."""
+    if not callable(model_fn) or batch_fn is None or not callable(batch_fn):
+        raise UsageError(
+            "make_plan(model_fn, gpu, setup, batch_fn=...): give a factory of your nn.Module "
+            "and batch_fn(micro_batch_size) returning that many samples' inputs, or a model "
+            "from resolve_model()"
+        )
+    return OwnModel(model_fn, batch_fn, loss_fn)
