@@ -18,6 +18,7 @@ from batchfit.spec import TrainingSetup, check_choice
 
 if TYPE_CHECKING:
     from batchfit.hardware import GpuSpec
+    from batchfit.lengths import Workload
     from batchfit.memory.types import MemoryEstimate
     from batchfit.models import ModelInfo
     from batchfit.plan import Plan
@@ -46,6 +47,33 @@ ModelArg = Annotated[
 ]
 SeqLen = Annotated[
     int, typer.Option("--seq-len", "-s", help="Tokens per sample.", show_default=False)
+]
+SeqLenOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--seq-len",
+        "-s",
+        help="Tokens per sample (with --lengths: the truncation, padding or pack length).",
+        show_default=False,
+    ),
+]
+LengthsO = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lengths",
+        help="A dataset's sequence lengths: one per line, or a JSON {length: samples}; "
+        "FILE:WEIGHT and repeated for a multi-task mixture.",
+        show_default=False,
+    ),
+]
+PaddingO = Annotated[
+    str | None,
+    typer.Option(
+        "--padding",
+        help="longest (default: each micro-batch padded to its longest sample) | max (to "
+        "--seq-len) | packed (rows of --seq-len): with --lengths.",
+        show_default=False,
+    ),
 ]
 JsonO = Annotated[bool, typer.Option("--json", help="Print one JSON object, nothing else.")]
 GpuO = Annotated[
@@ -150,8 +178,10 @@ def estimate(
             "--micro-batch", "-b", help="Samples per GPU per forward/backward.", show_default=False
         ),
     ],
-    seq_len: SeqLen,
     setup: TrainingSetup,
+    seq_len: SeqLenOpt = None,
+    lengths: LengthsO = None,
+    padding: PaddingO = None,
     device: Annotated[
         str | None,
         typer.Option("--device", help="cpu|cuda (default cuda; --gpu implies cuda)."),
@@ -189,13 +219,15 @@ def estimate(
     if grad_accum < 1:
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
     gpu_spec = get_gpu(gpu) if gpu else None
+    seq, lengths_seen = _workload_seq(seq_len, lengths, padding)
     info = resolve_model(model, setup.task)
+    _check_lengths_fit(info, lengths_seen)
     with _cache_switch(no_cache, verbose):
         result = run_estimate(
             info,
             setup,
             micro_batch_size=micro_batch,
-            seq_len=seq_len,
+            seq_len=seq,
             device="cpu" if device == "cpu" else "cuda",
             gpu=gpu_spec,
             engine=engine_name,
@@ -209,8 +241,12 @@ def estimate(
             data["gpu_bytes"] = gpu_spec.memory_bytes
             data["headroom_bytes"] = gpu_spec.memory_bytes - result.device_total_bytes
             data["fits"] = fits_on_card(result.device_total_bytes, gpu_spec.memory_bytes)
+        if lengths_seen is not None:
+            data["lengths"] = lengths_seen.to_json()
         _emit_json(data)
     else:
+        if lengths_seen is not None:
+            render.note(lengths_seen.describe())
         render.estimate(result, info, gpu_spec, explain=explain)
 
 
@@ -253,8 +289,10 @@ def plan(
     gpu: Annotated[
         str, typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`).", show_default=False)
     ],
-    seq_len: SeqLen,
     setup: TrainingSetup,
+    seq_len: SeqLenOpt = None,
+    lengths: LengthsO = None,
+    padding: PaddingO = None,
     global_batch: Annotated[
         int | None,
         typer.Option("--global-batch", help="Target global batch in samples."),
@@ -315,14 +353,16 @@ def plan(
             f"--headroom {headroom} is all of {gpu_spec.name}'s "
             f"{gib(gpu_spec.memory_bytes)}: keep less free, e.g. 0.5GiB"
         )
+    seq, lengths_seen = _workload_seq(seq_len, lengths, padding)
     info = resolve_model(model, setup.task)
-    check_workload(info, micro_batch or 1, seq_len)
+    _check_lengths_fit(info, lengths_seen)
+    check_workload(info, micro_batch or 1, seq)
     with _cache_switch(no_cache, verbose):
         result = make_plan(
             info,
             gpu_spec,
             setup,
-            seq_len=seq_len,
+            seq_len=seq,
             global_batch=global_batch,
             global_batch_tokens=global_batch_tokens,
             micro_batch_size=micro_batch,
@@ -333,11 +373,42 @@ def plan(
         )
     exports, export_text = _exports(result, export_kind, out)
     if as_json:
-        _emit_json({**result.to_json(), "exports": exports})
+        extra = {"lengths": lengths_seen.to_json()} if lengths_seen is not None else {}
+        _emit_json({**result.to_json(), "exports": exports, **extra})
     else:
+        if lengths_seen is not None:
+            render.note(lengths_seen.describe())
         render.plan(result, info)
         if export_kind is not None:
             render.export_note(export_kind, out, export_text)
+
+
+def _workload_seq(
+    seq_len: int | None, lengths: list[str] | None, padding: str | None
+) -> tuple[int, Workload | None]:
+    """Tokens per sample to plan memory for: --seq-len, or what --lengths and --padding say."""
+    if not lengths:
+        if padding is not None:
+            raise UsageError("--padding needs --lengths FILE (the dataset's sequence lengths)")
+        if seq_len is None:
+            raise UsageError("give --seq-len (tokens per sample) or --lengths FILE")
+        return seq_len, None
+    if seq_len is not None and seq_len < 1:
+        raise UsageError(f"--seq-len must be a positive integer, got {seq_len}")
+    from batchfit.lengths import workload
+
+    seen = workload(lengths, padding or "longest", seq_len)
+    return seen.seq_len, seen
+
+
+def _check_lengths_fit(info: ModelInfo, seen: Workload | None) -> None:
+    """A longest sample beyond the model's learned positions, said in terms of --lengths."""
+    limit = info.arch.max_positions if info.arch.positional == "learned" else None
+    if seen is not None and limit is not None and seen.seq_len > limit:
+        raise UsageError(
+            f"the longest sample in --lengths has {seen.longest:,} tokens, more than "
+            f"{info.name}'s {limit} learned positions: give --seq-len {limit} to truncate"
+        )
 
 
 def _exports(

@@ -45,6 +45,11 @@ def progress(what: str) -> Iterator[Callable[[str], None]]:
         yield lambda text: status.update(escape(text))
 
 
+def note(text: str) -> None:
+    """One line about the inputs, before the answer (user text escaped)."""
+    out.print(escape(text))
+
+
 def _warn(warnings: tuple[str, ...] | list[str]) -> None:
     for w in warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}")

@@ -1,0 +1,191 @@
+"""Variable sequence lengths: what a dataset's lengths mean for memory (``--lengths``).
+
+Real batches are not all ``--seq-len`` long. How they are built decides the tokens of the
+worst micro-batch, which is what memory must be planned for:
+
+- ``longest`` (dynamic padding, HF's ``DataCollatorWithPadding``): each micro-batch is padded to
+  its longest sample, so the worst one is ``micro x`` the longest sample of any dataset in the
+  mixture (truncated at ``--seq-len`` when given);
+- ``max`` (``padding="max_length"``): every sample is padded to ``--seq-len``;
+- ``packed``: samples are concatenated into rows of exactly ``--seq-len`` tokens.
+
+The mean length (weighted over a multi-task mixture) is what throughput sees. Memory does not
+depend on how many datasets are mixed, only on the longest sample any of them can put in a
+micro-batch (seed 002's "multi-task needs more memory" is a statement about lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from batchfit.errors import UsageError
+
+Padding = Literal["longest", "max", "packed"]
+PADDINGS: tuple[str, ...] = get_args(Padding)
+MAX_FILE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class LengthFile:
+    """One dataset's lengths: a histogram (length -> samples) and its mixture weight."""
+
+    path: str
+    counts: dict[int, int]
+    weight: float
+
+    @property
+    def longest(self) -> int:
+        return max(self.counts)
+
+    def mean(self, cap: int | None) -> float:
+        total = sum(self.counts.values())
+        return sum(min(n, cap or n) * c for n, c in self.counts.items()) / total
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The tokens per sample memory is planned for, and what the lengths say besides."""
+
+    seq_len: int  # the worst micro-batch's tokens per sample
+    padding: Padding
+    longest: int
+    mean: float  # weighted over the mixture, after truncation
+    samples: int
+    files: tuple[str, ...]
+
+    def describe(self) -> str:
+        how = {
+            "longest": f"padded to the longest sample ({self.longest:,} tokens"
+            + (", truncated" if self.seq_len < self.longest else "")
+            + ")",
+            "max": "every sample padded to --seq-len",
+            "packed": "packed rows of --seq-len tokens",
+        }[self.padding]
+        return (
+            f"lengths: {self.samples:,} samples in {len(self.files)} file(s), longest "
+            f"{self.longest:,}, mean {self.mean:,.0f}; memory is planned for the worst "
+            f"micro-batch, {how}: {self.seq_len:,} tokens per sample; throughput sees the mean"
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "padding": self.padding,
+            "seq_len_for_memory": self.seq_len,
+            "longest": self.longest,
+            "mean": self.mean,
+            "samples": self.samples,
+            "files": list(self.files),
+        }
+
+
+def _split_weight(spec: str) -> tuple[str, float]:
+    """``FILE`` or ``FILE:WEIGHT`` (a path that exists as given wins over the split)."""
+    path, sep, weight = spec.rpartition(":")
+    if not sep or Path(spec).exists():
+        return spec, 1.0
+    try:
+        value = float(weight)
+    except ValueError:
+        return spec, 1.0
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"--lengths {spec!r}: the weight after ':' must be a positive number")
+    return path, value
+
+
+def read_lengths(spec: str) -> LengthFile:
+    """Read ``FILE[:WEIGHT]``: one length per line (``#`` comments and blank lines skipped),
+    or a JSON object ``{"length": samples, ...}``."""
+    path, weight = _split_weight(spec)
+    p = Path(path).expanduser()
+    try:
+        if not p.is_file():
+            raise UsageError(f"--lengths {path!r} is not a readable file")
+        if p.stat().st_size > MAX_FILE_BYTES:
+            raise UsageError(f"--lengths {path!r} is over 256 MiB: give a JSON histogram")
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--lengths {path!r} cannot be read: {e}") from e
+    counts = _histogram(text, path) if text.lstrip().startswith("{") else _lines(text, path)
+    if not counts:
+        raise UsageError(f"--lengths {path!r} has no lengths: write one length per line")
+    return LengthFile(path, counts, weight)
+
+
+def _positive(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise UsageError(f"{where}: {value!r} is not a length")
+    text = str(value).strip()
+    if not text.lstrip("-").isdigit():
+        raise UsageError(f"{where}: {text!r} is not a length (a whole number of tokens)")
+    number = int(text)
+    if number <= 0:
+        raise UsageError(f"{where}: a length must be positive, got {number}")
+    if number > 1 << 40:
+        raise UsageError(f"{where}: {number} tokens in one sample is not a length batchfit plans")
+    return number
+
+
+def _lines(text: str, path: str) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        content = line.split("#", 1)[0].strip()
+        if content:
+            length = _positive(content, f"--lengths {path!r} line {number}")
+            counts[length] = counts.get(length, 0) + 1
+    return counts
+
+
+def _histogram(text: str, path: str) -> dict[int, int]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--lengths {path!r} is not valid JSON: {e.msg} (line {e.lineno})") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"--lengths {path!r}: the JSON must map lengths to sample counts")
+    counts: dict[int, int] = {}
+    for key, count in data.items():
+        where = f"--lengths {path!r} entry {key!r}"
+        length = _positive(key, where)
+        samples = _positive(count, where)
+        counts[length] = counts.get(length, 0) + samples
+    return counts
+
+
+def workload(specs: list[str], padding: str, seq_len: int | None) -> Workload:
+    """The tokens per sample to plan memory for, from the length files and the padding.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "lengths.txt")
+        >>> _ = open(path, "w").write("120\n480\n300\n")
+        >>> w = workload([path], "longest", None)
+        >>> w.seq_len, w.mean
+        (480, 300.0)
+        >>> workload([path], "longest", 256).seq_len  # truncated at --seq-len
+        256
+    """
+    if padding not in PADDINGS:
+        raise UsageError(f"--padding {padding!r} is not one of: {', '.join(PADDINGS)}")
+    files = [read_lengths(spec) for spec in specs]
+    longest = max(f.longest for f in files)
+    if padding in ("max", "packed") and seq_len is None:
+        raise UsageError(f"--padding {padding} needs --seq-len (the padded or packed length)")
+    worst = min(longest, seq_len or longest)
+    if padding != "longest" and seq_len is not None:
+        worst = seq_len
+    total_weight = sum(f.weight for f in files)
+    mean = sum(f.weight * f.mean(seq_len) for f in files) / total_weight
+    if padding == "packed":
+        mean = float(worst)  # every packed row is full
+    return Workload(
+        seq_len=worst,
+        padding=padding,  # type: ignore[arg-type]
+        longest=longest,
+        mean=mean,
+        samples=sum(sum(f.counts.values()) for f in files),
+        files=tuple(f.path for f in files),
+    )
