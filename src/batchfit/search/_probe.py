@@ -465,8 +465,9 @@ def stand_ins(setup: Any) -> list[str]:
         )
     if setup.method == "qlora":
         notes.append(
-            "qlora: the probe trains a 16-bit LoRA base, not 4-bit layers; the peak and speed "
-            "are not QLoRA's (use `batchfit estimate` for its memory)"
+            "qlora: bitsandbytes' 4-bit layers are emulated (the same packed storage and "
+            "dequantised 16-bit weight per matmul), so the peak is QLoRA's but the speed is not "
+            "bitsandbytes'"
         )
     return notes
 
