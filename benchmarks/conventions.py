@@ -72,7 +72,12 @@ CASES = [
         str(CFG / "gen-llama-gqa-small.json"),
         2,
         128,
-        {"precision": "amp-bf16", "method": "lora", "framework": "lightning", "frozen_dtype": "fp32"},
+        {
+            "precision": "amp-bf16",
+            "method": "lora",
+            "framework": "lightning",
+            "frozen_dtype": "fp32",
+        },
         loop="trainer",
     ),
     Case(
@@ -105,7 +110,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--only", default=None, help="substring of a case name (implies --no-write)")
+    parser.add_argument(
+        "--only", default=None, help="substring of a case name (implies --no-write)"
+    )
     args = parser.parse_args()
     rows = []
     start = time.perf_counter()

@@ -243,9 +243,7 @@ def render(rows: list[dict[str, Any]]) -> str:
                 f"\n{label}: median |error| {statistics.median(errs):.0%}, worst "
                 f"{max(errs):.0%} (goal: median 10%, worst 20%)."
             )
-    lines.append(
-        "\n[a]: the trace does not model this setup yet; the analytic engine answered."
-    )
+    lines.append("\n[a]: the trace does not model this setup yet; the analytic engine answered.")
     return "\n".join(lines)
 
 
