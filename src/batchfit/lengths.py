@@ -156,7 +156,7 @@ def _histogram(text: str, path: str) -> dict[int, int]:
 
 
 def workload(specs: list[str], padding: str, seq_len: int | None) -> Workload:
-    """The tokens per sample to plan memory for, from the length files and the padding.
+    r"""The tokens per sample to plan memory for, from the length files and the padding.
 
     Example:
         >>> import tempfile, os
