@@ -363,4 +363,6 @@ def test_stand_ins_are_named() -> None:
     from batchfit.spec import TrainingSetup
 
     assert stand_ins(TrainingSetup()) == []
-    assert "16-bit LoRA base" in stand_ins(TrainingSetup(method="qlora", precision="bf16"))[0]
+    assert (
+        "4-bit layers are emulated" in stand_ins(TrainingSetup(method="qlora", precision="bf16"))[0]
+    )
