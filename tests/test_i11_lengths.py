@@ -99,3 +99,15 @@ def test_plan_and_estimate_use_the_worst_micro_batch(files, capsys):
         ["estimate", "gpt2", "-b", "4", "-s", "700", "--engine", "analytic", "--json"], capsys
     )
     assert est["peak_bytes"] == json.loads(out)["peak_bytes"]
+
+
+def test_a_token_target_needs_fixed_tokens_per_sample(files, capsys):
+    short, _ = files
+    args = ["plan", "gpt2", "--gpu", "t4", "--global-batch-tokens", "65536", "-s", "1024"]
+    code, out, err = run_cli([*args, "--lengths", short, "--engine", "analytic"], capsys)
+    assert code == 2 and "dynamic padding" in err
+    code, out, err = run_cli(
+        [*args, "--lengths", short, "--padding", "packed", "--engine", "analytic", "--json"],
+        capsys,
+    )
+    assert code == 0 and json.loads(out)["tokens_per_step"] == 65536

@@ -114,3 +114,36 @@ def test_own_model_arguments_are_checked():
         )
     with pytest.raises(UsageError, match="needs seq_len"):
         make_plan(small_cnn, get_gpu("t4"), TrainingSetup(), global_batch_tokens=8, batch_fn=images)
+
+
+def test_a_bf16_gpu_plans_an_own_module_with_16_bit_inputs_for_pure_bf16():
+    # the pure-bf16 rung builds the module in bf16: its inputs are cast as a bf16 run casts them
+    plan = make_plan(
+        _ImagesOnly,
+        get_gpu("a100-80gb"),
+        TrainingSetup(optimizer="sgd-momentum"),
+        batch_fn=images,
+        loss_fn=step_loss,
+        global_batch=512,
+    )
+    assert plan.micro_batch_size * plan.grad_accum_steps == 512
+    assert any(t.name == "pure-bf16" for a in plan.alternatives for t in a.techniques)
+
+
+def test_a_huge_global_batch_traces_two_micro_steps_not_all_of_them():
+    calls: list[int] = []
+
+    def batch(n: int) -> torch.Tensor:
+        calls.append(n)
+        return torch.randn(n, 256)
+
+    plan = make_plan(
+        lambda: torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)),
+        get_gpu("t4"),
+        TrainingSetup(),
+        batch_fn=batch,
+        loss_fn=lambda out, b: out.square().mean(),
+        global_batch=100_003,  # prime: micro-batch 1 x 100,003 or the whole batch at once
+    )
+    assert plan.micro_batch_size * plan.grad_accum_steps == 100_003
+    assert len(calls) < 200  # a few micro-steps per dry run, not 100,003

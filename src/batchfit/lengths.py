@@ -66,7 +66,8 @@ class Workload:
             "packed": "packed rows of --seq-len tokens",
         }[self.padding]
         return (
-            f"lengths: {self.samples:,} samples in {len(self.files)} file(s), longest "
+            f"lengths: {self.samples:,} sample{'s' * (self.samples != 1)} in {len(self.files)} "
+            f"file{'s' * (len(self.files) != 1)}, longest "
             f"{self.longest:,}, mean {self.mean:,.0f}; memory is planned for the worst "
             f"micro-batch, {how}: {self.seq_len:,} tokens per sample; throughput sees the mean"
         )
@@ -111,7 +112,10 @@ def read_lengths(spec: str) -> LengthFile:
         raise UsageError(f"--lengths {path!r} cannot be read: {e}") from e
     counts = _histogram(text, path) if text.lstrip().startswith("{") else _lines(text, path)
     if not counts:
-        raise UsageError(f"--lengths {path!r} has no lengths: write one length per line")
+        raise UsageError(
+            f"--lengths {path!r} has no lengths: write one length per line, or a JSON object "
+            '{"length": samples, ...}'
+        )
     return LengthFile(path, counts, weight)
 
 

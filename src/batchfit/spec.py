@@ -152,6 +152,9 @@ class TrainingSetup:
     lora_dtype: LoraDtype = "fp32"
     frozen_dtype: FrozenDtype = "auto"
     framework: Framework | None = None
+    # the loss was chosen on purpose (an explicit --loss): the planner keeps it, and does not
+    # switch on a lean loss to make a model fit
+    keep_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.task is not None:
@@ -223,9 +226,15 @@ class TrainingSetup:
         return f"chunked:{self.loss_chunks}"
 
     def loss_chunk_count(self, tokens: int, seq_len: int) -> int:
-        """How many chunks the chunked loss splits ``tokens`` (a micro-batch) into."""
+        """How many chunks the chunked loss splits a micro-batch of ``tokens`` into.
+
+        Chunks of N tokens (``chunked:Nt``) split the micro-batch's tokens as torchtune does
+        (all sequences flattened) under the trainer loop, and each sequence along its length
+        as litgpt's ``lm_head_chunk_size`` does under a loop that keeps the outputs.
+        """
         if self.loss_chunk_tokens:
-            return -(-seq_len // self.loss_chunk_tokens)
+            span = seq_len if self.loop == "keep-outputs" else tokens
+            return -(-span // self.loss_chunk_tokens)
         return min(self.loss_chunks, max(tokens, 1))
 
     @property
@@ -252,6 +261,8 @@ class TrainingSetup:
         pure_bf16 = self.framework in ("torchtune", "litgpt")
         if precision == "auto" and device != "cpu" and bf16_supported and pure_bf16:
             precision = "bf16"
+        if precision == "auto" and device == "cpu" and self.method == "qlora":
+            precision = "amp-bf16"  # QLoRA computes in 16-bit: bf16 autocast, which CPUs run
         if precision == "auto":
             precision = "fp32" if device == "cpu" else "amp-bf16" if bf16_supported else "amp-fp16"
         attention = self.attention

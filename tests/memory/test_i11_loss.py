@@ -332,3 +332,35 @@ def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide):
     loss, _ = _loss_and_grads(wide, replace(setup, precision="fp32"))
     full, _ = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
     torch.testing.assert_close(loss, full, rtol=1e-5, atol=1e-5)
+
+
+def test_one_chunk_is_the_full_loss_and_token_chunks_count_as_the_loop_splits(capsys):
+    def peak(*flags: str) -> int:
+        args = ["estimate", "llama-3.2-1b", "--gpu", "a100-80gb", "-s", "2048", "-b", "4"]
+        code, out, err = run_cli([*args, "--engine", "analytic", "--json", *flags], capsys)
+        assert code == 0, err
+        return int(json.loads(out)["peak_bytes"])
+
+    assert peak("--loss", "chunked:1") == peak("--loss", "full")
+    # the trainer loop splits the micro-batch's 8192 tokens: chunks of 2048 tokens are 4 chunks
+    assert peak("--loss", "chunked:2048t") == peak("--loss", "chunked:4")
+    # a loop that keeps the outputs splits each sequence: 2048-token chunks of a 2048 sequence
+    # are one chunk, the full loss's terms
+    keep = ["--loop", "keep-outputs"]
+    assert peak("--loss", "chunked:2048t", *keep) == peak("--loss", "full", *keep)
+
+
+def test_an_explicit_full_loss_is_kept_by_the_planner(capsys):
+    args = ["plan", "llama-3.1-8b", "--gpu", "a100-40gb", "--global-batch", "64", "-s", "4096"]
+    code, out, err = run_cli([*args, "--engine", "analytic", "--json"], capsys)
+    assert code == 0 and "fused-loss" in [t["name"] for t in json.loads(out)["techniques"]]
+    code, out, _ = run_cli([*args, "--engine", "analytic", "--json", "--loss", "full"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["setup"]["loss"] == "full"
+    assert "fused-loss" not in [t["name"] for t in plan["techniques"]]
+    assert not any("Liger" in w for w in plan["warnings"])
+
+
+def test_qlora_on_the_cpu_computes_in_bf16_by_default():
+    setup = TrainingSetup(method="qlora").resolved(device="cpu", bf16_supported=True)
+    assert setup.precision == "amp-bf16"

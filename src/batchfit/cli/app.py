@@ -354,6 +354,12 @@ def plan(
             f"{gib(gpu_spec.memory_bytes)}: keep less free, e.g. 0.5GiB"
         )
     seq, lengths_seen = _workload_seq(seq_len, lengths, padding)
+    if lengths_seen is not None and lengths_seen.padding == "longest" and global_batch_tokens:
+        raise UsageError(
+            "--global-batch-tokens needs a fixed number of tokens per sample, and with dynamic "
+            "padding (--padding longest) a step's tokens vary: give --global-batch in samples, "
+            "or --padding packed (or max) with --seq-len"
+        )
     info = resolve_model(model, setup.task)
     _check_lengths_fit(info, lengths_seen)
     check_workload(info, micro_batch or 1, seq)

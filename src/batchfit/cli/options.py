@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated, Any, TypeVar, cast
 
 import typer
@@ -80,7 +81,7 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
     framework = raw["framework"]
     if framework is not None:
         check_choice("--framework", framework, FRAMEWORKS)
-    setup = _setup(raw)
+    setup = replace(_setup(raw), keep_loss="loss" in explicit)
     if framework is None:
         return setup
     from batchfit.frameworks import with_framework

@@ -122,6 +122,7 @@ def estimate(
         f"{f', loss {setup.loss_label}' if setup.loss != 'full' else ''}"
         f"{f', adapters {setup.lora_dtype}' if setup.lora_dtype != 'fp32' else ''}"
         f"{f', frozen base {setup.frozen_dtype}' if setup.frozen_dtype != 'auto' else ''}"
+        f"{f', {setup.optimizer_impl} optimizer' if setup.optimizer_impl != 'auto' else ''}"
         f", {setup.loop} loop"
         f"{f', {setup.framework} conventions' if setup.framework else ''}"
     )
@@ -194,7 +195,8 @@ def technique_flags(p: Plan) -> str:
     if not p.techniques:
         return ""
     s, base = p.setup, TrainingSetup()
-    flags = ["--grad-ckpt"] if s.grad_ckpt else []
+    flags = [f"--framework {s.framework}"] if s.framework else []
+    flags += ["--grad-ckpt"] if s.grad_ckpt else []
     if s.loss != base.loss:
         flags.append(f"--loss {s.loss_label}")
     for name, value, default in (

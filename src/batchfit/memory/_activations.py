@@ -407,7 +407,7 @@ def _loss(
     if setup.loss == "fused":
         return _fused_loss(model, rg, tokens, head_trainable=head_trainable)
     chunks = setup.loss_chunk_count(tokens, seq_len)
-    if setup.loss == "chunked":
+    if setup.loss == "chunked" and chunks > 1:  # one chunk is the full loss
         held_pt, forward_pt, backward_pt = chunked_loss_terms(vocab, rg, loop, chunks, kept_b)
         # Each chunk's projection gives the head's weight its own gradient; autograd sums them
         # in a buffer before the weight's .grad exists: the buffer and one chunk's gradient.

@@ -89,7 +89,9 @@ def estimate_module(
                 batch_fn,
                 loss_fn or default_loss,
                 autocast_dtype=autocast,
-                grad_accum_steps=grad_accum_steps,
+                # memory is the same for any count from 2 up: later micro-steps hold the
+                # gradients of earlier ones (the HF trace caps it the same way)
+                grad_accum_steps=min(grad_accum_steps, 2),
                 loop=resolved.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
             )

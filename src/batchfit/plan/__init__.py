@@ -229,18 +229,24 @@ def _advice_warnings(
             f"BatchNorm statistics come from each micro-batch of {micro}, not the "
             "global batch: accumulation does not make them exact"
         )
-    if setup.loss == "chunked":
-        warnings.append(
-            f"the plan assumes a chunked loss ({setup.loss_chunks} chunks): HF Trainer has no "
-            "switch for it (torchtune's LinearCrossEntropyLoss or axolotl's "
-            "chunked_cross_entropy: true do it; in a Trainer, override compute_loss)"
-        )
-    elif setup.loss == "fused":
-        warnings.append(
-            "the plan assumes Liger's fused linear cross-entropy: pip install liger-kernel "
-            "(the HF export sets use_liger_kernel)"
-        )
     return warnings
+
+
+def _loss_warnings(techniques: Combo, setup: TrainingSetup) -> list[str]:
+    """How to switch on the lean loss the plan chose (not one the user or framework set)."""
+    names = {t.name for t in techniques}
+    if "chunked-loss" in names:
+        return [
+            f"the plan assumes a chunked loss ({setup.loss_label}): HF Trainer has no switch for "
+            "it (torchtune's LinearCrossEntropyLoss or axolotl's chunked_cross_entropy: true do "
+            "it; in a Trainer, override compute_loss); --loss full keeps the full loss"
+        ]
+    if "fused-loss" in names:
+        return [
+            "the plan assumes Liger's fused linear cross-entropy: pip install liger-kernel (the "
+            "HF export sets use_liger_kernel); --loss full keeps the full loss"
+        ]
+    return []
 
 
 def _learning_rate(
@@ -327,6 +333,7 @@ def make_plan(
         *est.warnings,
         *fit_warnings,
         *_advice_warnings(target_model, gpu, fit.setup, micro, accum),
+        *_loss_warnings(fit.techniques, fit.setup),
     ]
     return Plan(
         model=target_model.name,

@@ -31,21 +31,36 @@ class OwnModel:
         self, setup: TrainingSetup, gpu: GpuSpec, micro: int, accum: int
     ) -> MemoryEstimate:
         """The dry run of one step at ``micro`` samples (``accum`` micro-steps), on ``gpu``."""
+        import torch
+
         from batchfit.memory.estimate import estimate
+
+        precision = setup.resolved(device="cuda", bf16_supported=gpu.bf16).precision
+        storage = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+        def batch() -> Any:
+            inputs = self.batch_fn(micro)
+            # a pure 16-bit run feeds its model 16-bit inputs
+            return _cast_floats(inputs, storage) if storage is not None else inputs
 
         try:
             return estimate(
                 self.model_fn,
                 setup,
-                batch_fn=lambda: self.batch_fn(micro),
+                batch_fn=batch,
                 loss_fn=self.loss_fn,
                 device="cuda",
                 gpu=gpu,
-                grad_accum_steps=accum,
+                grad_accum_steps=min(accum, 2),
                 engine="trace",
             )
         except ValueError as e:  # a setup the module trace cannot apply (LoRA, checkpointing)
             raise UsageError(str(e)) from e
+        except RuntimeError as e:  # the module's own step failed under this setup
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(
+                f"your module's step fails with precision {setup.precision}: {first}"
+            ) from e
 
     def has_batchnorm(self) -> bool:
         import torch
@@ -53,6 +68,19 @@ class OwnModel:
         with torch.device("meta"):
             net = self.model_fn()
         return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def _cast_floats(value: Any, dtype: Any) -> Any:
+    """``value`` with its floating-point tensors cast to ``dtype`` (dicts, tuples, lists)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
 
 
 def own_model(
