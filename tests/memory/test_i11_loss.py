@@ -352,7 +352,7 @@ def test_one_chunk_is_the_full_loss_and_token_chunks_count_as_the_loop_splits(ca
 
 def test_an_explicit_full_loss_is_kept_by_the_planner(capsys):
     args = ["plan", "llama-3.1-8b", "--gpu", "a100-40gb", "--global-batch", "64", "-s", "4096"]
-    code, out, err = run_cli([*args, "--engine", "analytic", "--json"], capsys)
+    code, out, _ = run_cli([*args, "--engine", "analytic", "--json"], capsys)
     assert code == 0 and "fused-loss" in [t["name"] for t in json.loads(out)["techniques"]]
     code, out, _ = run_cli([*args, "--engine", "analytic", "--json", "--loss", "full"], capsys)
     plan = json.loads(out)
