@@ -147,3 +147,28 @@ def test_a_huge_global_batch_traces_two_micro_steps_not_all_of_them():
     )
     assert plan.micro_batch_size * plan.grad_accum_steps == 100_003
     assert len(calls) < 200  # a few micro-steps per dry run, not 100,003
+
+
+def test_a_batch_fn_without_the_sample_count_is_one_line():
+    with pytest.raises(UsageError, match="batch_fn must take the number of samples"):
+        make_plan(
+            small_cnn,
+            get_gpu("t4"),
+            TrainingSetup(),
+            global_batch=8,
+            batch_fn=lambda: images(2),  # type: ignore[arg-type, misc]
+        )
+
+
+def test_the_plan_carries_its_memory_figures():
+    plan = make_plan(
+        _ImagesOnly,
+        get_gpu("t4"),
+        TrainingSetup(precision="fp32", optimizer="sgd-momentum"),
+        batch_fn=images,
+        loss_fn=step_loss,
+        global_batch=64,
+    )
+    data = plan.to_json()
+    assert plan.device_total_bytes == data["device_total_bytes"] == plan.estimate.device_total_bytes
+    assert plan.peak_bytes == data["peak_bytes"] and plan.fits is data["fits"] is True

@@ -95,4 +95,15 @@ def own_model(
             "and batch_fn(micro_batch_size) returning that many samples' inputs, or a model "
             "from resolve_model()"
         )
+    import inspect
+
+    try:
+        inspect.signature(batch_fn).bind(1)
+    except TypeError:
+        raise UsageError(
+            "batch_fn must take the number of samples: batch_fn(micro_batch_size) returns the "
+            "inputs of that many samples"
+        ) from None
+    except ValueError:  # a builtin without a signature: let the call tell
+        pass
     return OwnModel(model_fn, batch_fn, loss_fn)

@@ -59,6 +59,21 @@ class Plan:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes held by tensors at the step's peak (``estimate.peak_bytes``)."""
+        return self.estimate.peak_bytes
+
+    @property
+    def device_total_bytes(self) -> int:
+        """What nvidia-smi would show for the plan's step (``estimate.device_total_bytes``)."""
+        return self.estimate.device_total_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step leaves the headroom asked for, and at least a byte, free."""
+        return self.headroom_bytes > 0 and self.headroom_bytes >= self.headroom_wanted_bytes
+
     def to_json(self) -> dict[str, Any]:
         est = self.estimate
         return {
@@ -70,14 +85,14 @@ class Plan:
             "num_gpus": self.num_gpus,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
-            "peak_bytes": est.peak_bytes,
+            "peak_bytes": self.peak_bytes,
             "reserved_bytes": est.reserved_bytes,
-            "device_total_bytes": est.device_total_bytes,
+            "device_total_bytes": self.device_total_bytes,
             "gpu_bytes": self.gpu_bytes,
             "headroom_bytes": self.headroom_bytes,
             "headroom_wanted_bytes": self.headroom_wanted_bytes,
             "max_micro_batch": self.max_micro_batch,
-            "fits": self.headroom_bytes >= self.headroom_wanted_bytes,
+            "fits": self.fits,
             "learning_rate": self.learning_rate,
             "lr_rule": self.lr_rule,
             "techniques": [{"name": t.name, "kind": t.kind, "why": t.why} for t in self.techniques],
