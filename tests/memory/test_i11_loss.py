@@ -17,6 +17,7 @@ from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup, parse_loss
 from tests._cli import run_cli
+from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
 
@@ -102,31 +103,7 @@ SETUPS = [
 @pytest.mark.parametrize("setup", SETUPS, ids=repr)
 def test_dry_run_matches_real_cpu_tensors(wide, setup):
     # The same step on real CPU tensors and on fake tensors allocates the same storages.
-    torch.manual_seed(0)
-    parts = _parts(wide, setup)
-    real = trace.run_steps(
-        parts.model,
-        parts.optimizer,
-        parts.make_batch,
-        parts.loss_of,
-        autocast_dtype=parts.autocast_dtype,
-        loop=setup.loop,
-    )
-    fake = _hf_trace.trace_once(
-        wide,
-        setup.resolved(device="cpu", bf16_supported=True),
-        micro=2,
-        seq=64,
-        device="cpu",
-        workspace=0,
-        depth=None,
-        grad_accum_steps=1,
-    )
-    fake_by = {p.key: p for p in fake.phases}
-    assert set(fake_by) == {p.key for p in real.phases}
-    for phase in real.phases:
-        # checkpointing stashes a few KB per layer (RNG state) that only the fake run sees
-        assert fake_by[phase.key].total == pytest.approx(phase.total, rel=0.01), phase.key
+    assert_dry_run_matches_real(wide, setup, micro=2, seq=64)
 
 
 def _peak(info, engine, **kw):
@@ -328,7 +305,7 @@ def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide):
         loss="chunked",
         loss_chunk_tokens=16,
     )
-    test_dry_run_matches_real_cpu_tensors(wide, setup)
+    assert_dry_run_matches_real(wide, setup, micro=2, seq=64)
     loss, _ = _loss_and_grads(wide, replace(setup, precision="fp32"))
     full, _ = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
     torch.testing.assert_close(loss, full, rtol=1e-5, atol=1e-5)
