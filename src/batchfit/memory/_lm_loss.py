@@ -20,7 +20,6 @@ and ``fused`` the model's output head is bypassed (its forward returns the hidde
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from batchfit.errors import UsageError
+from batchfit.memory._activations import fused_loss_rows
 
 IGNORE_INDEX = -100  # transformers', torchtune's and Liger's ignore index
 
@@ -70,9 +70,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     ) -> torch.Tensor:
         rows, width = hidden.shape
-        vocab = weight.shape[0]
-        # liger: inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))
-        chunk = 1 << max(0, math.ceil(math.log2(max(1, -(-rows // -(-vocab // width))))))
+        chunk = fused_loss_rows(rows, weight.shape[0], width)  # the formulas' own chunk size
         grad_input = torch.zeros_like(hidden)
         grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
         losses = torch.zeros(rows, dtype=torch.float32, device=hidden.device)

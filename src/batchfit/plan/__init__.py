@@ -170,9 +170,8 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     needs_ladder = base_max == 0 or (wanted is not None and wanted > base_max)
     chosen = _Fit(setup, (), base_max, ())
     alternatives = []
-    own = isinstance(target.model, OwnModel)
-    model = None if isinstance(target.model, OwnModel) else target.model
-    rungs = ladder(setup, target.gpu, model, checkpointing=not own)
+    model = target.model if isinstance(target.model, ModelInfo) else None  # None: your module
+    rungs = ladder(setup, target.gpu, model, checkpointing=model is not None)
     for combo in rungs:
         try:
             alt = target.alternative(combo, apply(setup, combo))

@@ -51,7 +51,7 @@ class OwnModel:
                 loss_fn=self.loss_fn,
                 device="cuda",
                 gpu=gpu,
-                grad_accum_steps=min(accum, 2),
+                grad_accum_steps=accum,
                 engine="trace",
             )
         except ValueError as e:  # a setup the module trace cannot apply (LoRA, checkpointing)
@@ -71,16 +71,11 @@ class OwnModel:
 
 
 def _cast_floats(value: Any, dtype: Any) -> Any:
-    """``value`` with its floating-point tensors cast to ``dtype`` (dicts, tuples, lists)."""
+    """``value`` with its floating-point tensors cast to ``dtype`` (any nesting)."""
     import torch
+    from torch.utils._pytree import tree_map_only
 
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    return value
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def own_model(
