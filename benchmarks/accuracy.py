@@ -119,7 +119,7 @@ def setup_fields(case: Case) -> dict[str, Any]:
     return dict(case.setup)
 
 
-def predictions(case: Case) -> dict[str, float]:
+def predictions(case: Case) -> dict[str, Any]:
     from batchfit.memory.estimate import estimate
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
@@ -128,12 +128,14 @@ def predictions(case: Case) -> dict[str, float]:
     setup = TrainingSetup(**setup_fields(case))
     kw = {"micro_batch_size": case.micro, "seq_len": case.seq, "device": "cpu"}
     traced = estimate(info, setup, engine="trace", **kw)  # type: ignore[arg-type]
-    analytic = estimate(info, setup, engine="analytic", **kw)  # type: ignore[arg-type]
+    # the formulas model token models only: an image model has no analytic figure
+    image = info.task == "image-classification"
+    analytic = None if image else estimate(info, setup, engine="analytic", **kw)  # type: ignore[arg-type]
     n, trainable = info.total_params, traced.trainable_params
     dtype_bytes = 2 if setup.precision == "bf16" else 4
     return {
         "trace": traced.peak_bytes,
-        "analytic": analytic.peak_bytes,
+        "analytic": analytic.peak_bytes if analytic else None,
         "accelerate": 4 * n * dtype_bytes,  # `accelerate estimate-memory`: Adam = 4 x size
         "deepspeed": 4 * trainable + 16 * trainable,  # zero2 states, 1 GPU, no offload
         "seed rule": 16 * trainable + 4 * (n - trainable),  # seed 004: W + G + 2 states, fp32

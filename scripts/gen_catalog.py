@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.models import ENCODER_DECODER_TYPES, ENCODER_TYPES, _meta, catalog
+from batchfit.models._arch import VISION_TYPES
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "batchfit" / "catalog" / "derived.json"
 
 
 def tasks_for(model_type: str) -> tuple[str, ...]:
+    if model_type in VISION_TYPES:
+        return ("image-classification",)
     if model_type in ENCODER_DECODER_TYPES:
         return ("seq2seq",)
     if model_type in ENCODER_TYPES:

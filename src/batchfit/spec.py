@@ -8,7 +8,9 @@ from typing import Literal, cast, get_args
 
 from batchfit.errors import UsageError
 
-Task = Literal["causal-lm", "classification", "masked-lm", "seq2seq"]
+# "image-classification": a transformers image model (ViT, ConvNeXt, Swin, CLIP vision) or a
+# torchvision model; its per-sample size is the image side in pixels, not tokens.
+Task = Literal["causal-lm", "classification", "masked-lm", "seq2seq", "image-classification"]
 Precision = Literal["auto", "fp32", "amp-fp16", "amp-bf16", "bf16", "fp16"]
 Optimizer = Literal[
     "sgd",

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 import typer
 
 from batchfit._units import gib, human_bytes, parse_size
+from batchfit.cli._workload import ImageSizeO, sample_size
 from batchfit.cli.options import finite_float, setup_options
 from batchfit.errors import UsageError
 from batchfit.spec import TrainingSetup, check_choice
 
 if TYPE_CHECKING:
     from batchfit.hardware import GpuSpec
-    from batchfit.lengths import Workload
     from batchfit.memory.types import MemoryEstimate
     from batchfit.models import ModelInfo
     from batchfit.plan import Plan
@@ -44,9 +44,6 @@ ModelArg = Annotated[
         "or a bare size such as 7B.",
         show_default=False,
     ),
-]
-SeqLen = Annotated[
-    int, typer.Option("--seq-len", "-s", help="Tokens per sample.", show_default=False)
 ]
 SeqLenOpt = Annotated[
     int | None,
@@ -180,6 +177,7 @@ def estimate(
     ],
     setup: TrainingSetup,
     seq_len: SeqLenOpt = None,
+    image_size: ImageSizeO = None,
     lengths: LengthsO = None,
     padding: PaddingO = None,
     device: Annotated[
@@ -219,9 +217,10 @@ def estimate(
     if grad_accum < 1:
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
     gpu_spec = get_gpu(gpu) if gpu else None
-    seq, lengths_seen = _workload_seq(seq_len, lengths, padding)
     info = resolve_model(model, setup.task)
-    _check_lengths_fit(info, lengths_seen)
+    seq, lengths_seen = sample_size(
+        info, seq_len=seq_len, image_size=image_size, lengths=lengths, padding=padding
+    )
     with _cache_switch(no_cache, verbose):
         result = run_estimate(
             info,
@@ -233,7 +232,7 @@ def estimate(
             engine=engine_name,
             grad_accum_steps=grad_accum,
         )
-    if result.engine == "trace":
+    if result.engine == "trace" and not result.is_image:  # the formulas model token models
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
     if as_json:
         data = result.to_json()
@@ -291,6 +290,7 @@ def plan(
     ],
     setup: TrainingSetup,
     seq_len: SeqLenOpt = None,
+    image_size: ImageSizeO = None,
     lengths: LengthsO = None,
     padding: PaddingO = None,
     global_batch: Annotated[
@@ -353,15 +353,20 @@ def plan(
             f"--headroom {headroom} is all of {gpu_spec.name}'s "
             f"{gib(gpu_spec.memory_bytes)}: keep less free, e.g. 0.5GiB"
         )
-    seq, lengths_seen = _workload_seq(seq_len, lengths, padding)
+    info = resolve_model(model, setup.task)
+    seq, lengths_seen = sample_size(
+        info, seq_len=seq_len, image_size=image_size, lengths=lengths, padding=padding
+    )
+    if global_batch_tokens and info.task == "image-classification":
+        raise UsageError(
+            f"--global-batch-tokens counts tokens; {info.name} sees images: give --global-batch"
+        )
     if lengths_seen is not None and lengths_seen.padding == "longest" and global_batch_tokens:
         raise UsageError(
             "--global-batch-tokens needs a fixed number of tokens per sample, and with dynamic "
             "padding (--padding longest) a step's tokens vary: give --global-batch in samples, "
             "or --padding packed (or max) with --seq-len"
         )
-    info = resolve_model(model, setup.task)
-    _check_lengths_fit(info, lengths_seen)
     check_workload(info, micro_batch or 1, seq)
     with _cache_switch(no_cache, verbose):
         result = make_plan(
@@ -387,34 +392,6 @@ def plan(
         render.plan(result, info)
         if export_kind is not None:
             render.export_note(export_kind, out, export_text)
-
-
-def _workload_seq(
-    seq_len: int | None, lengths: list[str] | None, padding: str | None
-) -> tuple[int, Workload | None]:
-    """Tokens per sample to plan memory for: --seq-len, or what --lengths and --padding say."""
-    if not lengths:
-        if padding is not None:
-            raise UsageError("--padding needs --lengths FILE (the dataset's sequence lengths)")
-        if seq_len is None:
-            raise UsageError("give --seq-len (tokens per sample) or --lengths FILE")
-        return seq_len, None
-    if seq_len is not None and seq_len < 1:
-        raise UsageError(f"--seq-len must be a positive integer, got {seq_len}")
-    from batchfit.lengths import workload
-
-    seen = workload(lengths, padding or "longest", seq_len)
-    return seen.seq_len, seen
-
-
-def _check_lengths_fit(info: ModelInfo, seen: Workload | None) -> None:
-    """A longest sample beyond the model's learned positions, said in terms of --lengths."""
-    limit = info.arch.max_positions if info.arch.positional == "learned" else None
-    if seen is not None and limit is not None and seen.seq_len > limit:
-        raise UsageError(
-            f"the longest sample in --lengths has {seen.longest:,} tokens, more than "
-            f"{info.name}'s {limit} learned positions: give --seq-len {limit} to truncate"
-        )
 
 
 def _exports(
@@ -457,6 +434,7 @@ def gpus(
         int | None,
         typer.Option("--seq-len", "-s", help="Tokens per sample (needed with MODEL)."),
     ] = None,
+    image_size: ImageSizeO = None,
     headroom: Annotated[str, typer.Option("--headroom", help="Free memory to keep.")] = "0.5GiB",
     engine: EngineO = "trace",
     no_cache: NoCacheO = False,
@@ -469,21 +447,22 @@ def gpus(
 
     gpu_list = list(all_gpus().values())
     if model is None:
-        if seq_len is not None:
+        if seq_len is not None or image_size is not None:
             raise UsageError("--seq-len needs a MODEL: batchfit gpus MODEL --seq-len S")
         if as_json:
             _emit_json({"gpus": [render.gpu_row(g) for g in gpu_list]})
         else:
             render.gpus(gpu_list)
         return
-    if seq_len is None:
-        raise UsageError("batchfit gpus MODEL needs --seq-len")
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
     from batchfit.plan import fit_table
 
     headroom_bytes = parse_size(headroom, what="--headroom", allow_zero=True)
     info = resolve_model(model, setup.task)
+    if seq_len is None and info.task != "image-classification":
+        raise UsageError("batchfit gpus MODEL needs --seq-len")
+    seq_len, _ = sample_size(info, seq_len=seq_len, image_size=image_size)
     check_workload(info, 1, seq_len)
     engine_name = _engine(engine)
     with _cache_switch(no_cache, verbose):
@@ -502,7 +481,11 @@ def gpus(
         _emit_json(
             {
                 "model": info.name,
-                "seq_len": seq_len,
+                **(
+                    {"seq_len": None, "image_size": seq_len}
+                    if info.task == "image-classification"
+                    else {"seq_len": seq_len}
+                ),
                 "engine": answered,
                 "grad_accum_steps": 1,
                 "gpus": [r.to_json() for r in rows],
@@ -527,12 +510,13 @@ def _root(
 @setup_options()
 def probe(
     model: ModelArg,
-    seq_len: SeqLen,
     device: Annotated[
         str,
         typer.Option("--device", help="cpu|cuda: where the real steps run.", show_default=False),
     ],
     setup: TrainingSetup,
+    seq_len: SeqLenOpt = None,
+    image_size: ImageSizeO = None,
     memory_budget: Annotated[
         str | None,
         typer.Option(
@@ -587,6 +571,9 @@ def probe(
     budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
     _check_device(device, budget, max_micro_batch)
     info = resolve_model(model, setup.task)
+    if seq_len is None and info.task != "image-classification":
+        raise UsageError("batchfit probe MODEL needs --seq-len (tokens per sample)")
+    seq_len, _ = sample_size(info, seq_len=seq_len, image_size=image_size)
     check_workload(info, 1, seq_len)
     _probe.check_budget(info, setup, seq_len, device, budget)
     spec = _probe.make_spec(
@@ -598,7 +585,12 @@ def probe(
     if plot is not None:
         render_probe.probe_plot(result, plot, budget)
     if as_json:
-        _emit_json({"model": info.name, "device": device, "seq_len": seq_len, **report.to_json()})
+        size = (
+            {"seq_len": None, "image_size": seq_len}
+            if info.task == "image-classification"
+            else {"seq_len": seq_len}
+        )
+        _emit_json({"model": info.name, "device": device, **size, **report.to_json()})
     else:
         render_probe.probe_table(info, report, seq_len, budget, plot)
 

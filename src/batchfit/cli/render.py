@@ -115,7 +115,8 @@ def estimate(
     out.print(
         f"[bold]{escape(info.name)}[/] ({human_count(est.total_params)} params, "
         f"{human_count(est.trainable_params)} trainable, {info.task}) on [bold]{est.device}[/]: "
-        f"micro-batch {est.micro_batch_size} x seq {est.seq_len}, {setup.precision}, "
+        f"micro-batch {est.micro_batch_size} x {sample_size(est.seq_len, est.is_image)}, "
+        f"{setup.precision}, "
         f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
         f"{', grad-ckpt' if setup.grad_ckpt else ''}"
         f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
@@ -213,11 +214,15 @@ def technique_flags(p: Plan) -> str:
 
 def plan(p: Plan, info: ModelInfo) -> None:
     est = p.estimate
-    out.print(f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], seq {p.seq_len}")
+    out.print(
+        f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], "
+        f"{sample_size(p.seq_len, p.is_image)}"
+    )
+    tokens = f" = {p.tokens_per_step:,} tokens per step" if p.tokens_per_step is not None else ""
     out.print(
         f"  micro-batch [bold]{p.micro_batch_size}[/] x accumulation "
         f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
-        f"[bold]{p.global_batch_size:,}[/] samples = {p.tokens_per_step:,} tokens per step"
+        f"[bold]{p.global_batch_size:,}[/] samples{tokens}"
     )
     if p.max_micro_batch == 0:
         out.print("  largest micro-batch that fits: [red]none[/]")
@@ -415,9 +420,15 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
     out.print(_plain_table(title, columns, rows, "GPU"))
 
 
+def sample_size(size: int, image: bool) -> str:
+    """One sample's size as the options spell it: ``seq 512`` or ``image 224 px``."""
+    return f"image {size} px" if image else f"seq {size}"
+
+
 def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) -> None:
     table = Table(
-        title=f"{escape(info.name)}, seq {seq_len}: largest micro-batch per GPU "
+        title=f"{escape(info.name)}, {sample_size(seq_len, info.task == 'image-classification')}: "
+        "largest micro-batch per GPU "
         f"({engine} engine; no gradient accumulation)",
         title_justify="left",
     )

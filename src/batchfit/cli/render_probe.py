@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit._units import BYTES_IN_GIB, gib_figure
-from batchfit.cli.render import err, out
+from batchfit.cli.render import err, out, sample_size
 from batchfit.errors import UsageError
 
 if TYPE_CHECKING:
@@ -66,11 +66,14 @@ _PROBE_COLUMNS = ("micro-batch", "result", "peak GiB", "% of budget", "samples/s
 
 
 def _trials_table(info: ModelInfo, report: ProbeReport, seq_len: int, budget: int | None) -> Table:
+    image = info.task == "image-classification"
     table = Table(
-        title=f"{escape(info.name)}, seq {seq_len}: real training steps", title_justify="left"
+        title=f"{escape(info.name)}, {sample_size(seq_len, image)}: real training steps",
+        title_justify="left",
     )
     epochs = report.dataset_size is not None
-    for col in (*_PROBE_COLUMNS, *(("time/epoch",) if epochs else ())):
+    columns = _PROBE_COLUMNS[:-1] if image else _PROBE_COLUMNS  # images have no tokens
+    for col in (*columns, *(("time/epoch",) if epochs else ())):
         table.add_column(
             col,
             justify="left" if col == "result" else "right",
@@ -85,7 +88,7 @@ def _trials_table(info: ModelInfo, report: ProbeReport, seq_len: int, budget: in
             gib_figure(peak) if peak else "-",
             f"{100 * peak / budget:.0f}%" if peak and budget else "-",
             f"{speed:,.2f}" if speed else "-",
-            f"{speed * seq_len:,.0f}" if speed else "-",
+            *(() if image else (f"{speed * seq_len:,.0f}" if speed else "-",)),
         ]
         if epochs:
             seconds = report.epoch_seconds(t)

@@ -49,11 +49,17 @@ def is_trace_limit(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "on meta tensors" in str(exc)
 
 
-def _config(model: ModelInfo, depth: int | None) -> Any:
+def _config(model: ModelInfo, depth: int | None, image_size: int | None = None) -> Any:
     from batchfit.models import _meta
 
     cfg = _meta.make_config(model.config, model.task)
-    if depth is not None:
+    if model.arch.family == "vision" and image_size is not None:
+        # fine-tuning at another resolution: ViT-style models size their position table
+        # from image_size (interpolated from the checkpoint's); CLIP keeps it per tower
+        for part in (cfg, getattr(cfg, "vision_config", None)):
+            if part is not None and hasattr(part, "image_size"):
+                part.image_size = image_size
+    if depth is not None and model.arch.family != "vision":  # image models: traced whole
         if model.arch.family == "encoder-decoder":
             # Both stacks, under the config's own names: T5 num_layers / num_decoder_layers,
             # BART encoder_layers / decoder_layers.
@@ -116,14 +122,20 @@ def materialize_fake(net: torch.nn.Module) -> torch.nn.Module:
 
 
 def _build(
-    model: ModelInfo, setup: TrainingSetup, depth: int | None, cuda_policy: bool = False
+    model: ModelInfo,
+    setup: TrainingSetup,
+    depth: int | None,
+    cuda_policy: bool = False,
+    image_size: int | None = None,
 ) -> torch.nn.Module:
     import transformers
 
     from batchfit.models import _meta
 
-    cfg = _config(model, depth)
-    cfg._attn_implementation = _attn_impl(model, setup.attention)
+    torchvision = model.arch.model_type == "torchvision"
+    cfg = None if torchvision else _config(model, depth, image_size)
+    if cfg is not None:
+        cfg._attn_implementation = _attn_impl(model, setup.attention)
     auto = getattr(transformers, _meta._AUTO_CLASS[model.task])
     # Build in the storage dtype (fake parameters cannot be converted by module.to()):
     # pure 16-bit stores 16-bit weights; LoRA stores its frozen base in 16-bit unless fp32.
@@ -137,10 +149,15 @@ def _build(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        try:
-            net = auto.from_config(cfg, dtype=dtype)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            net = auto.from_config(cfg, torch_dtype=dtype)
+        if torchvision:
+            from batchfit.models import _torchvision
+
+            net = _torchvision.build(model.config)
+        else:
+            try:
+                net = auto.from_config(cfg, dtype=dtype)
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                net = auto.from_config(cfg, torch_dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
     if setup.method == "qlora":
@@ -188,9 +205,20 @@ def _build(
     return cast(torch.nn.Module, net)
 
 
-def batch_fn(model: ModelInfo, micro: int, seq: int) -> Callable[[], dict[str, Any]]:
-    """A factory of random batches of ``micro`` sequences of ``seq`` tokens, with labels."""
+def batch_fn(
+    model: ModelInfo, micro: int, seq: int, pixel_dtype: torch.dtype = torch.float32
+) -> Callable[[], dict[str, Any]]:
+    """A factory of random batches of ``micro`` sequences of ``seq`` tokens, with labels; for
+    an image model, ``micro`` images of ``seq`` x ``seq`` pixels (in ``pixel_dtype``)."""
     vocab = model.arch.vocab_size
+    if model.task == "image-classification":
+        shape = (micro, model.arch.num_channels, seq, seq)
+        cfg = model.config
+        labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or ()) or 2)
+        return lambda: {
+            "pixel_values": torch.randn(shape, dtype=pixel_dtype),
+            "labels": torch.randint(0, labels, (micro,)),
+        }
 
     def make() -> dict[str, Any]:
         ids = torch.randint(0, vocab, (micro, seq))
@@ -227,7 +255,12 @@ def step_parts(
     built: torch.nn.Module | None = None,
 ) -> StepParts:
     """Model (setup applied), optimizer, batch factory and autocast dtype for one step."""
-    net = built if built is not None else _build(model, setup, depth)
+    vision = model.arch.family == "vision"
+    net = (
+        built
+        if built is not None
+        else _build(model, setup, depth, image_size=seq if vision else None)
+    )
     if setup.loss != "full" and model.task != "classification":
         from batchfit.memory._lm_loss import HeadLoss
 
@@ -247,7 +280,9 @@ def step_parts(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
-    return StepParts(net, opt, batch_fn(model, micro, seq), autocast)
+    # a pure 16-bit model takes 16-bit images (the user casts them, as the weights)
+    pixels = _DTYPES.get(setup.precision, torch.float32)
+    return StepParts(net, opt, batch_fn(model, micro, seq, pixels), autocast)
 
 
 _BUILT: collections.OrderedDict[str, torch.nn.Module] = collections.OrderedDict()
@@ -255,7 +290,11 @@ _BUILT_KEEP = 8  # meta models are a few KB of Python objects each
 
 
 def _meta_build(
-    model: ModelInfo, setup: TrainingSetup, depth: int | None, cuda_policy: bool
+    model: ModelInfo,
+    setup: TrainingSetup,
+    depth: int | None,
+    cuda_policy: bool,
+    image_size: int | None = None,
 ) -> torch.nn.Module:
     """A fresh copy of the model built on the meta device.
 
@@ -263,13 +302,13 @@ def _meta_build(
     the same model at several sizes, so a built model is kept and deep-copied (milliseconds).
     """
     key = json.dumps(
-        [model.name, model.config, model.task, repr(setup), depth, cuda_policy],
+        [model.name, model.config, model.task, repr(setup), depth, cuda_policy, image_size],
         sort_keys=True,
         default=str,
     )
     if key not in _BUILT:
         with torch.device("meta"):
-            _BUILT[key] = _build(model, setup, depth, cuda_policy=cuda_policy)
+            _BUILT[key] = _build(model, setup, depth, cuda_policy, image_size)
         while len(_BUILT) > _BUILT_KEEP:
             _BUILT.popitem(last=False)
     _BUILT.move_to_end(key)
@@ -302,7 +341,8 @@ def trace_once(
 
     kernels = emulation(emulate_cuda)
     with trace.quiet():
-        net = _meta_build(model, setup, depth, emulate_cuda)
+        vision = model.arch.family == "vision"
+        net = _meta_build(model, setup, depth, emulate_cuda, seq if vision else None)
         with trace.fake_mode(), kernels:
             parts = step_parts(
                 model,

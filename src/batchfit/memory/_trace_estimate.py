@@ -15,6 +15,7 @@ from batchfit._units import BYTES_IN_MIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory import analytic
+from batchfit.memory._advice import advice
 from batchfit.memory._device import (
     DeviceTotals,
     StepMemory,
@@ -95,6 +96,9 @@ def traced_result(
     unequal = model.arch.family == "encoder-decoder" and (
         model.arch.num_decoder_layers != model.arch.num_layers
     )
+    # image models are traced whole: stages of other widths (ConvNeXt, Swin) do not lie on
+    # one line through two depths, and they are small enough to trace in a second
+    unequal = unequal or model.arch.family == "vision"
     extrapolated = not (full_depth or depth <= high or unequal)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
     if setup.method == "qlora":
@@ -155,15 +159,23 @@ def estimate_trace(
 ) -> MemoryEstimate:
     """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
     resolved = analytic.resolve_setup(model, setup, device, gpu)
-    formulas = analytic.estimate_analytic(
-        model,
-        setup,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        device=device,
-        gpu=gpu,
-        grad_accum_steps=grad_accum_steps,
-    )
+    vision = model.arch.family == "vision"  # the formulas model token models only
+    formulas = None
+    if not vision:
+        formulas = analytic.estimate_analytic(
+            model,
+            setup,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            device=device,
+            gpu=gpu,
+            grad_accum_steps=grad_accum_steps,
+        )
+    if resolved.grad_ckpt and not model.supports_grad_ckpt:
+        raise UsageError(
+            f"--grad-ckpt: transformers cannot checkpoint {model.name}'s layers "
+            f"({model.arch.model_type} models do not support activation checkpointing)"
+        )
     why_not = unsupported(model, resolved)
     if resolved.is_lora:  # bad targets are the user's error, before any trace
         model.lora_params(resolved.lora_rank, resolved.lora_targets)
@@ -190,7 +202,15 @@ def estimate_trace(
             why_not = f"the dry run failed ({type(e).__name__}: {first_line})"
         else:
             # The formulas' checks of the setup (bf16 support, kernels) apply to the trace too.
-            return replace(traced, warnings=tuple(dict.fromkeys(formulas.warnings)))
+            checks = (
+                formulas.warnings if formulas else (*model.warnings, *advice(resolved, device, gpu))
+            )
+            return replace(traced, warnings=tuple(dict.fromkeys(checks)))
+    if formulas is None:
+        raise UsageError(
+            f"{model.name} is an image model, which only the trace engine models, and the "
+            f"trace cannot run this setup yet: {why_not}"
+        )
     return replace(
         formulas,
         warnings=(

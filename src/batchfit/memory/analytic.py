@@ -59,7 +59,7 @@ def resolve_setup(
     Attention is resolved for the model class (``ModelInfo.resolve_attention``): ``auto`` on
     DeBERTa is eager, as transformers runs it.
     """
-    if setup.loss != "full" and model.task == "classification":
+    if setup.loss != "full" and model.task in ("classification", "image-classification"):
         raise UsageError(
             f"--loss {setup.loss_label} computes a language model's loss over its vocabulary; "
             "a classification head has none: use --loss full"

@@ -6,6 +6,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
+from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import MemoryEstimate
@@ -42,6 +43,12 @@ def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> lis
     """
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise UsageError(f"--micro-batch must be a positive integer, got {micro_batch_size!r}")
+    if model.arch.family == "vision":
+        found = _check_images(model, micro_batch_size, seq_len)
+        batchnorm = batchnorm_warning(micro_batch_size)
+        if batchnorm and any("BatchNorm" in g.module for g in model.params):
+            found.append(batchnorm)
+        return found
     if not isinstance(seq_len, int) or seq_len < 1:
         raise UsageError(f"--seq-len must be a positive integer, got {seq_len!r}")
     if micro_batch_size * seq_len > MAX_TOKENS_PER_MICRO_BATCH:
@@ -60,6 +67,33 @@ def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> lis
         return [
             f"--seq-len {seq_len} exceeds {model.name}'s {limit} trained positions: "
             "rope scaling must extend them"
+        ]
+    return []
+
+
+# 2**40 pixel values in one micro-batch, for the same reason.
+MAX_PIXELS_PER_MICRO_BATCH = 2**40
+
+
+def _check_images(model: ModelInfo, micro_batch_size: int, image_size: int) -> list[str]:
+    """An image model's per-sample size is the image side in pixels (``--image-size``)."""
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise UsageError(f"--image-size must be a positive number of pixels, got {image_size!r}")
+    patch = model.arch.patch_size
+    if image_size < patch:
+        raise UsageError(
+            f"--image-size {image_size} is smaller than {model.name}'s {patch}-pixel patches"
+        )
+    pixels = micro_batch_size * model.arch.num_channels * image_size**2
+    if pixels > MAX_PIXELS_PER_MICRO_BATCH:
+        raise UsageError(
+            f"--micro-batch {micro_batch_size} x --image-size {image_size} is {pixels:,} pixel "
+            "values in one micro-batch, beyond any device: give real sizes"
+        )
+    if model.arch.positional == "patch" and image_size != model.arch.image_size:
+        return [
+            f"--image-size {image_size}: {model.name} was trained at {model.arch.image_size} px; "
+            "its position table is resized (interpolated) for the new patch grid"
         ]
     return []
 
@@ -144,6 +178,11 @@ def estimate(
     engine, engine_note = usable_engine(engine)  # type: ignore[assignment]
     if engine_note:
         warnings.insert(0, engine_note)
+    if engine == "analytic" and model.arch.family == "vision":
+        raise UsageError(
+            f"--engine analytic: the formulas model token models; {model.name} is an image "
+            "model, estimated by the trace (--engine trace, the default)"
+        )
     if engine == "trace":
         from batchfit.memory._trace_estimate import estimate_trace
 

@@ -49,6 +49,11 @@ class MemoryEstimate:
     warnings: tuple[str, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def is_image(self) -> bool:
+        """An image model's step: ``seq_len`` holds the image side in pixels."""
+        return self.setup.task == "image-classification"
+
     def to_json(self) -> dict[str, Any]:
         """The JSON contract of DESIGN.md (keys may be added, never renamed)."""
         return {
@@ -56,7 +61,8 @@ class MemoryEstimate:
             "engine": self.engine,
             "device": self.device,
             "micro_batch_size": self.micro_batch_size,
-            "seq_len": self.seq_len,
+            "seq_len": None if self.is_image else self.seq_len,
+            **({"image_size": self.seq_len} if self.is_image else {}),
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": self.reserved_bytes,
             "device_total_bytes": self.device_total_bytes,

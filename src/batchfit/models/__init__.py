@@ -19,10 +19,12 @@ from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
 from batchfit.models._arch import (
+    ATTENTION_FREE_TYPES,
     ENCODER_DECODER_TYPES,
     ENCODER_TYPES,
     NO_SDPA_TYPES,
     SHAPE_KEYS,
+    VISION_TYPES,
     Architecture,
     arch_from_config,
     default_task,
@@ -62,8 +64,16 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "bloom": ("query_key_value",),
     "distilbert": ("q_lin", "v_lin"),  # ours: peft has no default
     "phi3": ("qkv_proj",),  # ours: peft has no default
+    # image models: peft has none; its image-classification guide targets attention's query
+    # and value, which transformers 5 names q_proj / v_proj in ViT, DeiT, BEiT, DINOv2, Swin,
+    # CLIP and SigLIP alike; ConvNeXt has no attention, its pointwise linears are the target
+    **dict.fromkeys(
+        ("vit", "deit", "beit", "dinov2", "swin", "swinv2", "clip", "siglip"), ("q_proj", "v_proj")
+    ),
+    "convnext": ("pwconv1", "pwconv2"),
+    "convnextv2": ("pwconv1", "pwconv2"),
 }
-_PEFT_GUESSED = frozenset({"distilbert", "phi3"})
+_PEFT_GUESSED = frozenset({"distilbert", "phi3"} | VISION_TYPES)
 _LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
 KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")
@@ -152,7 +162,27 @@ class ModelInfo:
     @property
     def supports_sdpa(self) -> bool:
         """Whether transformers' model class runs SDPA attention (its ``_supports_sdpa``)."""
-        return self.arch.model_type not in NO_SDPA_TYPES
+        return self.arch.model_type not in NO_SDPA_TYPES | ATTENTION_FREE_TYPES
+
+    @property
+    def supports_grad_ckpt(self) -> bool:
+        """Whether transformers can checkpoint this model's layers (``--grad-ckpt``).
+
+        Every catalog language model can; of the image models, the convolutional ones
+        (ConvNeXt, ResNet: ``supports_gradient_checkpointing = False``) cannot. Asked of an
+        image model, this imports transformers to read the class.
+        """
+        if self.arch.family != "vision":
+            return True
+        if self.arch.model_type == "torchvision":
+            return False
+        from batchfit.models import _meta
+
+        return bool(
+            getattr(
+                _meta.model_class(self.config, self.task), "supports_gradient_checkpointing", False
+            )
+        )
 
     def resolve_attention(self, requested: Attention) -> Attention:
         """``--attention`` made concrete for this model class, as transformers resolves it.
@@ -289,6 +319,11 @@ def resolve_model(spec: str | os.PathLike[str], task: str | None = None) -> Mode
     cached = hub_cache_config(text)
     if cached is not None:
         return _from_config_file(cached, task, hub_id=text)
+    from batchfit.models import _torchvision
+
+    tv_name = _torchvision.lookup(text)
+    if tv_name is not None:
+        return _from_torchvision(tv_name, task)
     raise UsageError(
         f"unknown model {spec!r}{suggest(text, catalog_names())}: give a catalog name "
         "(`batchfit models`), a path to a config.json or its folder, or a size such as 7B"
@@ -302,6 +337,13 @@ def _check_task(task: str | None, cfg: dict[str, Any]) -> Task:
         raise UsageError(f"--task seq2seq needs an encoder-decoder model; {mt} is not one")
     if chosen == "causal-lm" and mt in ENCODER_TYPES:
         raise UsageError(f"{mt} is an encoder: use --task masked-lm or classification")
+    if (chosen == "image-classification") != (mt in VISION_TYPES):
+        if mt in VISION_TYPES:
+            raise UsageError(f"{mt} is an image model: use --task image-classification")
+        raise UsageError(
+            f"--task image-classification needs an image model (ViT, DeiT, ConvNeXt, Swin, "
+            f"CLIP, ResNet, ...); {mt or 'this model'} is not one"
+        )
     return chosen
 
 
@@ -358,6 +400,8 @@ _DEFAULTED_SHAPES = ("hidden size", "layers", "attention heads", "intermediate s
 
 def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
     """Say which shapes a minimal config.json left to transformers' defaults."""
+    if arch.family == "vision":
+        return ()  # image models' shapes are stage lists, checked by transformers' build
     values = {
         "hidden size": arch.hidden_size,
         "layers": arch.num_layers,
@@ -375,6 +419,26 @@ def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
     return (
         f"config.json does not set {', '.join(missing)}: transformers' defaults for "
         f"{raw.get('model_type')} are used",
+    )
+
+
+def _from_torchvision(name: str, task: str | None) -> ModelInfo:
+    """A torchvision classifier, built on the meta device to count its parameters."""
+    import torch
+
+    from batchfit.models import _meta, _torchvision
+
+    cfg = _torchvision.config(name)
+    chosen = _check_task(task, cfg)
+    with torch.device("meta"):
+        rows = _meta.param_table(_torchvision.build(cfg))
+    return ModelInfo(
+        name=f"torchvision:{name}",
+        hub_id=None,
+        config=cfg,
+        arch=arch_from_config(cfg),
+        task=chosen,
+        params=_groups(rows),
     )
 
 

@@ -22,6 +22,36 @@ ENCODER_TYPES = frozenset(
         "modernbert",
     }
 )
+# Image models transformers builds with AutoModelForImageClassification (its mapping, 5.24)
+# that batchfit has checked; "torchvision" marks a torchvision model named by MODEL. Their
+# per-sample size is the image side in pixels. ViT-style encoders see patches as tokens;
+# ConvNeXt, Swin and ResNet change width stage by stage, so they are traced whole.
+VISION_TYPES = frozenset(
+    {
+        "vit",
+        "deit",
+        "beit",
+        "dinov2",
+        "clip",
+        "siglip",
+        "convnext",
+        "convnextv2",
+        "swin",
+        "swinv2",
+        "resnet",
+        "regnet",
+        "efficientnet",
+        "mobilenet_v2",
+        "torchvision",
+    }
+)
+# Of those, the ViT-style encoders (patches as tokens, one width along the stack) ...
+PATCH_ENCODER_TYPES = frozenset({"vit", "deit", "beit", "dinov2", "clip", "siglip"})
+# ... and the convolutional ones, which have no attention to implement (transformers refuses
+# an attention implementation for them; built with its default).
+ATTENTION_FREE_TYPES = frozenset(
+    {"convnext", "convnextv2", "resnet", "regnet", "efficientnet", "mobilenet_v2", "torchvision"}
+)
 ENCODER_DECODER_TYPES = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian"})
 LEARNED_POSITION_TYPES = frozenset(
     {
@@ -195,6 +225,10 @@ class Architecture:
     experts_per_token: int
     attention_dropout: float
     hidden_dropout: float
+    # image models only (family "vision"): the config's image side, patch side and channels
+    image_size: int = 0
+    patch_size: int = 0
+    num_channels: int = 0
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -206,6 +240,8 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 
 def _family(mt: str) -> str:
+    if mt in VISION_TYPES:
+        return "vision"
     if mt in ENCODER_DECODER_TYPES:
         return "encoder-decoder"
     return "encoder" if mt in ENCODER_TYPES else "decoder"
@@ -240,9 +276,62 @@ def _mlp(mt: str, family: str, cfg: dict[str, Any]) -> tuple[bool, str]:
     return gated, act
 
 
-def arch_from_config(cfg: dict[str, Any]) -> Architecture:
-    """Normalise a config.json dict's field names (GPT-2, BERT, T5, OPT, Llama, ...)."""
+def vision_arch(cfg: dict[str, Any]) -> Architecture:
+    """An image model's shape: widths and depths of ViT-style stacks or of stages.
+
+    CLIP and SigLIP keep the image tower under ``vision_config``; ConvNeXt, Swin and ResNet
+    list a width (``hidden_sizes``, or Swin's ``embed_dim`` doubling) and a depth per stage.
+    """
     mt = cfg.get("model_type", "")
+    if isinstance(cfg.get("vision_config"), dict):
+        cfg = {**cfg, **cfg["vision_config"]}
+    depths = cfg.get("depths")
+    stages = list(depths) if isinstance(depths, list) else []
+    widths = cfg.get("hidden_sizes")
+    if isinstance(widths, list) and widths:
+        hidden = int(widths[-1])
+    elif cfg.get("embed_dim") is not None and stages:  # Swin: the width doubles per stage
+        hidden = int(cfg["embed_dim"]) * 2 ** (len(stages) - 1)
+    else:
+        hidden = int(_first(cfg, "hidden_size", "hidden_dim", default=0))
+    layers = (
+        sum(int(d) for d in stages) if stages else int(_first(cfg, "num_hidden_layers", default=0))
+    )
+    heads = _first(cfg, "num_attention_heads", "num_heads", default=1)
+    heads = max(int(h) for h in heads) if isinstance(heads, list) else int(heads)
+    inter = _first(cfg, "intermediate_size")
+    return Architecture(
+        model_type=mt,
+        family="vision",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_decoder_layers=0,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads if heads else hidden,
+        intermediate_size=int(inter) if inter is not None else 4 * hidden,
+        vocab_size=0,
+        max_positions=None,
+        positional="patch" if mt in PATCH_ENCODER_TYPES else "none",
+        gated_mlp=False,
+        activation=str(_first(cfg, "hidden_act", default="gelu")),
+        norm="layernorm",
+        tied_embeddings=False,
+        num_experts=0,
+        experts_per_token=0,
+        attention_dropout=float(_first(cfg, "attention_probs_dropout_prob", default=0.0)),
+        hidden_dropout=float(_first(cfg, "hidden_dropout_prob", default=0.0)),
+        image_size=int(_first(cfg, "image_size", default=224)),
+        patch_size=int(_first(cfg, "patch_size", default=1)),
+        num_channels=int(_first(cfg, "num_channels", default=3)),
+    )
+
+
+def arch_from_config(cfg: dict[str, Any]) -> Architecture:
+    """Normalise a config.json dict's field names (GPT-2, BERT, T5, OPT, Llama, ViT, ...)."""
+    mt = cfg.get("model_type", "")
+    if mt in VISION_TYPES:
+        return vision_arch(cfg)
     hidden = int(_first(cfg, *SHAPE_KEYS["hidden size"]))
     layers = int(_first(cfg, *SHAPE_KEYS["layers"]))
     heads = int(_first(cfg, *SHAPE_KEYS["attention heads"]))
@@ -314,7 +403,11 @@ def default_task(cfg: dict[str, Any]) -> str:
             return "classification"
         if arch_name.endswith("ForConditionalGeneration"):
             return "seq2seq"
+        if arch_name.endswith("ForImageClassification"):
+            return "image-classification"
     mt = cfg.get("model_type", "")
+    if mt in VISION_TYPES:
+        return "image-classification"
     if mt in ENCODER_DECODER_TYPES:
         return "seq2seq"
     return "masked-lm" if mt in ENCODER_TYPES else "causal-lm"

@@ -34,6 +34,8 @@ LAYER_KEYS = frozenset(k for shape in DEPTH_SHAPES for k in SHAPE_KEYS[shape])
 _WIDTH_KEYS = frozenset(k for keys in SHAPE_KEYS.values() for k in keys) - LAYER_KEYS
 # Counts where 0 means "none" (a dense model has no experts).
 _COUNT_KEYS = frozenset({"num_local_experts", "num_experts", "num_experts_per_tok"})
+# Sizes an image model may list per stage (Swin's num_heads, ConvNeXt's hidden_sizes).
+_STAGE_KEYS = frozenset({"num_heads", "hidden_sizes", "depths"})
 # Dropout probabilities (torch.nn.Dropout takes 0 <= p <= 1); null means "no dropout layer".
 _PROBABILITY_KEYS = frozenset(
     {
@@ -122,7 +124,10 @@ def check_config_values(cfg: dict[str, Any], file: os.PathLike[str] | str) -> No
     ):
         _bad(file, "architectures", archs, 'a list of class names such as ["LlamaForCausalLM"]')
     for key, value in cfg.items():
-        if key in _WIDTH_KEYS or key in LAYER_KEYS or key in _COUNT_KEYS:
+        if key in _STAGE_KEYS and isinstance(value, list):  # Swin: heads per stage
+            for index, item in enumerate(value):
+                _check_size(file, f"{key}[{index}]", item)
+        elif key in _WIDTH_KEYS or key in LAYER_KEYS or key in _COUNT_KEYS:
             _check_size(file, key, value)
         elif key in _PROBABILITY_KEYS and value is not None:
             is_number = isinstance(value, int | float) and not isinstance(value, bool)

@@ -19,6 +19,7 @@ _AUTO_CLASS = {
     "masked-lm": "AutoModelForMaskedLM",
     "classification": "AutoModelForSequenceClassification",
     "seq2seq": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
 }
 
 
@@ -62,6 +63,14 @@ def make_config(config: dict[str, Any], task: str) -> Any:
             f"transformers cannot read this config (model_type {config.get('model_type')!r}): "
             f"{_first_sentence(e)}"
         ) from e
+    if task == "image-classification" and not getattr(cfg, "architectures", None):
+        # DeiT maps to two classes (with and without the distillation head); transformers
+        # picks by ``architectures`` and fails without it: the plain classifier is meant
+        from transformers.models.auto import modeling_auto
+
+        names = modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES.get(config["model_type"])
+        if isinstance(names, tuple | list):
+            cfg.architectures = [names[0]]
     if task == "classification":
         if "num_labels" not in config and "id2label" not in config:
             cfg.num_labels = 2
@@ -82,6 +91,15 @@ def _eos_id(cfg: Any) -> int | None:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return eos if isinstance(eos, int) else None
+
+
+def model_class(config: dict[str, Any], task: str) -> Any:
+    """The transformers class ``task``'s auto class builds for ``config`` (nothing built)."""
+    import transformers
+
+    cfg = make_config(config, task)
+    auto = getattr(transformers, _AUTO_CLASS[task])
+    return auto._model_mapping[type(cfg)]
 
 
 def build_on_meta(config: dict[str, Any], task: str) -> Any:

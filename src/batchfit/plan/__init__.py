@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
@@ -171,7 +172,8 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     chosen = _Fit(setup, (), base_max, ())
     alternatives = []
     model = target.model if isinstance(target.model, ModelInfo) else None  # None: your module
-    rungs = ladder(setup, target.gpu, model, checkpointing=model is not None)
+    checkpointing = model is not None and model.supports_grad_ckpt
+    rungs = ladder(setup, target.gpu, model, checkpointing=checkpointing)
     for combo in rungs:
         try:
             alt = target.alternative(combo, apply(setup, combo))
@@ -223,11 +225,9 @@ def _advice_warnings(
             "fp16 needs a GradScaler (loss scaling); bf16 does not"
             + ("" if gpu.bf16 else f" but {gpu.name} has no bf16")
         )
-    if micro < 16 and _has_batchnorm(model):
-        warnings.append(
-            f"BatchNorm statistics come from each micro-batch of {micro}, not the "
-            "global batch: accumulation does not make them exact"
-        )
+    batchnorm = batchnorm_warning(micro)
+    if batchnorm and _has_batchnorm(model):
+        warnings.append(batchnorm)
     return warnings
 
 

@@ -115,7 +115,8 @@ LIGER_TYPES = frozenset(
 def lean_loss(model: ModelInfo | None, setup: TrainingSetup) -> Technique | None:
     """The loss rung for ``model``: fused where Liger supports the model type, else chunked;
     None for a classification head, a loss that is already lean or one the user fixed."""
-    if model is None or model.task == "classification" or setup.loss != "full" or setup.keep_loss:
+    heads = ("classification", "image-classification")  # a label per sample: no vocabulary
+    if model is None or model.task in heads or setup.loss != "full" or setup.keep_loss:
         return None
     return FUSED_LOSS if model.arch.model_type in LIGER_TYPES else CHUNKED_LOSS
 

@@ -65,9 +65,10 @@ class OwnModel:
     def has_batchnorm(self) -> bool:
         import torch
 
+        from batchfit._batchnorm import has_batchnorm
+
         with torch.device("meta"):
-            net = self.model_fn()
-        return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
+            return has_batchnorm(self.model_fn())
 
 
 def _cast_floats(value: Any, dtype: Any) -> Any:

@@ -56,8 +56,14 @@ class Plan:
     lora_targets: tuple[str, ...] = ()
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
+    def is_image(self) -> bool:
+        """An image model: ``seq_len`` holds the image side in pixels, not tokens."""
+        return self.task == "image-classification"
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        """Tokens per optimizer step (None for an image model: it sees pixels)."""
+        return None if self.is_image else self.global_batch_size * self.seq_len
 
     @property
     def peak_bytes(self) -> int:
@@ -79,7 +85,8 @@ class Plan:
         return {
             "model": self.model,
             "gpu": self.gpu,
-            "seq_len": self.seq_len,
+            "seq_len": None if self.is_image else self.seq_len,
+            **({"image_size": self.seq_len} if self.is_image else {}),
             "micro_batch_size": self.micro_batch_size,
             "grad_accum_steps": self.grad_accum_steps,
             "num_gpus": self.num_gpus,

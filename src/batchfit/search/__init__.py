@@ -24,11 +24,12 @@ import copy
 import numbers
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
+from batchfit._batchnorm import batchnorm_warning, has_batchnorm
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import release_memory
 from batchfit._rng import RngState
@@ -439,10 +440,14 @@ def find_batch_size(
     try:
         with watch:
             first = max(low, min(start or low, high or start or low))
-            return search.result(first, choose, memory_budget)
+            result = search.result(first, choose, memory_budget)
     finally:
         state.restore()
         release_memory()
+    batchnorm = batchnorm_warning(result.micro_batch_size)
+    if batchnorm and model is not None and has_batchnorm(model):
+        result = replace(result, notes=(*result.notes, batchnorm))
+    return result
 
 
 def _check_arguments(

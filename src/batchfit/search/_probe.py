@@ -370,7 +370,8 @@ def check_budget(
         micro_batch_size=1,
         seq_len=seq_len,
         device="cpu" if device == "cpu" else "cuda",
-        engine="analytic",
+        # the formulas are instant; an image model only the trace models
+        engine="trace" if info.arch.family == "vision" else "analytic",
     ).peak_bytes
     if need > budget:
         raise UsageError(
@@ -385,8 +386,11 @@ def warm_up(info: Any, setup: Any) -> None:
     pools are library start-up, not the training state's (the benchmarks' peers do the same)."""
     from batchfit.memory import _hf_trace, trace
 
+    # an image model: two small images, a few patches each (BatchNorm refuses one value per
+    # channel, which one image of a few pixels gives at the end of a ResNet)
+    micro, seq = (2, max(32, 2 * info.arch.patch_size)) if info.arch.family == "vision" else (1, 8)
     with trace.quiet():
-        tiny = _hf_trace.step_parts(info, setup, micro=1, seq=8, emulate_cuda=False, depth=1)
+        tiny = _hf_trace.step_parts(info, setup, micro=micro, seq=seq, emulate_cuda=False, depth=1)
         trace.training_steps(
             tiny.model,
             tiny.optimizer,
