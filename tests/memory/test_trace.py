@@ -189,14 +189,15 @@ def test_cuda_emulation_drops_the_score_matrix(tiny):
 
 
 def test_unsupported_setups_fall_back_to_analytic():
+    # MoE is traced since issue #11; fp16 with an fp32 master copy is not yet
     est = estimate(
-        resolve_model("mixtral-8x7b"),
-        TrainingSetup(),
+        resolve_model("gpt2"),
+        TrainingSetup(precision="fp16"),
         micro_batch_size=1,
         seq_len=128,
         engine="trace",
     )
-    assert est.engine == "analytic" and "MoE" in est.warnings[0]
+    assert est.engine == "analytic" and "fp16" in est.warnings[0]
 
 
 def test_emulated_optimizers_allocate_like_the_real_ones():

@@ -315,6 +315,29 @@ def _meta_build(
     return copy.deepcopy(_BUILT[key])
 
 
+@contextlib.contextmanager
+def _moe_grouped_fallback(model: ModelInfo) -> Any:
+    """MoE experts (transformers 5's default ``grouped_mm`` implementation) traced on fake
+    tensors: every routed token-expert pair is one row of a grouped matmul, so the memory
+    follows the routed total, never the routing. torch's meta kernel for ``grouped_mm``
+    demands bf16 (a CUDA rule) where the CPU kernel takes any dtype: the dry run takes
+    transformers' own fallback op, whose fake kernel allocates the same (S, out) output."""
+    if not model.arch.num_experts:
+        yield
+        return
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # transformers < 5: eager experts (data-dependent; the trace refuses)
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 def trace_once(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -340,7 +363,7 @@ def trace_once(
                 tracker.label(keep[-1], "other")
 
     kernels = emulation(emulate_cuda)
-    with trace.quiet():
+    with trace.quiet(), _moe_grouped_fallback(model):
         vision = model.arch.family == "vision"
         net = _meta_build(model, setup, depth, emulate_cuda, seq if vision else None)
         with trace.fake_mode(), kernels:

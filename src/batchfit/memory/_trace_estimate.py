@@ -46,24 +46,33 @@ def _announce(model: ModelInfo, micro: int, seq: int, depth: int | None) -> None
 
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
-# alternate (Gemma-2: sliding-window / global) are traced at even depths so types pair up.
+# alternate are traced at one and two periods of their pattern, so types pair up (Gemma 2:
+# sliding-window / global, period 2; Gemma 3: five sliding-window layers then a global one).
 DEPTHS = (1, 2)
-ALTERNATING_DEPTHS = (2, 4)
+
+
+def layer_period(layer_types: list[Any]) -> int:
+    """The shortest period the per-layer types repeat with (1: all alike)."""
+    n = len(layer_types)
+    for period in range(1, n + 1):
+        if all(layer_types[i] == layer_types[i % period] for i in range(n)):
+            return period
+    return n
 
 
 def trace_depths(model: ModelInfo) -> tuple[int, int]:
     """The two depths to trace ``model`` at before extrapolating."""
     layer_types = model.config.get("layer_types")
-    alternating = model.arch.model_type in ("gemma2", "gemma3_text") or (
-        isinstance(layer_types, list) and len(set(layer_types)) > 1
-    )
-    return ALTERNATING_DEPTHS if alternating else DEPTHS
+    if not isinstance(layer_types, list) and model.arch.model_type in ("gemma2", "gemma3_text"):
+        from batchfit.models import _meta  # transformers derives the pattern from the config
+
+        layer_types = getattr(_meta.make_config(model.config, model.task), "layer_types", None)
+    period = layer_period(layer_types) if isinstance(layer_types, list) and layer_types else 1
+    return DEPTHS if period == 1 else (period, 2 * period)
 
 
 def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
     """Why the trace cannot model this setup yet (then the analytic engine answers)."""
-    if model.arch.num_experts:
-        return "MoE routing has data-dependent shapes"
     if setup.precision == "fp16":
         return "fp16 with an fp32 master copy is DeepSpeed's optimizer wrapper"
     if setup.sharding not in ("none", "ddp") or setup.offload != "none":

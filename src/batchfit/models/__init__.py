@@ -64,6 +64,7 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "bloom": ("query_key_value",),
     "distilbert": ("q_lin", "v_lin"),  # ours: peft has no default
     "phi3": ("qkv_proj",),  # ours: peft has no default
+    "modernbert": ("Wqkv",),  # ours: peft has no default; ModernBERT fuses q, k and v
     # image models: peft has none; its image-classification guide targets attention's query
     # and value, which transformers 5 names q_proj / v_proj in ViT, DeiT, BEiT, DINOv2, Swin,
     # CLIP and SigLIP alike; ConvNeXt has no attention, its pointwise linears are the target
@@ -73,7 +74,7 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "convnext": ("pwconv1", "pwconv2"),
     "convnextv2": ("pwconv1", "pwconv2"),
 }
-_PEFT_GUESSED = frozenset({"distilbert", "phi3"} | VISION_TYPES)
+_PEFT_GUESSED = frozenset({"distilbert", "phi3", "modernbert"} | VISION_TYPES)
 _LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
 KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")

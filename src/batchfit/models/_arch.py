@@ -183,6 +183,9 @@ SHAPE_KEYS: dict[str, tuple[str, ...]] = {
     "key/value heads": ("num_key_value_heads",),
     "head size": ("head_dim", "d_kv"),
     "intermediate size": (
+        # MoE models with their own expert width (Qwen2/3-MoE: every layer routed to
+        # experts this wide; their intermediate_size sizes dense layers, none by default)
+        "moe_intermediate_size",
         "intermediate_size",
         "n_inner",
         "ffn_dim",
