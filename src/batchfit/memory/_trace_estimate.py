@@ -31,6 +31,7 @@ from batchfit.memory._trace_result import (
 )
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
+from batchfit.models._arch import ATTENTION_FREE_TYPES
 from batchfit.spec import TrainingSetup
 
 CACHE_NAMESPACE = "trace"
@@ -110,6 +111,11 @@ def traced_result(
     unequal = unequal or model.arch.family == "vision"
     extrapolated = not (full_depth or depth <= high or unequal)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
+    if device == "cuda" and model.arch.model_type in ATTENTION_FREE_TYPES:
+        notes.append(
+            "convolutions: cuDNN's workspaces (taken from the caching allocator, larger with "
+            "torch.backends.cudnn.benchmark) are not counted"
+        )
     if setup.method == "qlora":
         notes.append(
             "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
