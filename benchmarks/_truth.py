@@ -44,8 +44,10 @@ from batchfit._oom import _malloc_trim
 LOOPS = ("trainer", "keep-outputs")
 
 
-def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+def autocast(
+    dtype: torch.dtype | None, device_type: str = "cpu"
+) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
 def train(
@@ -55,20 +57,21 @@ def train(
     autocast_dtype: torch.dtype | None,
     loop: str,
     steps: int,
+    device_type: str = "cpu",
 ) -> None:
-    """``steps`` optimizer steps of ``loop`` (see the module docstring)."""
+    """``steps`` optimizer steps of ``loop`` (see the module docstring) on ``device_type``."""
     if loop not in LOOPS:
         raise ValueError(f"loop {loop!r} is not one of: {', '.join(LOOPS)}")
     for _ in range(steps):
         batch = make_batch()
         if loop == "trainer":
-            with autocast(autocast_dtype):
+            with autocast(autocast_dtype, device_type):
                 loss = model(**batch).loss  # HF Trainer.compute_loss returns only the loss
             del batch
             loss.backward()
             del loss
         else:
-            with autocast(autocast_dtype):
+            with autocast(autocast_dtype, device_type):
                 out = model(**batch)
             out.loss.backward()  # the outputs and the batch live through backward
             del out, batch

@@ -50,6 +50,10 @@ def _announce(model: ModelInfo, micro: int, seq: int, depth: int | None) -> None
 # alternate are traced at one and two periods of their pattern, so types pair up (Gemma 2:
 # sliding-window / global, period 2; Gemma 3: five sliding-window layers then a global one).
 DEPTHS = (1, 2)
+# Model types whose config.json may omit ``layer_types``: transformers derives the pattern
+# (Gemma 2/3 sliding_window_pattern; ModernBERT global_attn_every_n_layers, its local layers
+# each keeping a sequence-squared attention bias on CUDA).
+PATTERNED_TYPES = ("gemma2", "gemma3_text", "modernbert")
 
 
 def layer_period(layer_types: list[Any]) -> int:
@@ -64,7 +68,7 @@ def layer_period(layer_types: list[Any]) -> int:
 def trace_depths(model: ModelInfo) -> tuple[int, int]:
     """The two depths to trace ``model`` at before extrapolating."""
     layer_types = model.config.get("layer_types")
-    if not isinstance(layer_types, list) and model.arch.model_type in ("gemma2", "gemma3_text"):
+    if not isinstance(layer_types, list) and model.arch.model_type in PATTERNED_TYPES:
         from batchfit.models import _meta  # transformers derives the pattern from the config
 
         layer_types = getattr(_meta.make_config(model.config, model.task), "layer_types", None)

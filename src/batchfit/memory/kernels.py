@@ -19,28 +19,60 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# The function a mode intercepts; never reassigned, so user code always sees torch's own.
+# The functions a mode intercepts; never reassigned, so user code always sees torch's own.
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
+_ORIGINAL_DROPOUT = F.dropout
 
 
 class FlashAttentionMemory(torch.autograd.Function):
     """Memory behaviour of CUDA flash attention; values are not computed (dry runs only)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
+        if q.dim() == 4:
+            # Both kernels run on (batch, seq, heads, dim) memory and hand back its transpose
+            # (sdp_utils: ``query.transpose(1, 2)`` in, ``output.transpose(1, 2)`` out), so the
+            # model's ``attn_output.transpose(1, 2).contiguous()`` copies nothing (measured,
+            # H100: the output projection saves the kernel's output itself).
+            b, h, s, d = q.shape
+            out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # the memory-efficient kernel keeps its attention bias for backward too
+        ctx.save_for_backward(q, k, v, out, lse, bias)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v, _out, _lse = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, _out, _lse, _bias = ctx.saved_tensors
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         softmax_d = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del dq_accum, softmax_d
-        return dq, dk, dv
+        return dq, dk, dv, None
+
+
+def _attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias the memory-efficient kernel (flash takes no mask) runs with, as
+    aten/src/ATen/native/transformers/attention.cpp makes it: a bool mask
+    becomes an additive one in the query's dtype (``convert_boolean_attn_mask``: a new tensor
+    of the mask's shape, per call), and a bias whose last dimension is not a multiple of 16 is
+    padded (``preprocess_mask`` / ``pad_bias``). Measured on an H100: ModernBERT's 14
+    sliding-window layers at 16 x 2048 kept a 128 MiB bf16 bias each."""
+    bias = mask
+    if mask.dtype == torch.bool:
+        bias = torch.empty(mask.shape, dtype=dtype, device=mask.device)
+    last = int(bias.shape[-1])
+    if last % 16:
+        padded = torch.empty((*bias.shape[:-1], -(-last // 16) * 16), dtype=bias.dtype)
+        bias = padded[..., :last]
+    return bias
 
 
 def _cuda_sdpa(
@@ -53,8 +85,34 @@ def _cuda_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    result: torch.Tensor = FlashAttentionMemory.apply(query, key, value)  # type: ignore[no-untyped-call, unused-ignore]
+    if torch.is_autocast_enabled("cpu"):
+        # CUDA autocast runs SDPA in the 16-bit dtype (``lower_precision_fp`` in
+        # aten/src/ATen/autocast_mode.cpp): fp32 inputs (Qwen3's q/k norms multiply a 16-bit
+        # projection by an fp32 weight) are cast, and the kernel saves the 16-bit copies.
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (
+            t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+            for t in (query, key, value)
+        )
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
+    bias = None if attn_mask is None else _attention_bias(attn_mask, query.dtype)
+    result: torch.Tensor = FlashAttentionMemory.apply(query, key, value, bias)  # type: ignore[no-untyped-call, unused-ignore]
     return result
+
+
+def _cuda_dropout(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    """CUDA's dropout: ``native_dropout`` (aten/src/ATen/native/Dropout.cpp,
+    ``is_fused_kernel_acceptable``: a CUDA input and 0 < p < 1), which saves a bool mask, one
+    byte an element. The CPU's takes ``input * mask`` with a mask in the input's dtype (four
+    bytes an element in fp32): measured on an H100, OPT-1.3b fp32 held 48 MiB a layer less
+    than a CPU-kernel dry run."""
+    if not training or not 0.0 < p < 1.0 or input.numel() == 0:
+        return _ORIGINAL_DROPOUT(input, p, training, inplace)
+    output: torch.Tensor = torch.native_dropout(input, p, True)[0]
+    return output
 
 
 # Ops CUDA autocast runs in fp32 that CPU autocast leaves in the input's 16-bit dtype
@@ -117,15 +175,17 @@ class _CudaEmulation(torch.overrides.TorchFunctionMode):
     under CUDA autocast.
     """
 
-    def __init__(self, *, sdpa: bool, autocast_policy: bool) -> None:
+    def __init__(self, *, kernels: bool, autocast_policy: bool) -> None:
         super().__init__()
-        self.sdpa = sdpa
+        self.kernels = kernels
         self.autocast_policy = autocast_policy
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.sdpa and func is _ORIGINAL_SDPA:
+        if self.kernels and func is _ORIGINAL_SDPA:
             return _cuda_sdpa(*args, **kwargs)
+        if self.kernels and func is _ORIGINAL_DROPOUT:
+            return _cuda_dropout(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if self.autocast_policy and torch.is_autocast_enabled("cpu") and name in _CUDA_ONLY_FP32:
             args = _upcast(args)
@@ -136,7 +196,7 @@ class _CudaEmulation(torch.overrides.TorchFunctionMode):
 
 def cuda_kernels() -> contextlib.AbstractContextManager[Any]:
     """Within the block, SDPA allocates as CUDA's flash / memory-efficient kernels do."""
-    return _CudaEmulation(sdpa=True, autocast_policy=False)
+    return _CudaEmulation(kernels=True, autocast_policy=False)
 
 
 def cuda_autocast_policy() -> contextlib.AbstractContextManager[Any]:
@@ -145,7 +205,7 @@ def cuda_autocast_policy() -> contextlib.AbstractContextManager[Any]:
     Torch-function modes are not active while backward recomputes a checkpointed layer, so the
     recompute enters this (``context_fn``): it brings the SDPA kernels too, as the forward had.
     """
-    return _CudaEmulation(sdpa=True, autocast_policy=True)
+    return _CudaEmulation(kernels=True, autocast_policy=True)
 
 
 def emulation(emulate_cuda: bool) -> contextlib.AbstractContextManager[Any]:
