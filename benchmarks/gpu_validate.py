@@ -478,14 +478,20 @@ def _run_child(payload: dict[str, Any], env_extra: dict[str, str], timeout: int)
 
 
 def measure(
-    out_dir: Path, device: str, count: int, expandable: int, timeout: int, sweeps: bool = True
+    out_dir: Path,
+    device: str,
+    count: int,
+    expandable: int,
+    timeout: int,
+    sweeps: bool = True,
+    seed: int = SEED,
 ) -> Path:
     """Every case in a fresh process; the raw file is rewritten after each (a cut run keeps
     what it measured)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "gpu_validate_raw.json"
-    cases = draw_cases(count=count)
-    raw: dict[str, Any] = {"seed": SEED, "device": device, "cases": cases, "results": {}}
+    cases = draw_cases(seed, count)
+    raw: dict[str, Any] = {"seed": seed, "device": device, "cases": cases, "results": {}}
     raw["idle_device_used_bytes"] = _Nvml().device_used()  # before any child made a context
 
     def save() -> None:
@@ -539,7 +545,7 @@ def _estimate(case: dict[str, Any], gpu_name: str, engine: str, expandable: bool
     fields = dict(case["setup"])
     if expandable and "expandable_segments" in TrainingSetup.__dataclass_fields__:
         fields["expandable_segments"] = True
-    setup = TrainingSetup(**fields).resolved(device="cuda", bf16_supported=gpu.bf16)
+    setup = TrainingSetup(**fields)  # as the CLI passes it: estimate resolves "auto"
     return estimate(
         info,
         setup,
@@ -690,6 +696,7 @@ def main() -> None:
     parser.add_argument("--measure-only", action="store_true")
     parser.add_argument("--compare", type=Path, help="a raw file measured earlier")
     parser.add_argument("--cases", type=int, default=NUM_CASES)
+    parser.add_argument("--seed", type=int, default=SEED, help="the draw (fix it before measuring)")
     parser.add_argument("--expandable", type=int, default=NUM_EXPANDABLE)
     parser.add_argument("--timeout", type=int, default=90, help="seconds per case")
     parser.add_argument("--device", default=None, help="cuda (default when there) or cpu")
@@ -713,7 +720,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     if args.list:
-        for case in draw_cases(count=args.cases):
+        for case in draw_cases(args.seed, args.cases):
             print(case["id"], _describe(case))
         return
     if args.compare:
@@ -731,7 +738,7 @@ def main() -> None:
             "and --compare the raw file here, or pass --device cpu to check the harness"
         )
     raw_path = measure(
-        args.out, device, args.cases, args.expandable, args.timeout, not args.no_sweeps
+        args.out, device, args.cases, args.expandable, args.timeout, not args.no_sweeps, args.seed
     )
     print(f"raw measurements: {raw_path}")
     if not args.measure_only and device == "cuda":

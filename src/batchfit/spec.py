@@ -157,6 +157,9 @@ class TrainingSetup:
     # the loss was chosen on purpose (an explicit --loss): the planner keeps it, and does not
     # switch on a lean loss to make a model fit
     keep_loss: bool = False
+    # PyTorch's caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the
+    # allocator simulation maps pages into one growing segment instead of fixed segments)
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         if self.task is not None:

@@ -50,7 +50,16 @@ def test_merging_neighbours_recovers_large_blocks():
     assert simulate(events).reserved_bytes == 20 * MIB
 
 
-def test_expandable_segments_track_the_peak():
+def test_expandable_segments_grow_a_free_end_by_what_is_missing():
+    events = [(1, 6 * MIB), (2, 6 * MIB), (2, -6 * MIB), (3, 10 * MIB)]
+    stats = simulate(events, expandable_segments=True)
+    assert stats.reserved_bytes == 16 * MIB  # 12 mapped, then 4 more: no 20 MiB segments
+
+
+def test_expandable_segments_still_fragment():
+    # a 6 MiB hole at the front cannot hold 10 MiB: new pages are mapped at the end, as
+    # PyTorch's try_allocate_expandable does (measured on an H100: reserved above allocated)
     events = [(1, 6 * MIB), (2, 6 * MIB), (1, -6 * MIB), (3, 10 * MIB)]
     stats = simulate(events, expandable_segments=True)
-    assert stats.reserved_bytes == 16 * MIB
+    assert stats.reserved_bytes == 22 * MIB
+    assert simulate(events).reserved_bytes == 30 * MIB  # a 20 MiB and a 10 MiB segment

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated, Any, TypeVar, cast
@@ -124,7 +125,28 @@ def _setup(raw: dict[str, Any]) -> TrainingSetup:
         frozen_dtype=cast(
             FrozenDtype, check_choice("--frozen-dtype", raw["frozen_dtype"], FROZEN_DTYPES)
         ),
+        expandable_segments=expandable_from_env()
+        if raw["expandable_segments"] is None
+        else raw["expandable_segments"],
     )
+
+
+def expandable_from_env(conf: str | None = None) -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` (or ``conf``) turns on expandable segments.
+
+    Example:
+        >>> expandable_from_env("max_split_size_mb:128,expandable_segments:True")
+        True
+        >>> expandable_from_env("")
+        False
+    """
+    if conf is None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() in ("true", "1")
+    return False
 
 
 def _option(annotation: Any, default: Any, *names: str, **kwargs: Any) -> tuple[Any, Any]:
@@ -169,6 +191,13 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         help="Comma-separated module names; default: peft's for the model type.",
     ),
     "grad_ckpt": _option(bool, False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
+    "expandable_segments": _option(
+        bool | None,
+        None,
+        "--expandable-segments/--no-expandable-segments",
+        help="CUDA allocator with expandable_segments (default: as PYTORCH_CUDA_ALLOC_CONF "
+        "in this shell says).",
+    ),
     "attention": _option(str, "auto", "--attention", help=_choices(ATTENTIONS)),
     "framework": _option(
         str | None,

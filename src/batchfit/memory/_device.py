@@ -25,16 +25,29 @@ CUBLAS_WORKSPACE_BYTES = {
     "hopper+": 32 * BYTES_IN_MIB,
 }
 CUBLAS_HANDLES = 2
-# CUDA context with lazy module loading (default since CUDA 11.7 / PyTorch 1.13): DESIGN.md
-# gives 250-700 MiB; we take the upper middle per generation until measured (issue 3).
+# What a training process holds outside the caching allocator (nvidia-smi's figure for the
+# process minus memory_reserved): the CUDA context with lazy module loading (the default since
+# CUDA 11.7 / PyTorch 1.13) plus the kernels each library loads on first use, in MiB.
+# hopper: measured (benchmarks/gpu_validate.py, H100 80GB HBM3, driver 580.159.04, torch
+#   2.11.0+cu130): 610 after CUDA init, 676 after cuBLAS, 694 after SDPA, 742-758 in training.
+# ada: 426 after init on an RTX 6000 Ada, torch 2.10.0+cu130 (unslothai/unsloth-zoo#1053),
+#   plus first-use kernels as on the H100 (+148; vLLM measured +0.16-0.20 GiB after init,
+#   vllm-project/vllm#12126, #14447): inferred.
+# ampere: 256 for an idle RTX 3090 process, torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413),
+#   plus +0.20 GiB on 24 GB cards (vllm-project/vllm#14447): inferred.
+# blackwell: a bare context of 555 on an RTX PRO 6000 (ggml-org/llama.cpp#23604), plus
+#   PyTorch's and first-use kernels as on the H100: inferred.
+# pascal/volta/turing: no lazy-loading figures are published; eager-loading ones (567-719,
+#   1006-1341, 877: pytorch/pytorch#55277, #28394, #49877) scaled by the 0.41 that lazy loading
+#   left of one eager context (pytorch/pytorch#86509: 616 -> 254): inferred. AMD: a guess.
 CUDA_CONTEXT_MIB = {
     "pascal": 300,
-    "volta": 350,
-    "turing": 350,
-    "ampere": 450,
-    "ada": 450,
-    "hopper": 550,
-    "blackwell": 600,
+    "volta": 450,
+    "turing": 400,
+    "ampere": 456,
+    "ada": 574,
+    "hopper": 758,
+    "blackwell": 703,
     "cdna2": 450,
     "cdna3": 550,
 }

@@ -389,5 +389,6 @@ def trace_once(
     if emulate_cuda:
         from batchfit.memory.allocator import simulate
 
-        result = replace(result, reserved_bytes=simulate(result.events).reserved_bytes)
+        reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
+        result = replace(result, reserved_bytes=reserved.reserved_bytes)
     return result

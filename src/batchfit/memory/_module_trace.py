@@ -100,7 +100,8 @@ def estimate_module(
     if emulate_cuda:
         from batchfit.memory.allocator import simulate
 
-        reserved = max(simulate(result.events).reserved_bytes, peak.total)
+        simulated = simulate(result.events, expandable_segments=setup.expandable_segments)
+        reserved = max(simulated.reserved_bytes, peak.total)
     step = StepMemory(
         components=dict(peak.components),
         peak_phase=peak.phase,

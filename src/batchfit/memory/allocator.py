@@ -12,8 +12,12 @@ Rules from ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.x, default settings)
 - freed blocks stay reserved and merge with free neighbours in their segment; nothing is given
   back to the driver without ``empty_cache()``.
 
-With ``expandable_segments`` a pool maps 2 MiB pages as it grows instead of whole segments, so
-reserved memory tracks the peak of allocated memory rounded to pages (plus the small pool).
+With ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) the large pool
+is one segment that maps 2 MiB pages at its end as it grows (``ExpandableSegment``, and
+``try_allocate_expandable`` in the same file): no 20 MiB or rounded segments, but a request that
+no free block fits still maps new pages (a free block at the end grows by what is missing), so
+freed holes fragment it as they do the fixed segments. Measured on an H100 (torch 2.11):
+reserved was 0.8-8% above allocated with it, sometimes more than without it.
 """
 
 from __future__ import annotations
@@ -86,31 +90,20 @@ class CachingAllocator:
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
-        self._large_pages = 0
+        self._expandable_seg: int | None = None
 
     def malloc(self, handle: int, size: int) -> None:
         rounded = round_size(size)
         self.allocated += rounded
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         small = rounded <= SMALL_SIZE
-        if self.expandable and not small:
-            # Pages are mapped while the pool grows; unmapped only by empty_cache().
-            live_large = (
-                sum(b.size for b in self._where.values() if not self._pool_of_segment[b.segment])
-                + rounded
-            )
-            pages = -(-live_large // ROUND_LARGE)
-            if pages > self._large_pages:
-                self.reserved += (pages - self._large_pages) * ROUND_LARGE
-                self._large_pages = pages
-            self._where[handle] = _Block(self._expandable_segment(), 0, rounded, False)
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
-            return
         pool = self._free[small]
         i = bisect.bisect_left(pool, (rounded, -1, -1))
         if i < len(pool):
             _, seg, off = pool.pop(i)
             block = next(b for b in self._segments[seg] if b.offset == off)
+        elif self.expandable and not small:
+            block = self._grow(rounded)
         else:
             seg = len(self._segments)
             seg_size = segment_size(rounded)
@@ -130,19 +123,34 @@ class CachingAllocator:
         block.free = False
         self._where[handle] = block
 
-    def _expandable_segment(self) -> int:
-        if not self._segments or self._pool_of_segment[-1]:
+    def _grow(self, rounded: int) -> _Block:
+        """Map pages at the end of the large pool's one expandable segment: a free block at
+        its end grows by what is missing; else a new block is mapped after the last one."""
+        if self._expandable_seg is None:
+            self._expandable_seg = len(self._segments)
             self._segments.append([])
             self._pool_of_segment.append(False)
-        return len(self._segments) - 1
+        seg = self._expandable_seg
+        blocks = self._segments[seg]
+        tail = blocks[-1] if blocks and blocks[-1].free else None
+        have = tail.size if tail is not None else 0
+        mapped = -(-(rounded - have) // ROUND_LARGE) * ROUND_LARGE
+        self.reserved += mapped
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if tail is not None:
+            self._free[False].remove((tail.size, seg, tail.offset))
+            tail.size += mapped
+            return tail
+        offset = blocks[-1].offset + blocks[-1].size if blocks else 0
+        block = _Block(seg, offset, mapped, True)
+        blocks.append(block)
+        return block
 
     def free(self, handle: int) -> None:
         block = self._where.pop(handle, None)
         if block is None:
             return
-        self.allocated -= round_size(block.size) if self.expandable else block.size
-        if self.expandable and not self._pool_of_segment[block.segment]:
-            return
+        self.allocated -= block.size
         small = self._pool_of_segment[block.segment]
         pool = self._free[small]
         blocks = self._segments[block.segment]
