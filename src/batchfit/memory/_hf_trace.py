@@ -200,9 +200,28 @@ def _build(
 
             mark_lora_wrapped(net)
         if setup.grad_ckpt:
-            net.enable_input_require_grads()
+            # peft registered transformers' own hook already (it breaks on tuple outputs)
+            base = net.get_base_model()
+            if getattr(base, "_require_grads_hook", None) is not None:
+                base.disable_input_require_grads()
+            _inputs_require_grads(base)
     net.train()
     return cast(torch.nn.Module, net)
+
+
+def _inputs_require_grads(net: torch.nn.Module) -> None:
+    """peft's ``enable_input_require_grads`` for any input layer: checkpointed layers of a
+    frozen base need an input that requires grad. transformers' own hook calls
+    ``requires_grad_`` on the embeddings' output, which Swin's patch embeddings return as a
+    tuple (embeddings, dimensions): take its first tensor."""
+
+    def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            first.requires_grad_(True)
+
+    embeddings = net.get_input_embeddings()  # type: ignore[operator]
+    embeddings.register_forward_hook(hook)
 
 
 def batch_fn(

@@ -60,6 +60,10 @@ def resolve_setup(
     DeBERTa is eager, as transformers runs it.
     """
     if setup.loss != "full" and model.task in ("classification", "image-classification"):
+        if setup.framework is not None and not setup.keep_loss:
+            # the preset's lean loss is for its language models; a classifier's loss is small
+            setup = replace(setup, loss="full", loss_chunk_tokens=None)
+    if setup.loss != "full" and model.task in ("classification", "image-classification"):
         raise UsageError(
             f"--loss {setup.loss_label} computes a language model's loss over its vocabulary; "
             "a classification head has none: use --loss full"

@@ -75,6 +75,13 @@ def check_workload(model: ModelInfo, micro_batch_size: int, seq_len: int) -> lis
 MAX_PIXELS_PER_MICRO_BATCH = 2**40
 
 
+# Convolutional backbones whose stem and stages shrink the image 32-fold (ResNet: stride-2 stem,
+# max-pool and three stride-2 stages; ConvNeXt: a 4-pixel patchify stem and three 2x downsamples;
+# Swin: 4-pixel patches and three patch mergings): below 32 pixels a kernel outgrows its input.
+DOWNSAMPLING_TYPES = frozenset({"resnet", "convnext", "convnextv2", "swin", "torchvision"})
+MIN_CONV_IMAGE_PIXELS = 32
+
+
 def _check_images(model: ModelInfo, micro_batch_size: int, image_size: int) -> list[str]:
     """An image model's per-sample size is the image side in pixels (``--image-size``)."""
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
@@ -83,6 +90,12 @@ def _check_images(model: ModelInfo, micro_batch_size: int, image_size: int) -> l
     if image_size < patch:
         raise UsageError(
             f"--image-size {image_size} is smaller than {model.name}'s {patch}-pixel patches"
+        )
+    if model.arch.model_type in DOWNSAMPLING_TYPES and image_size < MIN_CONV_IMAGE_PIXELS:
+        raise UsageError(
+            f"--image-size {image_size} is smaller than {model.name}'s downsampling: its stages "
+            f"halve the image down to 1/{MIN_CONV_IMAGE_PIXELS}; use at least "
+            f"{MIN_CONV_IMAGE_PIXELS} pixels"
         )
     pixels = micro_batch_size * model.arch.num_channels * image_size**2
     if pixels > MAX_PIXELS_PER_MICRO_BATCH:

@@ -74,7 +74,7 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "convnext": ("pwconv1", "pwconv2"),
     "convnextv2": ("pwconv1", "pwconv2"),
 }
-_PEFT_GUESSED = frozenset({"distilbert", "phi3", "modernbert"} | VISION_TYPES)
+_PEFT_GUESSED = frozenset({"distilbert", "phi3", "modernbert", "olmo2", "qwen3_moe"} | VISION_TYPES)
 _LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
 KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")
