@@ -26,11 +26,8 @@ def test_swin_lora_with_checkpointing_is_traced(tmp_path, capsys):
     # peft hooked transformers' make_inputs_require_grads, which breaks on Swin's tuple output
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(SWIN_TINY))
-    code, out, err = run_cli(
-        ["estimate", str(cfg), "-b", "2", "--image-size", "32", "--gpu", "t4"]
-        + ["--method", "lora", "--grad-ckpt", "--json"],
-        capsys,
-    )
+    args = ["estimate", str(cfg), "-b", "2", "--image-size", "32", "--gpu", "t4"]
+    code, out, err = run_cli([*args, "--method", "lora", "--grad-ckpt", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["engine"] == "trace"
 
@@ -46,7 +43,7 @@ def test_image_smaller_than_the_downsampling_is_one_line(model, capsys):
 def test_a_language_framework_preset_keeps_a_classifier_loss_full(capsys):
     args = ["estimate", "vit-base-patch16-224", "-b", "2", "--gpu", "a100-40gb"]
     args += ["--framework", "litgpt", "--engine", "trace", "--json"]
-    code, out, err = run_cli(args, capsys)
+    code, _, err = run_cli(args, capsys)
     assert code == 0, err
     code, _, err = run_cli([*args[:-1], "--loss", "chunked"], capsys)  # asked for: refused
     assert code == 2 and "use --loss full" in err

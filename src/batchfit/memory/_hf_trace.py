@@ -201,7 +201,7 @@ def _build(
             mark_lora_wrapped(net)
         if setup.grad_ckpt:
             # peft registered transformers' own hook already (it breaks on tuple outputs)
-            base = net.get_base_model()
+            base: Any = net.get_base_model()
             if getattr(base, "_require_grads_hook", None) is not None:
                 base.disable_input_require_grads()
             _inputs_require_grads(base)

@@ -59,10 +59,10 @@ def resolve_setup(
     Attention is resolved for the model class (``ModelInfo.resolve_attention``): ``auto`` on
     DeBERTa is eager, as transformers runs it.
     """
-    if setup.loss != "full" and model.task in ("classification", "image-classification"):
-        if setup.framework is not None and not setup.keep_loss:
-            # the preset's lean loss is for its language models; a classifier's loss is small
-            setup = replace(setup, loss="full", loss_chunk_tokens=None)
+    classifier = model.task in ("classification", "image-classification")
+    if classifier and setup.loss != "full" and setup.framework and not setup.keep_loss:
+        # the preset's lean loss is for its language models; a classifier's loss is small
+        setup = replace(setup, loss="full", loss_chunk_tokens=None)
     if setup.loss != "full" and model.task in ("classification", "image-classification"):
         raise UsageError(
             f"--loss {setup.loss_label} computes a language model's loss over its vocabulary; "
