@@ -243,10 +243,28 @@ def child_context(device: str) -> dict[str, Any]:
     return {"stages": stages, "versions": _versions(torch, nvml)}
 
 
+def _train_steps(parts: Any, steps: int, device: str) -> None:
+    """``steps`` optimizer steps of the HF Trainer loop (``_truth.train``), finished on the GPU."""
+    import torch
+    from _truth import train
+
+    with torch.device(device):
+        train(
+            parts.model,
+            parts.optimizer,
+            parts.make_batch,
+            parts.autocast_dtype,
+            "trainer",
+            steps,
+            device_type=device,
+        )
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def child_case(spec: dict[str, Any], device: str) -> dict[str, Any]:
     """One case's real steps: memory through two steps, then the time of three more."""
     import torch
-    from _truth import train
 
     from batchfit.memory import _hf_trace
     from batchfit.models import resolve_model
@@ -270,16 +288,7 @@ def child_case(spec: dict[str, Any], device: str) -> dict[str, Any]:
         out["built"] = _stage(torch, nvml, device)
 
         def steps(n: int) -> None:
-            with torch.device(device):
-                train(
-                    parts.model,
-                    parts.optimizer,
-                    parts.make_batch,
-                    parts.autocast_dtype,
-                    "trainer",
-                    n,
-                    device_type=device,
-                )
+            _train_steps(parts, n, device)
 
         explain = spec.get("explain")
         if explain and device == "cuda":
@@ -405,7 +414,6 @@ def child_sweep(index: int, device: str) -> dict[str, Any]:
     import gc
 
     import torch
-    from _truth import train
 
     from batchfit.memory import _hf_trace
     from batchfit.models import resolve_model
@@ -426,18 +434,7 @@ def child_sweep(index: int, device: str) -> dict[str, Any]:
             seconds = []
             for i in range(5):
                 t0 = time.perf_counter()
-                with torch.device(device):
-                    train(
-                        parts.model,
-                        parts.optimizer,
-                        parts.make_batch,
-                        parts.autocast_dtype,
-                        "trainer",
-                        1,
-                        device_type=device,
-                    )
-                if device == "cuda":
-                    torch.cuda.synchronize()
+                _train_steps(parts, 1, device)
                 if i >= 2:
                     seconds.append(time.perf_counter() - t0)
             point["step_seconds"] = seconds
@@ -574,7 +571,7 @@ def _describe(case: dict[str, Any]) -> str:
     return f"{case['model']} {' '.join(bits)} {size}"
 
 
-def compare(raw_path: Path, gpu_name: str, write: bool) -> str:
+def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-validate") -> str:
     """The table: each case's measured figures and the two engines' errors."""
     raw = json.loads(raw_path.read_text())
     results = raw["results"]
@@ -644,7 +641,8 @@ def compare(raw_path: Path, gpu_name: str, write: bool) -> str:
     ]
     body = "\n".join(
         [
-            "## Real CUDA steps against `estimate --gpu` (benchmarks/gpu_validate.py)",
+            f"## Real CUDA steps against `estimate --gpu`: `{raw_path.name}` "
+            "(benchmarks/gpu_validate.py)",
             "",
             f"Measured on {versions.get('gpu')} (driver {versions.get('driver')}, torch "
             f"{versions.get('torch')}, CUDA {versions.get('cuda')}, transformers "
@@ -678,7 +676,7 @@ def compare(raw_path: Path, gpu_name: str, write: bool) -> str:
     if write:
         from _report import write_section
 
-        write_section("gpu-validate", body)
+        write_section(section, body)
     return body
 
 
@@ -708,6 +706,7 @@ def main() -> None:
         "write what was live at the peak, by allocation site, to OUT/explain.json",
     )
     parser.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument("--section", default="gpu-validate", help="docs/benchmarks.md section")
     args = parser.parse_args()
     if args.child:
         payload = json.loads(args.child)
@@ -724,7 +723,7 @@ def main() -> None:
             print(case["id"], _describe(case))
         return
     if args.compare:
-        print(compare(args.compare, args.gpu, not args.no_write))
+        print(compare(args.compare, args.gpu, not args.no_write, args.section))
         return
     import torch
 
