@@ -76,7 +76,7 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         "output_dir": "out",
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
-        "optim": _HF_OPTIM[setup.optimizer],
+        "optim": _HF_OPTIM[setup.optimizer],  # the fused implementation: below
         # `activation_checkpointing`: transformers 5.x deprecates `gradient_checkpointing` for it
         "activation_checkpointing": setup.grad_ckpt,
         "bf16": setup.precision in ("amp-bf16", "bf16"),
@@ -86,6 +86,8 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         # Trainer patches the model with Liger's kernels, fused linear cross-entropy among them
         # (trainer.py: _apply_liger_kernel_to_instance); needs `pip install liger-kernel`.
         kwargs["use_liger_kernel"] = True
+    if setup.optimizer in ("adam", "adamw") and setup.optimizer_impl == "fused":
+        kwargs["optim"] = "adamw_torch_fused"  # the plan counted fused AdamW's memory
     if setup.optimizer == "sgd-momentum":
         kwargs["optim_args"] = "momentum=0.9"
     # The same decay the DeepSpeed export writes: Trainer refuses configs that disagree.
@@ -205,6 +207,28 @@ def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
         "precision": precision,
         "accumulate_grad_batches": plan.grad_accum_steps,
     }
+
+
+def export_caveats(plan: Plan, kind: str) -> list[str]:
+    """What the exported config cannot say that the plan assumed (one line each).
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.plan import make_plan
+        >>> p = make_plan(resolve_model("gpt2"), get_gpu("a100-40gb"),
+        ...               TrainingSetup(loss="chunked", keep_loss=True), seq_len=1024,
+        ...               global_batch=64, engine="analytic")
+        >>> export_caveats(p, "hf")[0].startswith("the plan assumes a chunked loss")
+        True
+    """
+    if plan.setup.loss != "chunked" or kind not in ("hf", "lightning", "accelerate"):
+        return []
+    return [
+        f"the plan assumes a chunked loss ({plan.setup.loss_label}), which the {kind} config "
+        "cannot switch on: compute the loss per chunk in your loss function (Trainer's "
+        "compute_loss_func, your training_step), or plan with --loss full"
+    ]
 
 
 def export(plan: Plan, kind: str) -> dict[str, Any]:

@@ -91,6 +91,10 @@ def _split_weight(spec: str) -> tuple[str, float]:
     try:
         value = float(weight)
     except ValueError:
+        if Path(path).expanduser().is_file():  # FILE:abc with FILE there: the weight is bad
+            raise UsageError(
+                f"--lengths {spec!r}: the weight after ':' must be a positive number"
+            ) from None
         return spec, 1.0
     if not math.isfinite(value) or value <= 0:
         raise UsageError(f"--lengths {spec!r}: the weight after ':' must be a positive number")

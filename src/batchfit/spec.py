@@ -266,6 +266,12 @@ class TrainingSetup:
         pure_bf16 = self.framework in ("torchtune", "litgpt")
         if precision == "auto" and device != "cpu" and bf16_supported and pure_bf16:
             precision = "bf16"
+        lora_dtype = self.lora_dtype
+        if precision == "auto" and device != "cpu" and not bf16_supported and pure_bf16:
+            # no bf16 (T4, V100): torchtune refuses fp16 (training/precision.py: fp32 or bf16);
+            # litgpt's "16-mixed" keeps the parameters, adapters included, in fp32
+            precision = "fp32" if self.framework == "torchtune" else "amp-fp16"
+            lora_dtype = "fp32" if lora_dtype == "bf16" else lora_dtype
         if precision == "auto" and device == "cpu" and self.method == "qlora":
             precision = "amp-bf16"  # QLoRA computes in 16-bit: bf16 autocast, which CPUs run
         if precision == "auto":
@@ -278,4 +284,6 @@ class TrainingSetup:
         sharding = self.sharding
         if sharding == "none" and self.num_gpus > 1:
             sharding = "ddp"  # several GPUs without sharding are data parallel (DDP)
-        return replace(self, precision=precision, attention=attention, sharding=sharding)
+        return replace(
+            self, precision=precision, attention=attention, sharding=sharding, lora_dtype=lora_dtype
+        )

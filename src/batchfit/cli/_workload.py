@@ -67,6 +67,11 @@ def sample_size(
 
     seen = workload(lengths, padding or "longest", seq_len)
     limit = info.arch.max_positions if info.arch.positional == "learned" else None
+    if limit is not None and seq_len is not None and seq_len > limit:
+        raise UsageError(
+            f"--seq-len {seq_len} is more than {info.name}'s {limit} learned positions: give "
+            f"--seq-len {limit} or less (longer samples in --lengths are truncated to it)"
+        )
     if limit is not None and seen.seq_len > limit:
         raise UsageError(
             f"the longest sample in --lengths has {seen.longest:,} tokens, more than "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
 
@@ -383,6 +384,11 @@ def plan(
             engine=engine_name,
         )
     exports, export_text = _exports(result, export_kind, out)
+    if export_kind is not None:
+        from batchfit.export import export_caveats
+
+        caveats = export_caveats(result, export_kind)
+        result = replace(result, warnings=(*result.warnings, *caveats))
     if as_json:
         extra = {"lengths": lengths_seen.to_json()} if lengths_seen is not None else {}
         _emit_json({**result.to_json(), "exports": exports, **extra})

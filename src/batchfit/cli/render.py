@@ -16,6 +16,7 @@ from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_c
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
+from batchfit.models._arch import ATTENTION_FREE_TYPES
 from batchfit.plan import FitRow, Plan
 from batchfit.spec import TrainingSetup
 
@@ -365,13 +366,19 @@ def models(infos: list[ModelInfo]) -> None:
             human_count(i.total_params),
             str(i.arch.num_layers),
             str(i.arch.hidden_size),
-            f"{i.arch.num_heads}/{i.arch.num_kv_heads}",
-            f"{i.arch.vocab_size:,}",
+            # convnets have no heads; Swin's differ by stage
+            "-"
+            if i.arch.model_type in _NO_HEAD_COUNT
+            else f"{i.arch.num_heads}/{i.arch.num_kv_heads}",
+            f"{i.arch.vocab_size:,}" if i.arch.vocab_size else "-",
             str(i.arch.max_positions or "-"),
         ]
         for i in infos
     ]
     out.print(_plain_table("Catalog models (offline configs)", columns, rows, "hub id"))
+
+
+_NO_HEAD_COUNT = ATTENTION_FREE_TYPES | {"swin", "swinv2"}
 
 
 def gpu_row(g: GpuSpec) -> dict[str, Any]:
@@ -457,6 +464,7 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
             needs,
         )
     out.print(table)
-    out.print("* changes what is learned; the others are exact")
+    if any(t.kind != "exact" for r in rows for t in r.techniques):
+        out.print("* changes what is learned; the others are exact")
     if any(r.engine != engine for r in rows):
         out.print("(analytic): the trace cannot run this setup yet; the formulas answered")

@@ -49,6 +49,8 @@ def _batch_shape(batch: Any) -> tuple[int, int]:
     )
     if first is None or first.dim() == 0:
         return 0, 0
+    if first.dim() == 4:  # images (N, C, H, W): the side in pixels, not the channels
+        return int(first.shape[0]), int(first.shape[-1])
     return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
 
 
@@ -112,6 +114,7 @@ def estimate_module(
             Line(c, f"at the peak ({peak.phase})", v, "dry run of your module")
             for c, v in peak.components.items()
         ),
+        warnings=_batchnorm_warnings(net, shape[0]),
         extras={
             "top_modules": list(result.top_modules),
             "trace_seconds": result.seconds,
@@ -129,6 +132,13 @@ def estimate_module(
         device=device,
         gpu=gpu,
     )
+
+
+def _batchnorm_warnings(net: torch.nn.Module, micro_batch_size: int) -> tuple[str, ...]:
+    from batchfit._batchnorm import batchnorm_warning, has_batchnorm
+
+    warning = batchnorm_warning(micro_batch_size) if has_batchnorm(net) else None
+    return (warning,) if warning and micro_batch_size > 0 else ()
 
 
 def _name(model_fn: ModelFn) -> str:

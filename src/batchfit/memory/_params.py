@@ -224,7 +224,9 @@ def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Li
                 "weights",
                 f"base, not quantised ({8 * rest_b}-bit)",
                 (total - q) * rest_b,
-                f"{total - q:,} params x {rest_b} B (embeddings, norms, output head)",
+                f"{total - q:,} params x {rest_b} B (embeddings, norms, output head"
+                + (", fused MoE experts" if model.fused_expert_params() else "")
+                + ")",
             ),
         ]
     # A frozen base needs no fp32 master: peft recipes load it in 16-bit unless fp32.

@@ -120,11 +120,25 @@ def traced_result(
             "convolutions: cuDNN's workspaces (taken from the caching allocator, larger with "
             "torch.backends.cudnn.benchmark) are not counted"
         )
+    if model.arch.num_experts:
+        notes.append(
+            f"MoE: {model.arch.num_experts} experts, {model.arch.experts_per_token} per token; "
+            "each routed token-expert pair is one row of transformers' grouped expert matmul, "
+            "so memory follows the routed total, not how the router spreads the tokens"
+        )
     if setup.method == "qlora":
         notes.append(
             "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
             "double-quantised statistics, the 16-bit weight dequantised in forward and backward)"
         )
+        experts = model.fused_expert_params()
+        if experts:
+            share = experts / max(1, model.total_params)
+            notes.append(
+                f"QLoRA on MoE: the fused expert tensors ({share:.0%} of the weights) are not "
+                "nn.Linear layers, so bitsandbytes leaves them 16-bit "
+                "(bitsandbytes-foundation/bitsandbytes#1849)"
+            )
     key = {
         "model": model.name,
         "config": model.config,

@@ -182,8 +182,30 @@ def apply(setup: TrainingSetup, techniques: Combo) -> TrainingSetup:
     return reduce(lambda s, t: t(s), techniques, setup)
 
 
+FSDP = Technique(
+    "fsdp",
+    "exact",
+    "FSDP2: weights, gradients and optimizer state sharded across the GPUs",
+    lambda s: replace(s, sharding="fsdp"),
+)
+FSDP_OFFLOAD = Technique(
+    "fsdp-cpu-offload",
+    "exact",
+    "FSDP2's CPUOffloadPolicy: weights, gradients and optimizer state in CPU RAM",
+    lambda s: replace(s, sharding="fsdp", offload="optimizer+params"),
+)
+
+
 def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
     rungs: list[Combo] = []
+    if setup.framework == "torchtune":
+        # torchtune shards with FSDP2 (recipes/full_finetune_distributed.py, fsdp_cpu_offload)
+        # and has no DeepSpeed; its single-device recipes shard and offload nothing
+        if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+            rungs.append((*base, FSDP))
+            if setup.offload == "none" and setup.method != "qlora":
+                rungs.append((*base, FSDP_OFFLOAD))
+        return rungs
     if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
         why = f"shard across {setup.num_gpus} GPUs"
         rungs += [(*base, zero(stage, why)) for stage in _ZERO_STAGES]
@@ -197,7 +219,9 @@ def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Com
     changing: list[Technique] = []
     if setup.optimizer in ("adam", "adamw"):
         changing.append(ADAMW_8BIT)
-    if setup.precision != "bf16" and gpu.bf16 and setup.method == "full":
+    # "auto" under a pure-bf16 preset (torchtune, litgpt) already is pure bf16
+    precision = setup.resolved(device="cuda", bf16_supported=gpu.bf16).precision
+    if precision != "bf16" and gpu.bf16 and setup.method == "full":
         changing.append(PURE_BF16)
     rungs: list[Combo] = [(*base, tech) for tech in changing]
     if len(changing) == 2:
