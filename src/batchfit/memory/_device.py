@@ -34,7 +34,9 @@ CUBLAS_HANDLES = 2
 #   plus first-use kernels as on the H100 (+148; vLLM measured +0.16-0.20 GiB after init,
 #   vllm-project/vllm#12126, #14447): inferred.
 # ampere: 256 for an idle RTX 3090 process, torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413),
-#   plus +0.20 GiB on 24 GB cards (vllm-project/vllm#14447): inferred.
+#   plus +0.20 GiB on 24 GB cards (vllm-project/vllm#14447): inferred; an A100-40GB training
+#   run's nvidia-smi minus peak reserved was 0.34-0.5 GiB (unslothai/unsloth#1186).
+# All sources and their stacks: docs/cuda-context-sources.md.
 # blackwell: a bare context of 555 on an RTX PRO 6000 (ggml-org/llama.cpp#23604), plus
 #   PyTorch's and first-use kernels as on the H100: inferred.
 # pascal/volta/turing: no lazy-loading figures are published; eager-loading ones (567-719,
