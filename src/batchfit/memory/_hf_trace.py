@@ -404,6 +404,7 @@ def trace_once(
                 extra_other=cuda_workspaces,
                 loop=setup.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
+                prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
             )
     if emulate_cuda:
         from batchfit.memory.allocator import simulate

@@ -96,6 +96,7 @@ def estimate_module(
                 grad_accum_steps=min(grad_accum_steps, 2),
                 loop=resolved.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
+                prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
             )
     peak = result.peak
     reserved = peak.total
