@@ -554,6 +554,22 @@ def _estimate(case: dict[str, Any], gpu_name: str, engine: str, expandable: bool
     )
 
 
+def _predicted_step(case: dict[str, Any], gpu_name: str, expandable: bool) -> float | None:
+    """batchfit's predicted seconds of the case's step (``batchfit.speed``), or None."""
+    from batchfit.hardware import get_gpu
+    from batchfit.memory.analytic import resolve_setup
+    from batchfit.models import resolve_model
+    from batchfit.spec import TrainingSetup
+    from batchfit.speed import step_time
+
+    image = case["task"] == "image-classification"
+    info = resolve_model(case["model"], None if image else case["task"])
+    gpu = get_gpu(gpu_name)
+    setup = resolve_setup(info, TrainingSetup(**case["setup"]), "cuda", gpu)
+    predicted = step_time(info, setup, gpu, micro_batch_size=case["micro"], seq_len=case["seq"])
+    return None if predicted is None else predicted.step_seconds()
+
+
 def _pct(est: float, truth: float) -> str:
     return f"{100 * (est - truth) / truth:+.1f}%"
 
@@ -577,7 +593,13 @@ def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-vali
     results = raw["results"]
     cases = {c["id"]: c for c in raw["cases"]}
     rows = []
-    errs: dict[str, list[float]] = {"trace": [], "analytic": [], "reserved": [], "smi": []}
+    errs: dict[str, list[float]] = {
+        "trace": [],
+        "analytic": [],
+        "reserved": [],
+        "smi": [],
+        "step time": [],
+    }
     for key, res in results.items():
         if key == "context" or key.startswith("sweep") or "error" in res:
             continue
@@ -615,10 +637,15 @@ def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-vali
             smi_cell = f"{smi / GIB:.2f} ({100 * e_smi:+.1f}%)"
         step = statistics.median(res["step_seconds"])
         tokens = case["micro"] * (1 if case["task"] == "image-classification" else case["seq"])
+        predicted = _predicted_step(case, gpu_name, expandable)
+        time_cell = "n/a"
+        if predicted is not None:
+            errs["step time"].append((predicted - step) / step)
+            time_cell = f"{predicted:.3f} ({100 * (predicted - step) / step:+.0f}%)"
         rows.append(
             f"| {key} | {_describe(case)} | {alloc / GIB:.2f} | {100 * e_trace:+.1f}% | {a_cell} "
             f"| {reserved / GIB:.2f} ({100 * e_res:+.1f}%) | {smi_cell} | {step:.3f} "
-            f"| {tokens / step:,.0f} |"
+            f"| {time_cell} | {tokens / step:,.0f} |"
         )
     versions = next((r["versions"] for r in results.values() if "versions" in r), {"gpu": "?"})
 
@@ -648,14 +675,15 @@ def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-vali
             f"{versions.get('torch')}, CUDA {versions.get('cuda')}, transformers "
             f"{versions.get('transformers')}); estimates for `--gpu {gpu_name}` made afterwards "
             "on the CPU machine with its own versions. Cases drawn by "
-            f"`random.Random({raw['seed']})` before any was measured; none was debugged on. "
+            f"`random.Random({raw['seed']})` before any was measured (which were debugged on: the "
+            "text above). "
             "Each case: a fresh process, the model built on the GPU as batchfit builds it, two "
             "steps of the HF Trainer loop (memory), three more (time, median).",
             "",
             "| case | setup (micro x seq) | max allocated GiB | trace | analytic "
             "| max reserved GiB (trace) | nvidia-smi peak GiB (trace device total) | step s "
-            "| tokens/s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| predicted step s | tokens/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
             "| error of | cases | median abs | worst abs | signed mean |",
@@ -664,6 +692,7 @@ def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-vali
             summary("analytic"),
             summary("reserved"),
             summary("smi"),
+            summary("step time"),
             "",
             "Device memory outside PyTorch's allocator (NVML per-process figure minus "
             "`memory_reserved`) after each library's first use, in a fresh process:",

@@ -26,6 +26,7 @@ class GpuSpec:
     fp16_tflops_dense: float | None
     bf16_tflops_dense: float | None
     bandwidth_gb_s: float | None
+    fp32_tflops: float | None = None  # non-tensor FP32 (PyTorch's fp32 matmuls without TF32)
 
     @property
     def sm(self) -> tuple[int, int] | None:
@@ -54,6 +55,7 @@ def all_gpus() -> dict[str, GpuSpec]:
             fp16_tflops_dense=row.get("fp16_tflops_dense"),
             bf16_tflops_dense=row.get("bf16_tflops_dense"),
             bandwidth_gb_s=row.get("bandwidth_gb_s"),
+            fp32_tflops=row.get("fp32_tflops"),
         )
     return gpus
 

@@ -208,4 +208,22 @@ def estimate(
         from dataclasses import replace
 
         result = replace(result, warnings=(*warnings, *result.warnings))
-    return result
+    return _with_step_time(result, model, gpu if device == "cuda" else None)
+
+
+def _with_step_time(
+    result: MemoryEstimate, model: ModelInfo, gpu: GpuSpec | None
+) -> MemoryEstimate:
+    """``result`` with the predicted step time (``batchfit.speed``) in its extras, on a GPU."""
+    if gpu is None:
+        return result
+    from dataclasses import asdict, replace
+
+    from batchfit.speed import step_time
+
+    predicted = step_time(
+        model, result.setup, gpu, micro_batch_size=result.micro_batch_size, seq_len=result.seq_len
+    )
+    if predicted is None:
+        return result
+    return replace(result, extras={**result.extras, "speed": asdict(predicted)})

@@ -90,4 +90,14 @@ class MemoryEstimate:
                 for name, num_bytes in self.extras.get("top_modules", [])
             ],
             "notes": list(self.extras.get("notes", [])),
+            **self.speed_json(),
         }
+
+    def speed_json(self, grad_accum_steps: int = 1) -> dict[str, float | None]:
+        """``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu`` (None where not predicted)."""
+        speed = self.extras.get("speed")
+        if not speed:
+            return dict.fromkeys(("step_seconds", "tokens_per_s_per_gpu", "mfu"))
+        from batchfit.speed import StepTime
+
+        return dict(StepTime(**speed).to_json(grad_accum_steps))

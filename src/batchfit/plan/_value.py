@@ -108,4 +108,5 @@ class Plan:
             "engine": est.engine,
             "setup": est.to_json()["setup"],
             "warnings": list(self.warnings),
+            **est.speed_json(self.grad_accum_steps),
         }
