@@ -22,6 +22,7 @@ from batchfit._version import __version__
 if TYPE_CHECKING:
     from batchfit.errors import UsageError
     from batchfit.export import export
+    from batchfit.frameworks import with_framework
     from batchfit.hardware import GpuSpec, all_gpus, get_gpu
     from batchfit.memory.estimate import estimate
     from batchfit.memory.types import MemoryEstimate
@@ -50,6 +51,7 @@ _EXPORTS = {
     "fit_table": "batchfit.plan",
     "scale_learning_rate": "batchfit.plan",
     "export": "batchfit.export",
+    "with_framework": "batchfit.frameworks",
     "UsageError": "batchfit.errors",
     "Accumulator": "batchfit.train",
     "MicroBatcher": "batchfit.train",
@@ -79,6 +81,7 @@ __all__ = [
     "make_plan",
     "resolve_model",
     "scale_learning_rate",
+    "with_framework",
 ]
 
 

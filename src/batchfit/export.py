@@ -222,13 +222,22 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
         >>> export_caveats(p, "hf")[0].startswith("the plan assumes a chunked loss")
         True
     """
-    if plan.setup.loss != "chunked" or kind not in ("hf", "lightning", "accelerate"):
-        return []
-    return [
-        f"the plan assumes a chunked loss ({plan.setup.loss_label}), which the {kind} config "
-        "cannot switch on: compute the loss per chunk in your loss function (Trainer's "
-        "compute_loss_func, your training_step), or plan with --loss full"
-    ]
+    setup = plan.setup
+    caveats = []
+    if setup.loss == "chunked":
+        caveats.append(
+            f"the plan assumes a chunked loss ({setup.loss_label}), which the {kind} config "
+            "cannot switch on: compute the loss per chunk in your loss function (Trainer's "
+            "compute_loss_func, your training_step), or plan with --loss full"
+        )
+    if kind == "deepspeed" and (setup.sharding == "fsdp" or setup.precision == "bf16"):
+        what = "FSDP2 sharding" if setup.sharding == "fsdp" else "pure bf16 (no fp32 master)"
+        caveats.append(
+            f"the plan counted {what}; DeepSpeed with bf16.enabled keeps an fp32 master copy "
+            "and fp32 optimizer states (16 B a parameter), so this config needs more memory "
+            "than planned: export accelerate (FSDP2) or plan with --sharding zero1|zero2|zero3"
+        )
+    return caveats
 
 
 def export(plan: Plan, kind: str) -> dict[str, Any]:

@@ -169,3 +169,19 @@ def with_framework(
         values.pop("lora_dtype", None)
         values.pop("frozen_dtype", None)
     return replace(setup, framework=preset.name, **values)
+
+
+def adapter_defaults(setup: TrainingSetup) -> dict[str, Any]:
+    """The preset's adapter and frozen-base dtypes, for a full fine-tune the planner switches to
+    LoRA (``with_framework`` leaves them out while the method is full).
+
+    Example:
+        >>> adapter_defaults(with_framework(TrainingSetup(), "litgpt"))
+        {'lora_dtype': 'bf16', 'frozen_dtype': 'auto'}
+        >>> adapter_defaults(TrainingSetup())
+        {}
+    """
+    if setup.framework is None or setup.is_lora:
+        return {}
+    values = PRESETS[setup.framework].values
+    return {k: values[k] for k in ("lora_dtype", "frozen_dtype") if k in values}

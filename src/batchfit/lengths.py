@@ -158,9 +158,33 @@ def _histogram(text: str, path: str) -> dict[int, int]:
     for key, count in data.items():
         where = f"--lengths {path!r} entry {key!r}"
         length = _positive(key, where)
-        samples = _positive(count, where)
+        if isinstance(count, str):
+            count = _positive(count, f"{where} (its sample count)")
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise UsageError(
+                f"{where}: the sample count must be a positive whole number, got {count!r}"
+            )
+        samples = count
         counts[length] = counts.get(length, 0) + samples
     return counts
+
+
+def first_longer(specs: list[str], limit: int) -> str:
+    """Where the first sample longer than ``limit`` tokens is: ``'FILE' line N`` or
+    ``'FILE' entry 'K'`` (files already read once, so they parse)."""
+    for spec in specs:
+        path, _ = _split_weight(spec)
+        text = Path(path).expanduser().read_text()
+        if text.lstrip().startswith("{"):
+            for key in json.loads(text):
+                if int(str(key).strip()) > limit:
+                    return f"--lengths {path!r} entry {key!r}"
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            content = line.split("#", 1)[0].strip()
+            if content and int(content) > limit:
+                return f"--lengths {path!r} line {number}"
+    return "--lengths"
 
 
 def workload(specs: list[str], padding: str, seq_len: int | None) -> Workload:

@@ -268,6 +268,12 @@ class TrainingSetup:
             precision = "bf16"
         lora_dtype = self.lora_dtype
         if precision == "auto" and device != "cpu" and not bf16_supported and pure_bf16:
+            if self.framework == "torchtune" and self.method == "qlora":
+                raise UsageError(
+                    "torchtune's QLoRA needs bf16: torchtune trains in bf16 or fp32 (no fp16) "
+                    "and this GPU has no bf16; drop --framework torchtune (bitsandbytes QLoRA "
+                    "computes in fp16) or choose a GPU with bf16"
+                )
             # no bf16 (T4, V100): torchtune refuses fp16 (training/precision.py: fp32 or bf16);
             # litgpt's "16-mixed" keeps the parameters, adapters included, in fp32
             precision = "fp32" if self.framework == "torchtune" else "amp-fp16"

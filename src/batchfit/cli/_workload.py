@@ -73,8 +73,11 @@ def sample_size(
             f"--seq-len {limit} or less (longer samples in --lengths are truncated to it)"
         )
     if limit is not None and seen.seq_len > limit:
+        from batchfit.lengths import first_longer
+
         raise UsageError(
-            f"the longest sample in --lengths has {seen.longest:,} tokens, more than "
-            f"{info.name}'s {limit} learned positions: give --seq-len {limit} to truncate"
+            f"{first_longer(lengths, limit)} has a sample of more than {info.name}'s {limit} "
+            f"learned positions (the longest: {seen.longest:,} tokens): give --seq-len {limit} "
+            "to truncate"
         )
     return seen.seq_len, seen

@@ -286,8 +286,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
     out.print(_breakdown(est, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
     if p.alternatives:
         how = (
-            "; trace engine: each peak moment's line through micro-batch 1 and 2, "
-            "traced at its size for the plan's own rung"
+            "; trace engine: each peak moment's line through micro-batch 1 and 2, then "
+            "traced at that size (searched again where it did not fit)"
             if est.engine == "trace"
             else ""
         )
@@ -465,7 +465,9 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
         needs = (
             ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques) or "-"
         )
-        if r.engine != engine:
+        if r.note:
+            needs = f"cannot run: {r.note}"
+        elif r.engine != engine:
             needs += " (analytic)"
         if r.precision in ("bf16", "amp-bf16") and not r.gpu.bf16:
             needs += " (no native bf16 on this GPU)"
@@ -474,7 +476,7 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
             gib_figure(r.gpu.memory_bytes),
             r.precision,
             str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
-            gib_figure(r.device_total_bytes),
+            "-" if r.note else gib_figure(r.device_total_bytes),
             needs,
         )
     out.print(table)

@@ -37,12 +37,21 @@ def _by_lines(one: MemoryEstimate, two: MemoryEstimate, budget: int, limit: int)
     lines = moment_lines(one, two)
     if lines is None:
         return None
-    outside = two.device_total_bytes - two.peak_bytes  # allocator reserve, context, NCCL
+    outside, ratio = _outside(two)
     best = limit
     for at_one, slope in lines:
         if slope > 0:
-            best = min(best, math.floor((budget - outside - at_one) / slope) + 1)
+            best = min(best, math.floor(((budget - outside) / ratio - at_one) / slope) + 1)
     return max(best, 1)
+
+
+def _outside(two: MemoryEstimate) -> tuple[int, float]:
+    """What the device adds to the allocated peak, as (fixed bytes, factor on the peak): the
+    context and NCCL are fixed; the allocator's reserve beyond the peak grows with it (larger
+    activations leave larger holes), so it is carried as a ratio of the peak at size 2."""
+    fixed = two.device_total_bytes - two.reserved_bytes
+    ratio = two.reserved_bytes / two.peak_bytes if two.peak_bytes > 0 else 1.0
+    return fixed, max(ratio, 1.0)
 
 
 def moment_lines(one: MemoryEstimate, two: MemoryEstimate) -> list[tuple[int, int]] | None:
@@ -64,8 +73,8 @@ def predict(
     best = _by_lines(one, two, budget_bytes, limit)
     if lines is None or best is None:
         return None
-    outside = two.device_total_bytes - two.peak_bytes
-    return best, outside + max(a + s * (best - 1) for a, s in lines)
+    outside, ratio = _outside(two)
+    return best, outside + round(ratio * max(a + s * (best - 1) for a, s in lines))
 
 
 def fit_micro_batch(

@@ -253,10 +253,20 @@ class ModelInfo:
                     break
         missing = [t for t in wanted if t not in matched]
         if missing:
-            leaves = sorted({g.leaf for g in self.params if g.is_matrix_weight})
+            leaves = sorted({g.leaf for g in self.params if g.is_matrix_weight} - {"*", ""})
+            modules = (
+                f"its linear modules are: {', '.join(leaves)}"
+                if leaves
+                else "it has no linear module LoRA could wrap"
+            )
+            if targets is None:
+                raise UsageError(
+                    f"{self.name} has no module matching LoRA's default targets "
+                    f"({','.join(missing)}): name them with --lora-targets; {modules}"
+                )
             raise UsageError(
                 f"--lora-targets {','.join(missing)} match no linear module of {self.name}; "
-                f"its linear modules are: {', '.join(leaves)}"
+                f"{modules}"
             )
         return groups
 

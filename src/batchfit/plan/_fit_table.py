@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
 from batchfit.models import ModelInfo
@@ -28,6 +29,7 @@ class FitRow:
     device_total_bytes: int  # at micro-batch max(1, max_micro_batch)
     techniques: Combo
     engine: str = "trace"  # the one that answered: "analytic" where the trace cannot run it
+    note: str = ""  # why this GPU cannot run the setup at all (then nothing else is set)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -38,6 +40,7 @@ class FitRow:
             "device_total_bytes": self.device_total_bytes,
             "techniques": [{"name": t.name, "kind": t.kind} for t in self.techniques],
             "engine": self.engine,
+            "note": self.note or None,
         }
 
 
@@ -56,21 +59,38 @@ def fit_table(
     engine's figures are those ``estimate`` and ``plan`` give for the same setup).
     """
     engine = usable_engine(engine)[0]
-    largest = max_micro_batch_traced if engine == "trace" else max_micro_batch
-    rows = []
+    rows: list[FitRow] = []
+    errors: list[UsageError] = []
     for gpu in gpus:
-        chosen = setup
-        techniques: Combo = ()
-        best = largest(model, setup, gpu, seq_len, None, headroom_bytes)
-        if best == 0:
-            for combo in ladder(setup, gpu, model):
-                alt = apply(setup, combo)
-                best = largest(model, alt, gpu, seq_len, None, headroom_bytes)
-                if best:
-                    chosen, techniques = alt, combo
-                    break
-        _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
-        rows.append(
-            FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques, est.engine)
-        )
+        try:
+            rows.append(_row(model, setup, gpu, seq_len, headroom_bytes, engine))
+        except UsageError as exc:  # this GPU cannot run the setup (torchtune QLoRA without bf16)
+            errors.append(exc)
+            rows.append(FitRow(gpu, "-", 0, 0, (), engine, str(exc).split(":")[0]))
+    if errors and len(errors) == len(rows):
+        raise errors[0]  # the setup itself is wrong, not one GPU
     return rows
+
+
+def _row(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    headroom_bytes: int,
+    engine: str,
+) -> FitRow:
+    """One GPU's largest micro-batch, else the first ladder rung that fits."""
+    largest = max_micro_batch_traced if engine == "trace" else max_micro_batch
+    chosen = setup
+    techniques: Combo = ()
+    best = largest(model, setup, gpu, seq_len, None, headroom_bytes)
+    if best == 0:
+        for combo in ladder(setup, gpu, model):
+            alt = apply(setup, combo)
+            best = largest(model, alt, gpu, seq_len, None, headroom_bytes)
+            if best:
+                chosen, techniques = alt, combo
+                break
+    _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
+    return FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques, est.engine)

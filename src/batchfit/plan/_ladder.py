@@ -154,9 +154,15 @@ PURE_BF16 = Technique(
     "bf16 weights and states, no fp32 master",
     lambda s: replace(s, precision="bf16"),
 )
-LORA = Technique(
-    "lora", "changes-training", "train low-rank adapters", lambda s: replace(s, method="lora")
-)
+
+
+def _to_lora(s: TrainingSetup) -> TrainingSetup:
+    from batchfit.frameworks import adapter_defaults  # the preset's adapter dtype (litgpt: bf16)
+
+    return replace(s, method="lora", **adapter_defaults(s))
+
+
+LORA = Technique("lora", "changes-training", "train low-rank adapters", _to_lora)
 
 
 def qlora(gpu: GpuSpec) -> Technique:
@@ -166,8 +172,13 @@ def qlora(gpu: GpuSpec) -> Technique:
         precision = s.precision
         if precision in ("auto", "fp32"):
             precision = "amp-bf16" if gpu.bf16 else "amp-fp16"
+        if s.framework in ("torchtune", "litgpt") and s.precision == "auto":
+            precision = "auto"  # the preset's pure bf16 (the ladder offers it only with bf16)
+        from batchfit.frameworks import adapter_defaults
+
         return replace(
             s,
+            **adapter_defaults(s),
             method="qlora",
             precision=precision,
             sharding="none" if s.sharding in ("zero3", "fsdp") else s.sharding,
@@ -198,9 +209,10 @@ FSDP_OFFLOAD = Technique(
 
 def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
     rungs: list[Combo] = []
-    if setup.framework == "torchtune":
+    if setup.framework in ("torchtune", "litgpt"):
         # torchtune shards with FSDP2 (recipes/full_finetune_distributed.py, fsdp_cpu_offload)
-        # and has no DeepSpeed; its single-device recipes shard and offload nothing
+        # and litgpt's finetune scripts with Fabric's FSDPStrategy; neither plans DeepSpeed, and
+        # their single-device recipes shard and offload nothing
         if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
             rungs.append((*base, FSDP))
             if setup.offload == "none" and setup.method != "qlora":
@@ -228,7 +240,7 @@ def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Com
         rungs.append((*base, *changing))
     if setup.method == "full":
         rungs.append((*base, LORA))
-    if setup.method != "qlora" and setup.precision != "fp32":
+    if setup.method != "qlora" and precision != "fp32":
         rungs.append((*base, qlora(gpu)))
     return rungs
 
