@@ -119,3 +119,36 @@ def test_an_image_model_says_its_lora_targets_are_assumed(capsys):
     )
     assert code == 0, err
     assert any("peft has no default LoRA targets" in w for w in json.loads(out)["warnings"])
+
+
+@pytest.mark.slow
+def test_qlora_quantises_gpt2s_conv1d_layers_in_both_engines():
+    from batchfit.memory.estimate import estimate
+
+    info, gpu = resolve_model("gpt2"), get_gpu("t4")
+    kw = dict(micro_batch_size=2, seq_len=256, gpu=gpu)
+    lora = estimate(info, TrainingSetup(method="lora", precision="amp-fp16"), **kw)
+    trace = estimate(info, TrainingSetup(method="qlora", precision="amp-fp16"), **kw)
+    analytic = estimate(
+        info, TrainingSetup(method="qlora", precision="amp-fp16"), engine="analytic", **kw
+    )
+    assert trace.components["weights"] < 0.6 * lora.components["weights"]
+    assert analytic.components["weights"] == pytest.approx(trace.components["weights"], rel=0.01)
+
+
+def test_own_module_in_pure_bf16_takes_fp32_inputs():
+    import torch
+
+    import batchfit
+
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    est = batchfit.estimate(
+        net,
+        TrainingSetup(precision="bf16"),
+        gpu=get_gpu("a100-40gb"),
+        batch_fn=lambda: torch.randn(8, 64),
+        loss_fn=lambda out, batch: out.float().sum(),
+    )
+    assert est.peak_bytes > 0

@@ -74,6 +74,18 @@ def estimate_module(
     store = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolved.precision, torch.float32)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(resolved.precision)
     emulate_cuda = device == "cuda"
+    if store != torch.float32:  # a pure 16-bit model takes 16-bit inputs (the user casts them)
+        from torch.utils._pytree import tree_map_only
+
+        users_batch_fn = batch_fn
+
+        def batch_fn() -> Any:
+            return tree_map_only(
+                torch.Tensor,
+                lambda t: t.to(store) if t.is_floating_point() else t,
+                users_batch_fn(),
+            )
+
     from batchfit.memory.kernels import emulation
 
     kernels = emulation(emulate_cuda)

@@ -109,6 +109,22 @@ def quantize_linears(net: torch.nn.Module, compute_dtype: torch.dtype) -> int:
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, Linear4bit(child, compute_dtype))
                 replaced += 1
+            elif type(child).__name__ == "Conv1D" and getattr(child, "weight", None) is not None:
+                # GPT-2's transposed linear: transformers' quantizer converts it too
+                # (integrations/bitsandbytes.py, replace_with_bnb_linear: nn.Linear or Conv1D)
+                weight: torch.Tensor = child.weight  # type: ignore[assignment]
+                in_features, out_features = weight.shape
+                shell = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+                shell.bias = child.bias  # type: ignore[assignment]
+                layer = Linear4bit(shell, compute_dtype)
+                layer.weight = torch.nn.Parameter(
+                    torch.empty_like(layer.weight, device=weight.device), requires_grad=False
+                )
+                for buffer in ("absmax", "absmax2", "code", "nf4"):
+                    old = getattr(layer, buffer)
+                    setattr(layer, buffer, torch.empty_like(old, device=weight.device))
+                setattr(parent, name, layer)
+                replaced += 1
     return replaced
 
 

@@ -81,7 +81,9 @@ def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
     if setup.precision == "fp16":
         return "fp16 with an fp32 master copy is DeepSpeed's optimizer wrapper"
     if setup.sharding not in ("none", "ddp") or setup.offload != "none":
-        return f"--sharding {setup.sharding} / --offload {setup.offload}"
+        named = [f"--sharding {setup.sharding}"] if setup.sharding not in ("none", "ddp") else []
+        named += [f"--offload {setup.offload}"] if setup.offload != "none" else []
+        return " with ".join(named)
     if setup.num_gpus > 1:
         return "several GPUs"
     return None

@@ -282,7 +282,9 @@ class ModelInfo:
         return sum(
             g.total
             for g in self.params
-            if g.module == "Linear" and g.pattern.endswith("weight") and g.kind != "head"
+            if g.module in ("Linear", "Conv1D")
+            and g.pattern.endswith("weight")
+            and g.kind != "head"
         )
 
     def fused_expert_params(self) -> int:
