@@ -76,59 +76,18 @@ def test_no_prediction_where_the_model_does_not_apply():
     assert step_time(gpt2, ddp, H100, micro_batch_size=8, seq_len=512) is None
 
 
+def _json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    code, out, err = run_cli([*args, "--engine", "analytic", "--json"], capsys)
+    assert code == 0, err
+    data: dict[str, object] = json.loads(out)
+    return data
+
+
 def test_estimate_and_plan_json_carry_the_time(capsys):
-    code, out, err = run_cli(
-        [
-            "estimate",
-            "gpt2",
-            "-b",
-            "8",
-            "-s",
-            "512",
-            "--gpu",
-            "a100-40gb",
-            "--engine",
-            "analytic",
-            "--json",
-        ],
-        capsys,
-    )
-    assert code == 0, err
-    est = json.loads(out)
+    workload = ("gpt2", "-s", "512")
+    est = _json(capsys, "estimate", *workload, "-b", "8", "--gpu", "a100-40gb")
     assert est["step_seconds"] > 0 and est["tokens_per_s_per_gpu"] > 0 and 0 < est["mfu"] < 1
-    code, out, err = run_cli(
-        [
-            "plan",
-            "gpt2",
-            "--gpu",
-            "a100-40gb",
-            "-s",
-            "512",
-            "--global-batch",
-            "64",
-            "--engine",
-            "analytic",
-            "--json",
-        ],
-        capsys,
-    )
-    assert code == 0, err
-    plan = json.loads(out)
+    plan = _json(capsys, "plan", *workload, "--gpu", "a100-40gb", "--global-batch", "64")
     assert plan["step_seconds"] > est["step_seconds"]  # accumulation: several micro-steps
-    code, out, _ = run_cli(
-        [
-            "estimate",
-            "gpt2",
-            "-b",
-            "8",
-            "-s",
-            "512",
-            "--device",
-            "cpu",
-            "--engine",
-            "analytic",
-            "--json",
-        ],
-        capsys,
-    )
-    assert json.loads(out)["step_seconds"] is None  # no GPU, no prediction
+    cpu = _json(capsys, "estimate", *workload, "-b", "8", "--device", "cpu")
+    assert cpu["step_seconds"] is None  # no GPU, no prediction
