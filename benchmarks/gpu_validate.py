@@ -554,26 +554,6 @@ def _estimate(case: dict[str, Any], gpu_name: str, engine: str, expandable: bool
     )
 
 
-def _predicted_step(case: dict[str, Any], gpu_name: str, expandable: bool) -> float | None:
-    """batchfit's predicted seconds of the case's step (``batchfit.speed``), or None."""
-    from batchfit.hardware import get_gpu
-    from batchfit.memory.analytic import resolve_setup
-    from batchfit.models import resolve_model
-    from batchfit.spec import TrainingSetup
-    from batchfit.speed import step_time
-
-    image = case["task"] == "image-classification"
-    info = resolve_model(case["model"], None if image else case["task"])
-    gpu = get_gpu(gpu_name)
-    setup = resolve_setup(info, TrainingSetup(**case["setup"]), "cuda", gpu)
-    predicted = step_time(info, setup, gpu, micro_batch_size=case["micro"], seq_len=case["seq"])
-    return None if predicted is None else predicted.step_seconds()
-
-
-def _pct(est: float, truth: float) -> str:
-    return f"{100 * (est - truth) / truth:+.1f}%"
-
-
 def _describe(case: dict[str, Any]) -> str:
     s = case["setup"]
     bits = [s["precision"], s["method"]]
@@ -637,7 +617,7 @@ def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-vali
             smi_cell = f"{smi / GIB:.2f} ({100 * e_smi:+.1f}%)"
         step = statistics.median(res["step_seconds"])
         tokens = case["micro"] * (1 if case["task"] == "image-classification" else case["seq"])
-        predicted = _predicted_step(case, gpu_name, expandable)
+        predicted = trace.speed_json()["step_seconds"]  # batchfit.speed's, in the estimate
         time_cell = "n/a"
         if predicted is not None:
             errs["step time"].append((predicted - step) / step)

@@ -180,11 +180,9 @@ def _full_weights(model: ModelInfo, setup: TrainingSetup) -> _Weights:
 
 def _lora_weights(model: ModelInfo, setup: TrainingSetup, targets: tuple[str, ...]) -> _Weights:
     warnings = []
-    if setup.lora_targets is None and model.lora_targets_guessed:
-        warnings.append(
-            f"peft has no default LoRA targets for {model.arch.model_type}: assumed "
-            f"{','.join(targets)} (set --lora-targets)"
-        )
+    guessed = model.guessed_targets_warning(setup.lora_targets)
+    if guessed:
+        warnings.append(guessed)
     lora_n = model.lora_params(setup.lora_rank, targets)
     base, lines = _frozen_base(model, setup)
     per = adapter_bytes(setup.lora_dtype)

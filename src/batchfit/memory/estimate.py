@@ -204,13 +204,9 @@ def estimate(
         from batchfit.memory.analytic import estimate_analytic
 
         result = estimate_analytic(model, setup, **kwargs)
-    if setup.is_lora and setup.lora_targets is None and model.lora_targets_guessed:
-        guessed = (
-            f"peft has no default LoRA targets for {model.arch.model_type}: assumed "
-            f"{','.join(model.default_lora_targets())} (set --lora-targets)"
-        )
-        if not any(w.startswith("peft has no default LoRA targets") for w in result.warnings):
-            warnings.append(guessed)  # the formulas say it; the trace path says it here
+    guessed = model.guessed_targets_warning(setup.lora_targets) if setup.is_lora else None
+    if guessed and guessed not in result.warnings:  # the formulas say it; the trace does not
+        warnings.append(guessed)
     if warnings:
         from dataclasses import replace
 

@@ -222,6 +222,16 @@ class ModelInfo:
         """peft has no default LoRA targets for this model type; ours are a guess."""
         return self.arch.model_type in _PEFT_GUESSED
 
+    def guessed_targets_warning(self, lora_targets: tuple[str, ...] | None) -> str | None:
+        """The warning for LoRA on this model without ``--lora-targets`` when peft has no
+        defaults for its type (ours are a guess), else None."""
+        if lora_targets is not None or not self.lora_targets_guessed:
+            return None
+        return (
+            f"peft has no default LoRA targets for {self.arch.model_type}: assumed "
+            f"{','.join(self.default_lora_targets())} (set --lora-targets)"
+        )
+
     def lora_params(self, rank: int, targets: Iterable[str] | None = None) -> int:
         """Trainable LoRA parameters: ``rank * (in + out)`` per targeted module (peft LoraLayer).
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import reduce
 from typing import Literal
 
+from batchfit.frameworks import adapter_defaults
 from batchfit.hardware import GpuSpec
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
@@ -142,6 +143,20 @@ OFFLOAD_ALL = Technique(
     "optimizer state and weights in CPU RAM",
     lambda s: replace(s, offload="optimizer+params"),
 )
+FSDP = Technique(
+    "fsdp",
+    "exact",
+    "FSDP2: weights, gradients and optimizer state sharded across the GPUs",
+    lambda s: replace(s, sharding="fsdp"),
+)
+FSDP_OFFLOAD = Technique(
+    "fsdp-cpu-offload",
+    "exact",
+    "FSDP2's CPUOffloadPolicy: weights, gradients and optimizer state in CPU RAM",
+    lambda s: replace(s, sharding="fsdp", offload="optimizer+params"),
+)
+
+
 ADAMW_8BIT = Technique(
     "adamw-8bit",
     "changes-training",
@@ -157,9 +172,7 @@ PURE_BF16 = Technique(
 
 
 def _to_lora(s: TrainingSetup) -> TrainingSetup:
-    from batchfit.frameworks import adapter_defaults  # the preset's adapter dtype (litgpt: bf16)
-
-    return replace(s, method="lora", **adapter_defaults(s))
+    return replace(s, method="lora", **adapter_defaults(s))  # the preset's adapter dtype
 
 
 LORA = Technique("lora", "changes-training", "train low-rank adapters", _to_lora)
@@ -170,12 +183,11 @@ def qlora(gpu: GpuSpec) -> Technique:
 
     def to_qlora(s: TrainingSetup) -> TrainingSetup:
         precision = s.precision
-        if precision in ("auto", "fp32"):
+        # "auto" under a pure-bf16 preset stays: it resolves to the preset's bf16 (the ladder
+        # offers QLoRA there only on a GPU with bf16)
+        pure_preset = s.framework in ("torchtune", "litgpt") and precision == "auto"
+        if precision in ("auto", "fp32") and not pure_preset:
             precision = "amp-bf16" if gpu.bf16 else "amp-fp16"
-        if s.framework in ("torchtune", "litgpt") and s.precision == "auto":
-            precision = "auto"  # the preset's pure bf16 (the ladder offers it only with bf16)
-        from batchfit.frameworks import adapter_defaults
-
         return replace(
             s,
             **adapter_defaults(s),
@@ -191,20 +203,6 @@ def qlora(gpu: GpuSpec) -> Technique:
 def apply(setup: TrainingSetup, techniques: Combo) -> TrainingSetup:
     """The setup with the techniques switched on, in order."""
     return reduce(lambda s, t: t(s), techniques, setup)
-
-
-FSDP = Technique(
-    "fsdp",
-    "exact",
-    "FSDP2: weights, gradients and optimizer state sharded across the GPUs",
-    lambda s: replace(s, sharding="fsdp"),
-)
-FSDP_OFFLOAD = Technique(
-    "fsdp-cpu-offload",
-    "exact",
-    "FSDP2's CPUOffloadPolicy: weights, gradients and optimizer state in CPU RAM",
-    lambda s: replace(s, sharding="fsdp", offload="optimizer+params"),
-)
 
 
 def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:

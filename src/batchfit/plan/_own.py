@@ -31,17 +31,11 @@ class OwnModel:
         self, setup: TrainingSetup, gpu: GpuSpec, micro: int, accum: int
     ) -> MemoryEstimate:
         """The dry run of one step at ``micro`` samples (``accum`` micro-steps), on ``gpu``."""
-        import torch
 
         from batchfit.memory.estimate import estimate
 
-        precision = setup.resolved(device="cuda", bf16_supported=gpu.bf16).precision
-        storage = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-        def batch() -> Any:
-            inputs = self.batch_fn(micro)
-            # a pure 16-bit run feeds its model 16-bit inputs
-            return _cast_floats(inputs, storage) if storage is not None else inputs
+        def batch() -> Any:  # estimate casts it for a pure 16-bit run
+            return self.batch_fn(micro)
 
         try:
             return estimate(
@@ -69,14 +63,6 @@ class OwnModel:
 
         with torch.device("meta"):
             return has_batchnorm(self.model_fn())
-
-
-def _cast_floats(value: Any, dtype: Any) -> Any:
-    """``value`` with its floating-point tensors cast to ``dtype`` (any nesting)."""
-    import torch
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def own_model(

@@ -93,20 +93,18 @@ def _peak_flops(gpu: GpuSpec, precision: str) -> float | None:
     return peak * 1e12 if peak else None
 
 
-def _matmul_params(model: ModelInfo) -> tuple[float, float]:
-    """Parameters a token multiplies by in forward (experts: the routed share), and those of
-    them that are trainable under full fine-tuning: (all, head)."""
+def _matmul_params(model: ModelInfo) -> float:
+    """Parameters a token multiplies by in forward: the matmul weights (experts: the routed
+    share), and a tied head's embedding, which the head multiplies by too."""
     kinds = model.params_by_kind()
     arch = model.arch
     dense = float(sum(v for k, v in kinds.items() if k in ("attention", "mlp", "other", "head")))
     experts = kinds.get("experts", 0)
     if experts and arch.num_experts:
         dense += experts * arch.experts_per_token / arch.num_experts
-    head = 0.0
     if model.task in ("causal-lm", "masked-lm") and "head" not in kinds:
-        head = float(arch.vocab_size * arch.hidden_size)  # a tied head multiplies too
-        dense += head
-    return dense, head
+        dense += arch.vocab_size * arch.hidden_size
+    return dense
 
 
 def step_time(
@@ -135,7 +133,7 @@ def step_time(
     if peak is None or not gpu.bandwidth_gb_s:
         return None
     tokens = micro_batch_size * seq_len
-    mm_params, _head = _matmul_params(model)
+    mm_params = _matmul_params(model)
     layers = arch.num_layers + (arch.num_decoder_layers if arch.family == "encoder-decoder" else 0)
     attn_width = arch.num_heads * arch.head_dim
     # QK^T and PV: 2 matmuls of 2 x seq x width FLOPs a token and layer; causal flash kernels
@@ -172,10 +170,7 @@ def step_time(
 
 
 def model_trainable(model: ModelInfo, setup: TrainingSetup) -> float:
-    """Trainable parameters, roughly: all of them, or LoRA's adapters (rank x in+out a target)."""
+    """Trainable parameters: all of them, or LoRA's adapters."""
     if setup.method == "full":
         return float(model.total_params)
-    targets = tuple(setup.lora_targets or model.default_lora_targets())
-    return float(
-        sum(g.count * setup.lora_rank * sum(g.shape[:2]) for g in model.lora_groups(targets))
-    )
+    return float(model.lora_params(setup.lora_rank, setup.lora_targets))
