@@ -1,4 +1,7 @@
-"""What the accumulator needs from torch.distributed: DDP detection and three collectives."""
+"""What the runtime needs from torch.distributed: DDP detection and a few small collectives.
+
+The collectives take the process group: DDP's, or the one FSDP2 shards over (``_fsdp``).
+"""
 
 from __future__ import annotations
 
@@ -17,33 +20,35 @@ def ddp_of(model: torch.nn.Module) -> DistributedDataParallel | None:
     return model if isinstance(model, DistributedDataParallel) else None
 
 
-def world_size(ddp: DistributedDataParallel) -> int:
-    return int(dist.get_world_size(ddp.process_group))
+def world_size(group: dist.ProcessGroup | None) -> int:
+    return int(dist.get_world_size(group))
 
 
-def collective_device(ddp: DistributedDataParallel) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the small flag tensors live: the GPU for NCCL, the CPU otherwise."""
-    if dist.get_backend(ddp.process_group) == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def sum_(stats: torch.Tensor, ddp: DistributedDataParallel) -> None:
+def sum_(stats: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Sum ``stats`` over the ranks in place."""
-    dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ddp.process_group)
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
 
 
-def any_rank(flag: bool, ddp: DistributedDataParallel, device: torch.device) -> bool:
+def any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """True on every rank when ``flag`` is True on any (all-reduce MAX of a uint8)."""
     value = torch.tensor([int(flag)], dtype=torch.uint8, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 
 
-def check_same(count: int, what: str, ddp: DistributedDataParallel, device: torch.device) -> None:
+def check_same(
+    count: int, what: str, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
     """Raise on every rank when ``count`` differs between ranks (MAX of ``[count, -count]``)."""
     value = torch.tensor([count, -count], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     high, low = int(value[0]), -int(value[1])
     if high != low:
         raise RuntimeError(
@@ -52,7 +57,7 @@ def check_same(count: int, what: str, ddp: DistributedDataParallel, device: torc
         )
 
 
-def sum_grads(params: Iterable[torch.nn.Parameter], ddp: DistributedDataParallel) -> None:
+def sum_grads(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Sum the gradients over the ranks, in buckets, as DDP would but without its averaging.
 
     A parameter with no gradient on this rank takes part with zeros, so every rank sends the
@@ -71,17 +76,17 @@ def sum_grads(params: Iterable[torch.nn.Parameter], ddp: DistributedDataParallel
             or grad.dtype != bucket[0].dtype
             or grad.device != bucket[0].device
         ):
-            _sum_bucket(bucket, ddp)
+            _sum_bucket(bucket, group)
             bucket, size = [], 0
         bucket.append(grad)
         size += grad.nbytes
     if bucket:
-        _sum_bucket(bucket, ddp)
+        _sum_bucket(bucket, group)
 
 
-def _sum_bucket(grads: list[torch.Tensor], ddp: DistributedDataParallel) -> None:
+def _sum_bucket(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ddp.process_group)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

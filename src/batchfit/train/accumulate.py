@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from batchfit.train import _dist
+from batchfit.train import _dist, _fsdp
 from batchfit.train._checks import check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -84,12 +85,22 @@ class Accumulator:
     them over ranks, which the rescale undoes), and the item counts and loss sums are summed
     over the ranks, so the step equals one step on the whole global batch of all ranks.
 
+    Under FSDP2 (a model ``fully_shard`` was applied to) the first ``grad_accum_steps - 1``
+    micro-steps run with ``set_requires_gradient_sync(False)`` and
+    ``set_reshard_after_backward(False)`` (FSDP2's recipe: gradients accumulate unsharded and
+    the next forward needs no all-gather); the last one reduce-scatters and reshards. The
+    module's own flags are put back after every micro-step. Gradients and the clipping norm
+    are DTensors: the norm is the global one, over every rank's shard. Item counts and loss
+    sums are summed over the group the parameters are sharded over. A ``GradScaler`` is not
+    supported under FSDP2 (its inf check would see one shard per rank): use bf16.
+
     An exception inside a micro-step drops the partial global step (gradients and counts), so
     nothing of it leaks into the next one. For the same reason construction clears the
     model's gradients.
 
     Args:
-        model: The model, or its DDP wrapper (pass the wrapper: it is what ``no_sync`` needs).
+        model: The model, or its DDP wrapper (pass the wrapper: it is what ``no_sync`` needs),
+            or the root module of an FSDP2 model (the one ``fully_shard`` was applied to last).
         optimizer: Steps once per global batch.
         grad_accum_steps: Micro-steps per optimizer step on each rank.
         scaler: A ``torch.amp.GradScaler`` for fp16: its scale stays fixed within a global
@@ -135,6 +146,20 @@ class Accumulator:
         self.max_grad_norm = max_grad_norm
         self.steps = 0  # optimizer steps taken, skipped ones included
         self._ddp = _dist.ddp_of(model)
+        self._fsdp = _fsdp.root_of(model)
+        if self._fsdp is not None and scaler is not None:
+            raise ValueError(
+                "a GradScaler under FSDP2 is not supported: its inf/nan check would see one "
+                "gradient shard per rank and the ranks could disagree on skipping; train in "
+                "bf16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16)) without a scaler"
+            )
+        self._group: dist.ProcessGroup | None = None
+        if self._ddp is not None:
+            self._group = self._ddp.process_group
+        elif self._fsdp is not None:
+            self._group = _fsdp.group_of(self._fsdp)
+        self._averaged_over = 1  # ranks the deferred gradient sync averaged over
+        self._held = False  # deferred() holds FSDP2's parameters unsharded
         self._batchnorm = any(
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()
         )
@@ -187,15 +212,36 @@ class Accumulator:
         """The model's ``DistributedDataParallel`` wrapper; None when the model is not one."""
         return self._ddp
 
+    @property
+    def fsdp(self) -> torch.nn.Module | None:
+        """The model when it is an FSDP2 module (``fully_shard`` applied); else None."""
+        fsdp: torch.nn.Module | None = self._fsdp
+        return fsdp
+
+    @property
+    def is_distributed(self) -> bool:
+        """True under DDP or FSDP2: counts, losses and OOM flags are combined over ranks."""
+        return self._ddp is not None or self._fsdp is not None
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The ranks the global batch spans (None: the default group, or not distributed)."""
+        return self._group
+
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """Hold back the gradient sync and the optimizer step, for a caller that ends the step.
 
-        Inside the block every micro-step runs in DDP's ``no_sync()`` (no collective inside
-        ``backward``, so a rank can still abandon the step) and the last one does not step.
-        The caller sums the gradients over the ranks itself, without averaging (or leaves
-        them per rank), and calls :meth:`finish` before the block ends. ``MicroBatcher`` runs
-        each attempt at a global batch this way, so that all ranks agree on an OOM first.
+        Inside the block no micro-step runs a collective, so a rank can still abandon the
+        step, and the last one does not step. Under DDP every micro-step runs in
+        ``no_sync()``. Under FSDP2 the block all-gathers every module's parameters as it
+        opens and keeps them unsharded, with gradients accumulating unsynced, until
+        :meth:`reduce_gradients` (memory: unsharded parameters and gradients, as under DDP);
+        the module's flags are put back as it closes, and a step left unfinished is dropped
+        and resharded. The caller calls :meth:`reduce_gradients` on every rank (or, under
+        DDP, sums the gradients itself or leaves them per rank), then :meth:`finish`, before
+        the block ends. ``MicroBatcher`` runs each attempt at a global batch this way, so
+        that all ranks agree on an OOM first.
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -215,10 +261,42 @@ class Accumulator:
                 "before the global step's first micro-step"
             )
         self._defer = True
+        self._averaged_over = 1
         try:
-            yield
+            if self._fsdp is None:
+                yield
+            else:
+                with _fsdp.restoring_flags(self._fsdp):
+                    self._held = True
+                    try:
+                        _fsdp.hold_unsharded(self._fsdp)
+                        yield
+                    finally:
+                        if self._held:
+                            # Left before reduce_gradients(): drop the partial step and
+                            # reshard, with no collective (the OOM path).
+                            self._held = False
+                            _fsdp.abandon(self._fsdp)
         finally:
             self._defer = False
+
+    def reduce_gradients(self) -> None:
+        """Inside :meth:`deferred`, after the last micro-step: combine the gradients over
+        the ranks (DDP: summed in buckets; FSDP2: reduce-scattered and resharded). Every rank
+        calls it; :meth:`finish` then steps on the global batch's gradient.
+        """
+        if not self._defer or self._open:
+            raise RuntimeError(
+                "reduce_gradients() belongs inside deferred(), between micro-steps: "
+                "outside it the last micro-step's backward syncs by itself"
+            )
+        if self._fsdp is not None:
+            _fsdp.reduce_gradients(self._fsdp)
+            self._held = False
+            self._averaged_over = _dist.world_size(self._group)
+        elif self._ddp is not None:
+            _dist.sum_grads(self._ddp.parameters(), self._group)
+            self._averaged_over = 1
 
     @contextlib.contextmanager
     def micro_step(self) -> Iterator[MicroStep]:
@@ -237,12 +315,10 @@ class Accumulator:
                 "`with acc.micro_step():` block before starting the next"
             )
         handle = MicroStep(index=self._done, is_last=self._done + 1 == self._k)
-        sync = self._ddp is not None and handle.is_last and not self._defer
-        no_sync = self._ddp.no_sync() if self._ddp is not None and not sync else None
         self._open, self._backward_called = True, False
         finished = False
         try:
-            with no_sync or contextlib.nullcontext():
+            with self._sync_context(handle.is_last and not self._defer):
                 yield handle
             finished = True
         finally:
@@ -266,6 +342,19 @@ class Accumulator:
         self._done += 1
         if handle.is_last and not self._defer:
             handle.result = self.finish()
+
+    @contextlib.contextmanager
+    def _sync_context(self, sync: bool) -> Iterator[None]:
+        """No gradient sync in this micro-step's backward unless ``sync``."""
+        if self._ddp is not None and not sync:
+            with self._ddp.no_sync():
+                yield
+        elif self._fsdp is not None and not self._defer:
+            with _fsdp.restoring_flags(self._fsdp):
+                _fsdp.set_sync(self._fsdp, sync)
+                yield
+        else:  # deferred FSDP2 holds its flags for the whole block
+            yield
 
     def backward(self, loss_sum: torch.Tensor, num_items: NumItems) -> None:
         """Back-propagate a micro-batch's loss sum, counting the items it covers.
@@ -307,7 +396,11 @@ class Accumulator:
         """Drop the partial global step: gradients (set to None), loss and item sums.
 
         Optimizer, scheduler and scaler are untouched: they only move at a completed step.
+        Under FSDP2 the unsharded gradients go too, and FSDP2's per-iteration state is reset
+        (``reset_iter_state``), with no collective.
         """
+        if self._fsdp is not None:
+            _fsdp.abandon(self._fsdp)
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._reset()
@@ -342,8 +435,11 @@ class Accumulator:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in params if p.grad is not None]
-        # Native DDP sync averaged the summed gradients over the ranks; undo that too.
-        ranks = 1 if self._ddp is None or self._defer else _dist.world_size(self._ddp)
+        # Native DDP / FSDP2 sync averaged the summed gradients over the ranks; undo that too.
+        if self._defer:
+            ranks = self._averaged_over
+        else:
+            ranks = _dist.world_size(self._group) if self.is_distributed else 1
         factor = ranks / items
         grad_norm = _total_norm(grads) * factor
         scale = factor
@@ -390,8 +486,8 @@ class Accumulator:
             stats = torch.stack([loss, items, bad.to(dtype)])
         else:
             stats = torch.stack([loss, loss.new_tensor(self._items_float), loss.new_zeros(())])
-        if self._ddp is not None:
-            _dist.sum_(stats, self._ddp)
+        if self.is_distributed:
+            _dist.sum_(stats, self._group)
         loss, total, n_bad = stats.tolist()
         if n_bad:
             raise ValueError(
@@ -441,7 +537,10 @@ def _total_norm(grads: list[torch.Tensor]) -> float:
         return 0.0
     get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
     if get_total_norm is not None:
-        return float(get_total_norm(grads))
+        norm = get_total_norm(grads)
+        # FSDP2's gradients are DTensor shards: the norm over all of them, from every rank.
+        full_tensor = getattr(norm, "full_tensor", None)
+        return float(full_tensor() if full_tensor is not None else norm)
     return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
 
 

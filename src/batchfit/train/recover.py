@@ -41,11 +41,18 @@ class MicroBatcher:
     micro-batch size, which then stays, unless ``grow_after_steps`` asks to try doubling it
     again after that many clean steps. Every change is logged (``logging``).
 
-    Under DDP every micro-step ends with an all-reduce (MAX) of an OOM flag, so all ranks
-    learn of an OOM on any of them and shrink together; gradients are summed over the ranks
-    once, after the last micro-step, and only when no rank ran out of memory (DDP's own sync
-    inside backward could not be abandoned half way). Every rank must run the same number of
-    micro-steps: give each the same number of samples per global batch.
+    Under DDP and FSDP2 every micro-step ends with an all-reduce (MAX) of an OOM flag, so all
+    ranks learn of an OOM on any of them and shrink together; gradients are combined over
+    the ranks once, after the last micro-step, and only when no rank ran out of memory. No
+    micro-step runs a collective (see ``Accumulator.deferred``): a rank that runs out of
+    memory anywhere in its forward or backward never leaves another waiting in one. Under
+    FSDP2 that means the parameters are all-gathered once as the global batch starts and
+    stay unsharded until one reduce-scatter after its last micro-step, so the batch holds
+    the unsharded parameters and gradients (DDP's memory for them, not FSDP's); the
+    activations, which grow with the micro-batch, are what an OOM shrinks. An OOM in that
+    all-gather or reduce-scatter (sizes that no micro-batch changes) is not recovered.
+    Every rank must run the same number of micro-steps: give each the same number of
+    samples per global batch.
 
     Each global batch starts with a copy of the model's floating-point and integer buffers
     (BatchNorm's running statistics and batch counts), on their own device, put back when the
@@ -173,20 +180,19 @@ class MicroBatcher:
         self, batch: Any, n: int, micro: int, step_fn: StepFn
     ) -> tuple[StepResult | None, str]:
         acc = self.accumulator
-        ddp = acc.ddp
-        device = _dist.collective_device(ddp) if ddp is not None else None
-        if ddp is not None and device is not None:
-            _dist.check_same(acc.grad_accum_steps, "micro-steps per global batch", ddp, device)
+        group = acc.process_group
+        device = _dist.collective_device(group) if acc.is_distributed else None
+        if device is not None:
+            _dist.check_same(acc.grad_accum_steps, "micro-steps per global batch", group, device)
         with acc.deferred():
             for start in range(0, n, micro):
                 message = self._micro_step(step_fn, slice_batch(batch, start, start + micro))
                 oom = message is not None
-                if ddp is not None and device is not None:
-                    oom = _dist.any_rank(oom, ddp, device)
+                if device is not None:
+                    oom = _dist.any_rank(oom, group, device)
                 if oom:
                     return None, message or "out of memory on another rank"
-            if ddp is not None:
-                _dist.sum_grads(ddp.parameters(), ddp)
+            acc.reduce_gradients()
             return acc.finish(), ""
 
     def _micro_step(self, step_fn: StepFn, micro_batch: Any) -> str | None:
