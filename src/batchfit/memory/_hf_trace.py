@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -15,9 +16,8 @@ from torch._subclasses import fake_tensor
 
 from batchfit.memory import trace
 from batchfit.memory._activations import EAGER_ONLY_TYPES
-from batchfit.memory._device import (
-    CUBLAS_HANDLES,
-)
+from batchfit.memory._device import CUBLAS_HANDLES
+from batchfit.memory._fsdp import fake_world, is_fsdp, shard
 from batchfit.memory._optim import make_optimizer
 from batchfit.memory._tracker import cpu_bf16_gemm_scratch
 from batchfit.models import ModelInfo
@@ -272,8 +272,13 @@ def step_parts(
     emulate_cuda: bool,
     depth: int | None = None,
     built: torch.nn.Module | None = None,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
 ) -> StepParts:
-    """Model (setup applied), optimizer, batch factory and autocast dtype for one step."""
+    """Model (setup applied), optimizer, batch factory and autocast dtype for one step.
+
+    ``prepare`` wraps the finished model (the loss wrapper included) before the optimizer
+    takes its parameters: FSDP2's ``fully_shard`` (:mod:`batchfit.memory._fsdp`).
+    """
     vision = model.arch.family == "vision"
     net = (
         built
@@ -296,6 +301,8 @@ def step_parts(
         from batchfit.memory._lm_loss import Fp32Outputs
 
         net = Fp32Outputs(net)
+    if prepare is not None:
+        net = prepare(net)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(setup.optimizer, params, setup.optimizer_impl, emulate_cuda)
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
@@ -369,23 +376,60 @@ def trace_once(
     grad_accum_steps: int,
 ) -> trace.TraceResult:
     """One dry run at ``depth`` layers (None = the real depth); on CUDA the cuBLAS
-    ``workspace`` bytes are allocated first, as the first matmul does."""
+    ``workspace`` bytes are allocated first, as the first matmul does. Under FSDP
+    (:func:`batchfit.memory._fsdp.is_fsdp`) it is rank 0 of ``setup.num_gpus``."""
+    emulate_cuda = device == "cuda"
+    with contextlib.ExitStack() as world:
+        prepare = None
+        if is_fsdp(setup):
+            mesh = world.enter_context(fake_world(setup.num_gpus))
+            prepare = functools.partial(shard, setup=setup, mesh=mesh)
+        result = _run(
+            model,
+            setup,
+            micro=micro,
+            seq=seq,
+            depth=depth,
+            grad_accum_steps=grad_accum_steps,
+            workspace=workspace if emulate_cuda else None,
+            prepare=prepare,
+        )
+    if emulate_cuda:
+        from batchfit.memory.allocator import simulate
+
+        reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
+        result = replace(result, reserved_bytes=reserved.reserved_bytes)
+    return result
+
+
+def _run(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro: int,
+    seq: int,
+    depth: int | None,
+    grad_accum_steps: int,
+    workspace: int | None,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] | None,
+) -> trace.TraceResult:
+    """Build, fake the tensors, run the steps under the tracker; ``workspace`` is None for a
+    CPU step, the cuBLAS workspace bytes for an emulated CUDA one."""
     from batchfit.memory.kernels import emulation
 
-    emulate_cuda = device == "cuda"
+    emulate_cuda = workspace is not None
     keep: list[torch.Tensor] = []
 
     def cuda_workspaces(tracker: Any) -> None:
-        if emulate_cuda:
+        if workspace is not None:
             for _ in range(CUBLAS_HANDLES):
                 keep.append(torch.empty(workspace // CUBLAS_HANDLES, dtype=torch.uint8))
                 tracker.label(keep[-1], "other")
 
-    kernels = emulation(emulate_cuda)
     with trace.quiet(), _moe_grouped_fallback(model):
         vision = model.arch.family == "vision"
         net = _meta_build(model, setup, depth, emulate_cuda, seq if vision else None)
-        with trace.fake_mode(), kernels:
+        with trace.fake_mode(), emulation(emulate_cuda):
             parts = step_parts(
                 model,
                 setup,
@@ -393,8 +437,9 @@ def trace_once(
                 seq=seq,
                 emulate_cuda=emulate_cuda,
                 built=materialize_fake(net),
+                prepare=prepare,
             )
-            result = trace.run_steps(
+            return trace.run_steps(
                 parts.model,
                 parts.optimizer,
                 parts.make_batch,
@@ -406,9 +451,3 @@ def trace_once(
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
                 prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
             )
-    if emulate_cuda:
-        from batchfit.memory.allocator import simulate
-
-        reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
-        result = replace(result, reserved_bytes=reserved.reserved_bytes)
-    return result

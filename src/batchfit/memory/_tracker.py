@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory._trace_result import CATEGORIES
@@ -135,11 +135,23 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
 
     # --- registration ------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, label: str | None = None) -> int | None:
-        """Register a tensor's storage (once); returns its key."""
+        """Register a tensor's storage (once); returns its key.
+
+        A wrapper subclass (FSDP2's DTensor parameters and gradients) reports a storage the
+        size of the whole tensor that holds nothing: its inner (local) tensors are tracked.
+        """
+        if is_traceable_wrapper_subclass(tensor):
+            inner_names, _ = tensor.__tensor_flatten__()
+            inner = [getattr(tensor, name) for name in inner_names]
+            keys = [self.track(t, label) for t in inner if isinstance(t, torch.Tensor)]
+            return next((k for k in keys if k is not None), None)
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # sparse / nested: not modelled
             return None
+        return self._track_storage(storage, label)
+
+    def _track_storage(self, storage: torch.UntypedStorage, label: str | None) -> int | None:
         sid = id(storage)
         key = self._key_of.get(sid)
         if key is None:
@@ -162,6 +174,40 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
 
     def label(self, tensor: torch.Tensor, label: str) -> None:
         self.track(tensor, label)
+
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage resized in place: FSDP2 frees an unsharded parameter's memory with
+        ``storage.resize_(0)`` and brings it back with ``resize_(size)`` (``free_storage`` /
+        ``alloc_storage`` in torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so the
+        storage object outlives its bytes. The old bytes end; the new ones are a new key."""
+        sid = id(storage)
+        key = self._key_of.get(sid)
+        label = None
+        if key is not None:
+            # a resized storage is FSDP's (gathered parameters, first made by torch.empty):
+            # labels are read when the result is made, so this one counts from its birth
+            label = self.timeline.labels.setdefault(key, "other")
+            finalizer = self._finalizers.get(key)
+            if finalizer is not None:
+                finalizer.detach()
+            self._free(sid, key)
+        if nbytes > 0:  # only FSDP2's unsharded parameters are resized in a training step
+            self._track_storage(storage, label)
+
+    def __enter__(self) -> Any:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            tracker._resized(storage, int(size))
+            return out
+
+        # ``UntypedStorage.resize_`` never reaches a dispatch mode (PyTorch's MemTracker,
+        # torch/distributed/_tools/mem_tracker.py, patches it for the same reason)
+        self._restore_resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        return super().__enter__()  # type: ignore[no-untyped-call, unused-ignore]
 
     def _free(self, sid: int, key: int) -> None:
         if key not in self._live:
@@ -210,6 +256,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
 
     def __exit__(self, *exc: Any) -> Any:
         self._settle()
+        torch.UntypedStorage.resize_ = self._restore_resize  # type: ignore[method-assign]
         return super().__exit__(*exc)  # type: ignore[no-untyped-call, unused-ignore]
 
     def _settle(self) -> None:
@@ -243,9 +290,12 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         if self._accumulating_add(func, args, kwargs):
             self._pending = out
             return out
+        # FSDP2's own ops (torch.ops.fsdp: all-gather and reduce-scatter buffers) hold
+        # communication buffers, not activations
+        label = "other" if getattr(func, "namespace", "") == "fsdp" else None
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):
-                self.track(item)
+                self.track(item, label)
         if self.gemm_scratch:
             scratch = _fp32_scratch(func, args, out)
             if scratch:

@@ -269,6 +269,10 @@ def run_steps(
             stack.clear()
             tracker.module = ""
         moments.enter(phase)
+        if phase == "optimizer-step":  # FSDP2 sets its sharded gradients without a hook
+            for param in model.parameters():
+                if param.grad is not None:
+                    tracker.label(param.grad, "gradients")
         if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
             for state in optimizer.state.values():
                 for value in state.values():
