@@ -4,4 +4,6 @@
   start and keeps the global batch), ``trainer_kwargs(plan)``.
 - ``batchfit.integrations.hf``: ``PeakMemoryCallback`` (peak memory and throughput per step,
   a warning when the run drifts from its plan), ``training_arguments(plan)``.
+- ``batchfit.integrations.deepspeed``: ``DeepSpeedMicroBatcher`` (OOM recovery for an engine
+  that owns its accumulation: every rank shrinks together, ``train_batch_size`` is kept).
 """

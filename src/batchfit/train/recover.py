@@ -15,16 +15,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from batchfit._oom import OutOfMemoryError, is_oom, release_memory
-from batchfit._rng import RngState
 from batchfit.train import _dist
 from batchfit.train._batches import batch_len, slice_batch
 from batchfit.train._checks import check_positive_int
+from batchfit.train._restart import BatchStart
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class MicroBatcher:
         n = batch_len(batch)
         if n == 0:
             raise ValueError("the global batch is empty: give MicroBatcher.run at least one sample")
-        start = _BatchStart.capture(acc.model)
+        start = BatchStart.capture(acc.model)
         ooms = 0
         while True:
             micro = min(self._size, n)
@@ -233,36 +233,3 @@ class MicroBatcher:
             grown,
         )
         self._size, self._clean_steps = grown, 0
-
-
-# Buffers a forward pass may update in place: running statistics (float), batch counts (int).
-_BUFFER_DTYPES = frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
-    | {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
-)
-
-
-@dataclass(frozen=True)
-class _BatchStart:
-    """What a global batch started with and a redo puts back: random state and buffers."""
-
-    rng: RngState
-    buffers: dict[str, torch.Tensor]  # name -> copy, on the buffer's device
-
-    @classmethod
-    def capture(cls, model: torch.nn.Module) -> _BatchStart:
-        with torch.no_grad():
-            buffers = {
-                name: buf.clone()
-                for name, buf in model.named_buffers()
-                if buf.dtype in _BUFFER_DTYPES
-            }
-        return cls(rng=RngState.capture(), buffers=buffers)
-
-    def restore(self, model: torch.nn.Module) -> None:
-        # In place: DDP holds references to the buffer tensors it broadcasts.
-        live = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, saved in self.buffers.items():
-                live[name].copy_(saved)
-        self.rng.restore()
