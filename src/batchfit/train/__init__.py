@@ -1,9 +1,9 @@
 """The training runtime: exact gradient accumulation, OOM recovery that keeps the global batch.
 
 - :class:`Accumulator`: micro-steps of ``(loss_sum, num_items)``; one optimizer step whose
-  gradient equals the full global batch's, across micro-batches and DDP ranks.
+  gradient equals the full global batch's, across micro-batches and DDP or FSDP2 ranks.
 - :class:`MicroBatcher`: splits each global batch into micro-batches; on out-of-memory halves
-  them and redoes the global batch from its first sample.
+  them and redoes the global batch from its first sample; every rank shrinks together.
 - :func:`class_weights`, :func:`cross_entropy_sum`: weighted losses that stay exact.
 """
 
