@@ -3,10 +3,10 @@ CPU ranks under torchrun (gloo), FSDP2 and DDP, 2 and 4 ranks (issue #12).
 
 Debug cases (GPT-2, the cases the FSDP2 trace and DDP buckets were built on) are reported apart
 from the evaluation cases, drawn at random from ``SEED`` (20261126, fixed before any result was
-looked at) over the scaled-down architectures in ``configs/``, precision, sharding, ranks,
-micro-batch and sequence. Truth: ``_fsdp_truth.py`` on every rank (VmHWM after three steps,
-``MALLOC_MMAP_THRESHOLD_=65536``), the largest rank's figure. Estimate: ``estimate(...,
-device="cpu")`` with ``num_gpus`` = ranks (trace engine; analytic beside it).
+looked at), and holdout cases from ``HOLDOUT_SEED``, over the scaled-down architectures in
+``configs/``, precision, sharding, ranks, micro-batch and sequence. Truth: ``_fsdp_truth.py``
+on every rank (VmHWM after three steps, ``MALLOC_MMAP_THRESHOLD_=65536``), the largest rank's.
+Estimate: ``estimate(..., device="cpu")`` with ``num_gpus`` = ranks (trace; analytic beside).
 
     python benchmarks/distributed.py [--no-write] [--only SUBSTR] [--cases N]
 """
@@ -31,6 +31,9 @@ sys.path.insert(0, str(HERE))
 from _report import write_section  # noqa: E402
 
 SEED = 20261126
+# drawn after the first evaluation run had found gloo's reduce-scatter copy (its two llama-style
+# cases were 11% and 29% under before it was modelled): cases no fix has seen
+HOLDOUT_SEED = 20261127
 MIB = 2**20
 DEBUG = [
     {"model": "gpt2", "setup": {"sharding": "fsdp"}, "ranks": 2, "micro": 2, "seq": 256},
@@ -38,9 +41,9 @@ DEBUG = [
 ]
 
 
-def draw(n: int) -> list[dict[str, Any]]:
-    """``n`` evaluation cases from ``SEED`` (the draw order is part of the record)."""
-    rng = random.Random(SEED)
+def draw(n: int, seed: int = SEED) -> list[dict[str, Any]]:
+    """``n`` evaluation cases from ``seed`` (the draw order is part of the record)."""
+    rng = random.Random(seed)
     configs = sorted(p.name for p in (HERE / "configs").glob("gen-*.json"))
     configs = [c for c in configs if "bart" not in c]  # encoder-decoder: not a layer stack FSDP
     cases = []
@@ -149,7 +152,11 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=6)
     args = ap.parse_args()
     os.environ.setdefault("BATCHFIT_NO_CACHE", "1")
-    groups = {"debug": DEBUG, "evaluation": draw(args.cases)}
+    groups = {
+        "debug": DEBUG,
+        "evaluation": draw(args.cases),
+        "holdout": draw(args.cases, HOLDOUT_SEED),
+    }
     results: dict[str, list[dict[str, Any]]] = {}
     for group, cases in groups.items():
         rows = []
@@ -172,7 +179,11 @@ def main() -> None:
     for group, rows in results.items():
         if not rows:
             continue
-        label = "Debug cases (built on)" if group == "debug" else f"Evaluation cases (seed {SEED})"
+        label = {
+            "debug": "Debug cases (built on)",
+            "evaluation": f"Evaluation cases (seed {SEED})",
+            "holdout": f"Holdout cases (seed {HOLDOUT_SEED}, drawn after the fix)",
+        }[group]
         body += [f"**{label}**", "", table(rows), "", summary(rows, "trace"), ""]
         body += [summary(rows, "analytic"), ""]
     text = "\n".join(body)

@@ -449,5 +449,6 @@ def _run(
                 extra_other=cuda_workspaces,
                 loop=setup.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
+                gloo_scratch=not emulate_cuda and is_fsdp(setup),
                 prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
             )

@@ -128,6 +128,19 @@ def traced_result(
             "convolutions: cuDNN's workspaces (taken from the caching allocator, larger with "
             "torch.backends.cudnn.benchmark) are not counted"
         )
+    if is_fsdp(setup):
+        policy = (
+            f"MixedPrecisionPolicy(param_dtype={setup.precision.removeprefix('amp-')}, "
+            "reduce_dtype=fp32) under autocast"
+            if setup.precision.startswith("amp-")
+            else "no mixed-precision policy (parameters gathered as stored)"
+        )
+        notes.append(
+            f"FSDP2: rank 0 of {setup.num_gpus} under a fake process group; fully_shard per "
+            f"layer, then the root, reshard_after_forward=True, {policy}; parameters, gradients "
+            "and optimizer state are this rank's shards; gathered parameters (the running "
+            "layer, the prefetched one, the root's) and reduce-scatter buffers count as other"
+        )
     if model.arch.num_experts:
         notes.append(
             f"MoE: {model.arch.num_experts} experts, {model.arch.experts_per_token} per token; "

@@ -30,6 +30,10 @@ _GEMMS = {
 }
 
 
+# the collective FSDP2 reduce-scatters gradients with: (output, input, op, group, ...)
+_REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
+
+
 def cpu_bf16_gemm_scratch() -> bool:
     """Whether this CPU's bf16 matmuls take PyTorch's own fallback kernel (no oneDNN bf16, as on
     AVX2-only CPUs), whose ``A.t() @ B`` case sums into an fp32 matrix the size of the output
@@ -105,11 +109,12 @@ class Timeline:
 class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unused-ignore]
     """Dispatch mode that tracks live storage bytes and records a :class:`Timeline`.
 
-    Two things a real step does that its tensors alone do not show are modelled here:
+    Things a real step does that its tensors alone do not show are modelled here:
 
     - ``gemm_scratch``: on a CPU whose bf16 matmuls take the fallback kernel
       (:func:`cpu_bf16_gemm_scratch`), each ``A.t() @ B`` holds an fp32 output-sized
       accumulator for the op's duration (recorded as a transient, born and freed in the op).
+    - ``gloo_scratch``: CPU ranks (gloo) reduce-scatter through a copy of the whole input.
     - Gradient accumulation in place: when one tensor gets several gradients (a tied
       embedding), autograd's input buffer sums them with ``add_`` if it holds the only
       reference to a plain (non-view) buffer (``can_accumulate_inplace`` in
@@ -118,9 +123,10 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
       known whether the first buffer died with the add (in place: no extra bytes) or not.
     """
 
-    def __init__(self, gemm_scratch: bool = False) -> None:
+    def __init__(self, gemm_scratch: bool = False, gloo_scratch: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.gemm_scratch = gemm_scratch
+        self.gloo_scratch = gloo_scratch
         self._pending: torch.Tensor | None = None  # an accumulating add's output, not yet tracked
         self.timeline = Timeline()
         self.phase = "setup"
@@ -296,6 +302,10 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):
                 self.track(item, label)
+        if self.gloo_scratch and func is _REDUCE_SCATTER:
+            # gloo reduce-scatters through a full-size copy of the input, allocated below the
+            # dispatcher (measured on 4 CPU ranks: one 216 MiB buffer beside the 216 MiB input)
+            self.transient(int(args[1].untyped_storage().nbytes()))
         if self.gemm_scratch:
             scratch = _fp32_scratch(func, args, out)
             if scratch:

@@ -218,6 +218,7 @@ def run_steps(
     loop: Loop = "trainer",
     gemm_scratch: bool = False,
     prime: bool = True,
+    gloo_scratch: bool = False,
 ) -> TraceResult:
     """Run ``steps`` optimizer steps of ``grad_accum_steps`` micro-steps under the tracker.
 
@@ -228,10 +229,11 @@ def run_steps(
     which fragments the cache the later steps run in (measured on an H100: qwen2.5-1.5b, 8 x
     256, reserved 36.9 GiB; simulated 32.9 after a primed step, 36.7 after a whole one).
     ``gemm_scratch``: count the CPU bf16 fallback matmul's fp32 accumulator
-    (:class:`AllocationTracker`); for a step that runs on such a CPU.
+    (:class:`AllocationTracker`); for a step that runs on such a CPU. ``gloo_scratch``: count
+    gloo's copy of each reduce-scatter's input; for sharded CPU ranks.
     """
     start = time.perf_counter()
-    tracker = AllocationTracker(gemm_scratch)
+    tracker = AllocationTracker(gemm_scratch, gloo_scratch)
     for p in model.parameters():
         tracker.track(p, "weights")
     for b in model.buffers():
