@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from batchfit.errors import UsageError
+from batchfit.memory._deepspeed import is_deepspeed, precision_config, zero_optimization
 from batchfit.plan import Plan
 from batchfit.spec import TrainingSetup
 
@@ -110,21 +112,25 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     return kwargs
 
 
+def _as_deepspeed(setup: TrainingSetup) -> TrainingSetup:
+    """``setup`` as DeepSpeed would run it: FSDP's full sharding is ZeRO-3."""
+    stage = _zero_stage(setup)
+    return replace(setup, sharding=f"zero{stage}") if stage else setup  # type: ignore[arg-type]
+
+
 def deepspeed_config(plan: Plan) -> dict[str, Any]:
-    """A DeepSpeed config; ``train_batch_size`` = micro x accumulation x world size."""
-    setup = plan.setup
-    zero: dict[str, Any] = {"stage": _zero_stage(setup)}
-    if setup.offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if setup.offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    """A DeepSpeed config; ``train_batch_size`` = micro x accumulation x world size.
+
+    The ZeRO section and the precision come from ``memory._deepspeed``, the module that
+    counts the plan's memory: the buckets written here are the buckets counted there.
+    """
+    setup = _as_deepspeed(plan.setup)
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
-        "zero_optimization": zero,
-        "bf16": {"enabled": setup.precision in ("amp-bf16", "bf16")},
-        "fp16": {"enabled": setup.precision in ("amp-fp16", "fp16"), "loss_scale": 0},
+        "zero_optimization": zero_optimization(setup),
+        **precision_config(setup),
         "gradient_clipping": 1.0,
     }
     if setup.optimizer in ("adam", "adamw"):
@@ -230,12 +236,16 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
             "cannot switch on: compute the loss per chunk in your loss function (Trainer's "
             "compute_loss_func, your training_step), or plan with --loss full"
         )
-    if kind == "deepspeed" and (setup.sharding == "fsdp" or setup.precision == "bf16"):
+    torch_layout = setup.sharding == "fsdp" or (
+        setup.precision == "bf16" and not is_deepspeed(setup)
+    )
+    if kind == "deepspeed" and torch_layout:
         what = "FSDP2 sharding" if setup.sharding == "fsdp" else "pure bf16 (no fp32 master)"
         caveats.append(
-            f"the plan counted {what}; DeepSpeed with bf16.enabled keeps an fp32 master copy "
-            "and fp32 optimizer states (16 B a parameter), so this config needs more memory "
-            "than planned: export accelerate (FSDP2) or plan with --sharding zero1|zero2|zero3"
+            f"the plan counted {what}; DeepSpeed with bf16.enabled keeps 16-bit weights and "
+            "gradients with an fp32 master partition and fp32 optimizer states, so this config "
+            "does not run what was planned: export accelerate (FSDP2) or plan with --sharding "
+            "zero1|zero2|zero3"
         )
     return caveats
 

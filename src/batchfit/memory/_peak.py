@@ -73,18 +73,22 @@ def peak(
     grad_accum_steps: int,
 ) -> Peak:
     """The largest of the three moments; ``fixed`` is what every moment holds besides."""
-    temps, temps_why = step_temporaries(
-        params.trainable_shapes, setup, params.state_elem, device, params.grad_bytes
-    )
-    if setup.offload != "none":
-        temps = 0.0  # the step runs on the CPU
-    temps /= sharded.shard
+    if sharded.step_temps is not None:
+        temps, temps_why = sharded.step_temps
+    else:
+        temps, temps_why = step_temporaries(
+            params.trainable_shapes, setup, params.state_elem, device, params.grad_bytes
+        )
+        if setup.offload != "none":
+            temps = 0.0  # the step runs on the CPU
+        temps /= sharded.shard
     grads = sharded.grads
     # The first gradients backward produces (output head / last layer): about one layer's worth.
     head_grad = 0.0
     if params.lora_targets is None:
         head_grad = params.trainable * params.grad_bytes / max(num_layers, 1)
-    grads_before = grads if grad_accum_steps > 1 else min(head_grad, grads)
+    held = grad_accum_steps > 1 or sharded.grads_held
+    grads_before = grads if held else min(head_grad, grads)
     phases = {
         "backward": (grads_before, acts.at_backward_start, fixed),
         "backward-end": (grads, acts.at_backward_end, fixed),

@@ -1,4 +1,8 @@
-"""Sharding and offload: what one GPU keeps of the model states, and what they cost it."""
+"""Sharding and offload under torch (DDP, FSDP2): what one GPU keeps of the model states.
+
+DeepSpeed's ZeRO stages keep another layout (16-bit weights and gradients, an fp32 master
+partition in the optimizer): ``_deepspeed`` counts them and returns the same ``Sharded`` value.
+"""
 
 from __future__ import annotations
 
@@ -22,14 +26,22 @@ class Sharded:
     shard: int  # how many GPUs divide the sharded states (1: none)
     lines: tuple[Line, ...]
     warnings: tuple[str, ...]
+    # the optimizer step's temporaries per GPU and why, where the sharding decides them
+    # (DeepSpeed's cast of the gradient partition); None: the optimizer's own (_peak)
+    step_temps: tuple[float, str] | None = None
+    # the lines describe the model states whole (DeepSpeed's layout), replacing _params' lines
+    own_lines: bool = False
+    # the gradient buffer lives through the whole step (ZeRO-3's grad_partitions_flat_buffer is
+    # allocated once), not only from backward on
+    grads_held: bool = False
 
 
 def shard_and_offload(
     model: ModelInfo, setup: TrainingSetup, params: Params, compute_bytes: int
 ) -> Sharded:
-    """Divide by the GPUs that share the states, move offloaded ones to the host."""
+    """Divide by the GPUs that share the states (FSDP2), move offloaded ones to the host."""
     sharding = setup.sharding
-    shard = setup.num_gpus if sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    shard = setup.num_gpus if sharding == "fsdp" else 1
     weights, grads, states = params.weights, params.grads, params.states
     lines: list[Line] = []
     warnings: list[str] = []
@@ -42,10 +54,8 @@ def shard_and_offload(
 
     if shard > 1:
         states = divided("optimizer_state", states, f"optimizer state / {shard}")
-        if sharding in ("zero2", "zero3", "fsdp"):
-            grads = divided("gradients", grads, f"gradients / {shard}")
-        if sharding in ("zero3", "fsdp"):
-            weights = divided("weights", weights, f"weights / {shard}")
+        grads = divided("gradients", grads, f"gradients / {shard}")
+        weights = divided("weights", weights, f"weights / {shard}")
     elif sharding not in ("none", "ddp") and setup.num_gpus == 1 and setup.offload == "none":
         warnings.append(f"--sharding {sharding} on one GPU divides nothing")
     host = 0.0
@@ -79,10 +89,10 @@ def _offloaded(component: str, value: float) -> Line:
 def _fixed_costs(
     model: ModelInfo, setup: TrainingSetup, shard: int, grads: float, compute_bytes: int
 ) -> tuple[float, list[Line]]:
-    """Gathered layers (ZeRO-3 / FSDP / parameter offload) and DDP's gradient buckets."""
+    """Gathered layers (FSDP / parameter offload) and DDP's gradient buckets."""
     fixed = 0.0
     lines = []
-    gathers = setup.sharding in ("zero3", "fsdp") and shard > 1
+    gathers = setup.sharding == "fsdp" and shard > 1
     if gathers or setup.offload == "optimizer+params":
         layer_params = _largest_layer_params(model)
         gathered = 2 * layer_params * compute_bytes

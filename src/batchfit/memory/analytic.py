@@ -2,8 +2,9 @@
 
 The steps, each returning its bytes and the lines that explain them, live in modules named by
 their job: parameters, gradients and optimizer state (``_params``); sharding and offload
-(``_sharding``); activations (``_activations``); the peak among a step's moments (``_peak``);
-what the device adds (``_device``); advice on the setup (``_advice``).
+(``_sharding``; DeepSpeed's ZeRO layout: ``_deepspeed``); activations (``_activations``); the
+peak among a step's moments (``_peak``); what the device adds (``_device``); advice on the setup
+(``_advice``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory import _activations as act
 from batchfit.memory._advice import advice
+from batchfit.memory._deepspeed import compute_precision, deepspeed_states, is_deepspeed
 from batchfit.memory._device import (
     CUBLAS_HANDLES,
     FRAGMENTATION,
@@ -96,10 +98,15 @@ def estimate_analytic(
     setup = resolve_setup(model, setup, device, gpu)
     if setup.attention == "sdpa" and model.arch.model_type in act.EAGER_ONLY_TYPES:
         setup = replace(setup, attention="eager")
-    rg = act.Regime.of(setup.precision, device)
+    deepspeed = is_deepspeed(setup)
+    # DeepSpeed casts the module to 16-bit and runs it without autocast (engine.py)
+    rg = act.Regime.of(compute_precision(setup.precision) if deepspeed else setup.precision, device)
     params = parameters(model, setup)
-    sharded = shard_and_offload(model, setup, params, rg.compute_bytes)
-    lines = [*params.lines, *sharded.lines]
+    if deepspeed:
+        sharded = deepspeed_states(model, setup, params)
+    else:
+        sharded = shard_and_offload(model, setup, params, rg.compute_bytes)
+    lines = [*sharded.lines] if sharded.own_lines else [*params.lines, *sharded.lines]
     fixed = sharded.fixed
     if device == "cuda":
         workspace = gpu_extras(gpu, setup).workspace
