@@ -60,6 +60,9 @@ def live_bytes(model: torch.nn.Module | None, optimizer: Any | None) -> int:
 
     def add(t: Any) -> None:
         nonlocal total
+        local = getattr(t, "_local_tensor", None)  # FSDP2's DTensor: this rank's shard
+        if isinstance(local, torch.Tensor):
+            t = local
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()

@@ -17,3 +17,10 @@ class NoFitError(UsageError):
     A ``UsageError``, so the CLI prints it as one line with exit code 2 on every device, and
     library callers may catch either.
     """
+
+
+class RankFailure(RuntimeError):
+    """A process of a multi-rank run died (a crash, a signal): there is no result.
+
+    Not the user's input: the CLI prints it as one line with exit code 1.
+    """

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI; bad input prints one line on stderr and exits with code 2."""
     import typer
 
-    from batchfit.errors import UsageError
+    from batchfit.errors import RankFailure, UsageError
 
     exc = _click_exceptions()
     if sys.stdout is None:  # started with stdout closed: the answer would be lost
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
             _run(argv if argv is not None else sys.argv[1:])
     except UsageError as e:
         _fail(f"error: {e}", EXIT_USAGE)
+    except RankFailure as e:  # a probe rank died: nothing the user typed was wrong
+        _fail(f"error: {e}", 1)
     except exc.UsageError as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `batchfit`: help is the answer
             print(e.ctx.get_help() if e.ctx is not None else e.format_message())

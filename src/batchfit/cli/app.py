@@ -513,7 +513,7 @@ def _root(
 
 
 @app.command()
-@setup_options()
+@setup_options(sharding=True)
 def probe(
     model: ModelArg,
     device: Annotated[
@@ -560,6 +560,15 @@ def probe(
         Path | None,
         typer.Option("--plot", help="PNG of throughput and peak memory against the micro-batch."),
     ] = None,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            "--nproc",
+            help="Ranks to run under torchrun (gloo on the CPU, NCCL on CUDA), sharded as "
+            "--sharding ddp|fsdp says; every rank runs the same trials and they agree. "
+            "Communication is not run in trials (samples/s leaves it out).",
+        ),
+    ] = 1,
     as_json: JsonO = False,
 ) -> None:
     """Find the fastest micro-batch on the real device, in a few real training steps."""
@@ -576,6 +585,7 @@ def probe(
         render_probe.require_matplotlib()
     budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
     _check_device(device, budget, max_micro_batch)
+    setup = _ranks_setup(setup, nproc, device)
     info = resolve_model(model, setup.task)
     if seq_len is None and info.task != "image-classification":
         raise UsageError("batchfit probe MODEL needs --seq-len (tokens per sample)")
@@ -583,7 +593,7 @@ def probe(
     check_workload(info, 1, seq_len)
     _probe.check_budget(info, setup, seq_len, device, budget)
     spec = _probe.make_spec(
-        model, setup, device, seq_len, budget, choose, max_micro_batch, steps_per_trial
+        model, setup, device, seq_len, budget, choose, max_micro_batch, steps_per_trial, nproc
     )
     with render_probe.trial_progress(quiet=as_json) as on_trial:
         result = _probe.run(spec, on_trial)
@@ -599,6 +609,36 @@ def probe(
         _emit_json({"model": info.name, "device": device, **size, **report.to_json()})
     else:
         render_probe.probe_table(info, report, seq_len, budget, plot)
+
+
+def _ranks_setup(setup: TrainingSetup, nproc: int, device: str) -> TrainingSetup:
+    """The probe's setup for ``--nproc`` ranks: one rank per GPU, DDP unless FSDP is asked."""
+    from batchfit.search._ranks import SHARDINGS
+
+    if nproc < 1:
+        raise UsageError(f"--nproc must be a positive integer, got {nproc}")
+    if nproc == 1:
+        if setup.sharding not in ("none", "ddp") or setup.num_gpus > 1:
+            raise UsageError(
+                "probe: sharding and several GPUs need ranks to run: add --nproc N "
+                "(e.g. --nproc 2 --sharding fsdp)"
+            )
+        return setup
+    if setup.sharding not in SHARDINGS:
+        raise UsageError(
+            f"probe --nproc runs torch.distributed (--sharding ddp or fsdp), not "
+            f"{setup.sharding}: DeepSpeed ranks are launched by DeepSpeed's own launcher"
+        )
+    if setup.num_gpus not in (1, nproc):
+        raise UsageError(f"--num-gpus {setup.num_gpus} disagrees with --nproc {nproc}")
+    if device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if nproc > visible:
+            raise UsageError(f"--nproc {nproc}: only {visible} CUDA device(s) are visible")
+    sharding = "ddp" if setup.sharding == "none" else setup.sharding
+    return replace(setup, num_gpus=nproc, sharding=sharding)
 
 
 def _check_probe_numbers(

@@ -236,7 +236,7 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         "precision; fp32 as Lightning bf16-mixed keeps it.",
     ),
 }
-# Data parallelism: not for `gpus` (one GPU each) nor `probe` (this machine's one device).
+# Data parallelism: not for `gpus` (one GPU each); `probe` takes --sharding (its --nproc ranks).
 _PARALLEL: dict[str, tuple[Any, Any]] = {
     "num_gpus": _option(int, 1, "--num-gpus", help="GPUs (data parallel)."),
     "sharding": _option(str, "none", "--sharding", help=_choices(SHARDINGS)),
@@ -244,11 +244,12 @@ _PARALLEL: dict[str, tuple[Any, Any]] = {
 }
 
 
-def setup_options(*, parallel: bool = False) -> Callable[[F], F]:
+def setup_options(*, parallel: bool = False, sharding: bool = False) -> Callable[[F], F]:
     """Decorate a command taking ``setup: TrainingSetup``: typer sees the shared options in
-    its place (``parallel`` adds --num-gpus/--sharding/--offload) and the command gets them
-    parsed into one ``TrainingSetup``."""
-    shared = {**_SHARED, **(_PARALLEL if parallel else {})}
+    its place (``parallel`` adds --num-gpus/--sharding/--offload, ``sharding`` --sharding
+    alone) and the command gets them parsed into one ``TrainingSetup``."""
+    extra = _PARALLEL if parallel else {"sharding": _PARALLEL["sharding"]} if sharding else {}
+    shared = {**_SHARED, **extra}
 
     def decorate(command: F) -> F:
         signature = inspect.signature(command, eval_str=True)

@@ -49,8 +49,9 @@ def make_spec(
     choose: str,
     high: int | None,
     steps_per_trial: int,
+    nproc: int = 1,
 ) -> dict[str, Any]:
-    """The probe's request, as JSON for the child process."""
+    """The probe's request, as JSON for the child process (or each of ``nproc`` ranks)."""
     fields = dataclasses.asdict(setup)
     return {
         "model": model,
@@ -63,14 +64,35 @@ def make_spec(
         "start": None,  # the probe predicts it with the trace engine
         "high": high,
         "steps_per_trial": steps_per_trial,
+        "nproc": nproc,
     }
 
 
 def run(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> SearchResult:
-    """Search where ``spec`` says: in a budgeted child process on the CPU, here on CUDA."""
+    """Search where ``spec`` says: in a budgeted child process on the CPU, here on CUDA, on
+    ``spec["nproc"]`` ranks under torchrun (:mod:`batchfit.search._ranks`)."""
+    if spec.get("nproc", 1) > 1:
+        return run_ranks(spec, on_line)
     if spec["device"] == "cpu":
         return run_child(spec, on_line)
     return probe(spec, on_line)
+
+
+def run_ranks(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> SearchResult:
+    """The probe on ``spec["nproc"]`` torchrun ranks; every rank's choice must be rank 0's."""
+    from batchfit.search import SearchResult
+    from batchfit.search._ranks import RankFailure, launch
+
+    env = child_env() if spec["device"] == "cpu" else {**os.environ, "HF_HUB_OFFLINE": "1"}
+    final, ranks = launch(spec, env, on_line)
+    assert final is not None
+    if "usage_error" in final:
+        raise UsageError(final["usage_error"])
+    result = SearchResult.from_json(final["result"])
+    chosen = {(r["micro_batch_size"], r["max_fitting_micro_batch"]) for r in ranks}
+    if chosen != {(result.micro_batch_size, result.max_fitting_micro_batch)}:
+        raise RankFailure(f"the ranks disagree on the micro-batch: {sorted(chosen)}")
+    return result
 
 
 def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> SearchResult:
@@ -174,8 +196,10 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
     import torch
 
     from batchfit.models import resolve_model
+    from batchfit.search import _ranks
     from batchfit.spec import TrainingSetup
 
+    rank, nproc = _ranks.world()
     device = torch.device(spec["device"])
     info = resolve_model(spec["model"], spec.get("task"))
     asked = TrainingSetup(**spec["setup"])
@@ -186,12 +210,24 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
         ),
         attention=info.resolve_attention(asked.attention),  # what the model class runs
     )
-    budget = spec.get("memory_budget")
+    budget = (spec.get("rank_budgets") or [spec.get("memory_budget")] * nproc)[rank]
+    spec = {**spec, "memory_budget": budget}
     warm_up(info, setup)
-    start, per_sample, need = _start(spec, info, setup, device)
+    start, per_sample, need = _start(spec, info, setup, device)  # before any process group
+    wrap = None
+    if nproc > 1:
+        device = _ranks.init(device.type)
+        start = _ranks.agree_min(start, device)
+        wrap = _ranks.wrapper(setup, device)
     emit({"start": start, "bytes_per_sample": per_sample})
     with _limit_data(budget if device.type == "cpu" else None):
-        parts = _build_step(info, setup, spec["seq_len"], device, budget)
+        parts, no_room = _build_step(info, setup, spec["seq_len"], device, budget, wrap)
+        if nproc > 1:  # every rank stops if one cannot hold the model
+            short = _ranks.failed_ranks(no_room is not None, device)
+            if short and no_room is None:
+                no_room = f"rank {short[0]} cannot hold the model in its --memory-budget"
+        if no_room is not None:
+            raise NoFitError(no_room)
         try:
             result = _search(spec, info, parts, device, start, per_sample, emit)
         except NoFitError as e:
@@ -200,6 +236,8 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
             why = f"the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
             raise NoFitError(f"{e}: {why}") from None
     notes = stand_ins(setup)
+    if nproc > 1:
+        notes.append(_ranks.note(setup, nproc, "gloo" if device.type == "cpu" else "nccl"))
     if notes:
         result = dataclasses.replace(result, notes=result.notes + tuple(notes))
     return result
@@ -223,8 +261,16 @@ def _start(
     return start or spec.get("high") or 1, per_sample, need
 
 
-def _build_step(info: Any, setup: Any, seq: int, device: Any, budget: int | None) -> Any:
-    """The model, optimizer and loss of the step, built under the limit; NoFitError on OOM."""
+def _build_step(
+    info: Any,
+    setup: Any,
+    seq: int,
+    device: Any,
+    budget: int | None,
+    wrap: Callable[[Any], Any] | None = None,
+) -> tuple[Any, str | None]:
+    """The model (wrapped for its rank), optimizer and loss of the step, built under the
+    limit; or None and why, when the model does not fit."""
     import torch
 
     from batchfit._oom import is_oom
@@ -232,12 +278,15 @@ def _build_step(info: Any, setup: Any, seq: int, device: Any, budget: int | None
 
     try:
         with trace.quiet(), torch.device(device):
-            return _hf_trace.step_parts(info, setup, micro=1, seq=seq, emulate_cuda=False)
+            parts = _hf_trace.step_parts(
+                info, setup, micro=1, seq=seq, emulate_cuda=False, prepare=wrap
+            )
+            return parts, None
     except (RuntimeError, MemoryError) as e:
         if not is_oom(e):
             raise
-    # raised after the except block, whose traceback holds the failed tensors
-    raise NoFitError(
+    # returned after the except block, whose traceback holds the failed tensors
+    return None, (
         f"--memory-budget {human_bytes(budget or 0)} cannot even hold the model: give "
         "more (the estimate's weights figure is the minimum)"
     )
@@ -481,15 +530,31 @@ def main() -> None:
     _die_with_parent()
     spec = json.loads(sys.argv[1])
 
+    from batchfit.search import _ranks
+
+    rank, nproc = _ranks.world()
+
     def emit(message: dict[str, Any]) -> None:
-        print(json.dumps(message, allow_nan=False), flush=True)
+        if rank == 0:  # the ranks run the same trials: one of them speaks
+            print(json.dumps(message, allow_nan=False), flush=True)
 
     final: dict[str, Any]
+    summary: dict[str, Any] = {"rank": rank}
     try:
-        final = {"result": probe(spec, emit).to_json()}
+        result = probe(spec, emit)
+        final = {"result": result.to_json()}
+        summary.update(
+            micro_batch_size=result.micro_batch_size,
+            max_fitting_micro_batch=result.max_fitting_micro_batch,
+        )
     except UsageError as e:  # a bug's ValueError must show its traceback, not exit 2
         final = {"usage_error": str(e)}
+        summary.update(usage_error=str(e), no_fit=isinstance(e, NoFitError))
+    finally:
+        _ranks.finish()
     emit(final)
+    if nproc > 1:  # short lines: atomic on the shared pipe
+        print(json.dumps({"rank_summary": summary}, allow_nan=False), flush=True)
 
 
 if __name__ == "__main__":
