@@ -93,6 +93,18 @@ def main() -> None:
             f"| {name} | {precision}, FSDP2 x{ranks}, {micro}x{seq} | {r['ours'] / MIB:,.1f} | "
             f"{r['theirs'] / MIB:,.1f} | {diff:+.1%} |"
         )
+    lines += [
+        "",
+        "Same model, same layout (`fully_shard` per layer, then the root), same loop, one rank "
+        "of N under the fake process group on fake CPU tensors; batchfit traced at 2 and 3 "
+        "layers and extrapolated, FSDPMemTracker over the whole model. Both count storages "
+        "(both follow FSDP2's in-place `storage.resize_`), so they agree to the byte. Where "
+        "they part: batchfit's CPU-rank figure adds gloo's copy of each reduce-scatter input "
+        "(not at these peaks, which fall at the start of backward); on CUDA batchfit emulates "
+        "the kernels CUDA runs (SDPA flash / memory-efficient, CUDA's autocast lists) and adds "
+        "the caching allocator's reserve and the context, while FSDPMemTracker counts what the "
+        "fake kernels allocate and cannot run backward on fake CUDA tensors on a CPU-only build.",
+    ]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
