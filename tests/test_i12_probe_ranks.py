@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from batchfit.errors import UsageError
+from batchfit.errors import RankFailure, UsageError
 from batchfit.search import _probe, _ranks
 from batchfit.spec import TrainingSetup
 
@@ -91,7 +91,7 @@ def test_a_dead_rank_ends_the_probe_naming_it(tiny: str) -> None:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
-    with pytest.raises(_ranks.RankFailure, match=r"rank 1 died \(killed by signal 9"):
+    with pytest.raises(RankFailure, match=r"rank 1 died \(killed by signal 9"):
         _probe.run_ranks(_spec(tiny, "ddp"), on_line)
     assert killed
     deadline = time.monotonic() + 10

@@ -27,6 +27,8 @@ class GpuSpec:
     bf16_tflops_dense: float | None
     bandwidth_gb_s: float | None
     fp32_tflops: float | None = None  # non-tensor FP32 (PyTorch's fp32 matmuls without TF32)
+    link: str | None = None  # how the GPUs of one node talk: nvlink, pcie, infinity-fabric
+    link_gb_s: float | None = None  # per GPU and direction, for collectives inside a node
 
     @property
     def sm(self) -> tuple[int, int] | None:
@@ -56,6 +58,8 @@ def all_gpus() -> dict[str, GpuSpec]:
             bf16_tflops_dense=row.get("bf16_tflops_dense"),
             bandwidth_gb_s=row.get("bandwidth_gb_s"),
             fp32_tflops=row.get("fp32_tflops"),
+            link=row.get("link"),
+            link_gb_s=row.get("link_gb_s"),
         )
     return gpus
 

@@ -159,11 +159,17 @@ def time_line(speed: dict[str, float | None], indent: str = "") -> None:
     """The predicted step time, when there is one (``batchfit.speed``)."""
     if speed.get("step_seconds") is None:
         return
+    parts = []
+    if speed.get("comm_seconds"):
+        parts.append(f"{speed['comm_seconds']:.2g} s of communication compute does not hide")
+    if speed.get("offload_seconds"):
+        parts.append(f"{speed['offload_seconds']:.2g} s of CPU offload")
+    within = f" (of which {' and '.join(parts)})" if parts else ""
     out.print(
-        f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step, "
+        f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
         f"{speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
-        f"{100 * (speed['mfu'] or 0):.0f}% (predicted; calibrated on an H100, about 15-25% "
-        "off on measured steps)"
+        f"{100 * (speed['mfu'] or 0):.0f}% (predicted; compute calibrated on an H100, about "
+        "15-25% off on measured steps; communication and offload not yet checked on real runs)"
     )
 
 

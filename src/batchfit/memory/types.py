@@ -97,7 +97,9 @@ class MemoryEstimate:
         """``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu`` (None where not predicted)."""
         speed = self.extras.get("speed")
         if not speed:
-            return dict.fromkeys(("step_seconds", "tokens_per_s_per_gpu", "mfu"))
+            return dict.fromkeys(
+                ("step_seconds", "tokens_per_s_per_gpu", "mfu", "comm_seconds", "offload_seconds")
+            )
         from batchfit.speed import StepTime
 
         return dict(StepTime(**speed).to_json(grad_accum_steps))

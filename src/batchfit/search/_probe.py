@@ -80,8 +80,9 @@ def run(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> Sear
 
 def run_ranks(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -> SearchResult:
     """The probe on ``spec["nproc"]`` torchrun ranks; every rank's choice must be rank 0's."""
+    from batchfit.errors import RankFailure
     from batchfit.search import SearchResult
-    from batchfit.search._ranks import RankFailure, launch
+    from batchfit.search._ranks import launch
 
     env = child_env() if spec["device"] == "cpu" else {**os.environ, "HF_HUB_OFFLINE": "1"}
     final, ranks = launch(spec, env, on_line)

@@ -1,14 +1,19 @@
-"""Step time of a training step on one GPU: FLOPs of the step, an achievable utilisation, the
-optimizer step as memory traffic, and a per-layer launch overhead (issue #13, first part).
+"""Step time of a training step: FLOPs of the step, an achievable utilisation, the optimizer
+step as memory traffic, a per-layer launch overhead, and with several GPUs the communication
+compute cannot hide; CPU offload's transfers and CPU optimizer (issue #13).
 
 The model, per optimizer micro-step::
 
-    seconds = layers x launch + FLOPs / (peak x utilisation(width)) + optimizer bytes / bandwidth
+    seconds = layers x launch + FLOPs / (peak x utilisation(width)) + exposed communication
+
+and once per optimizer step the update (memory traffic over this rank's share of the
+parameters, or the CPU's under offload) and the communication nothing hides.
 
 Calibrated on three step-time sweeps on an H100 (``benchmarks/data/gpu_validate_h100.json``:
 llama-3.2-1b, qwen2.5-0.5b, gpt2 at several micro-batches) and checked on the 25 other cases
-measured there (``docs/benchmarks.md``). One GPU only: communication is not modelled yet, and
-the estimate says so (``step_seconds`` is None with several GPUs).
+measured there (``docs/benchmarks.md``). The communication terms (``_comm.py``: what moves when;
+here: how long it takes over the catalog's links and how much compute hides) are not
+calibrated on measured multi-GPU steps yet.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from batchfit.hardware import GpuSpec
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
+from batchfit.speed._comm import traffic
 
 # Utilisation of the tensor cores' dense peak that a step's matmuls reach, by generation: the
 # ceiling for wide models. Hopper 0.50: llama-3.2-1b (width 2048) reached 0.35 at the margin on
@@ -58,6 +64,47 @@ OPTIMIZER_ACCESSES = {
 }
 BANDWIDTH_EFFICIENCY = 0.8  # of the catalog's peak bandwidth, for long streaming kernels
 
+# Collectives. A node is 8 GPUs (HGX / DGX boards); between nodes each GPU has its own NIC
+# (rail-optimised), per direction: DGX H100 and DGX B200 8 x ConnectX-7 400 Gb/s, DGX A100
+# 8 x ConnectX-6 200 Gb/s (NVIDIA DGX user guides); Volta-era clusters 100 Gb/s EDR; AMD MI300X
+# platforms 400 Gb/s, MI250X (Frontier) 200 Gb/s; anything else 100 GbE.
+GPUS_PER_NODE = 8
+NETWORK_GB_S = {
+    "hopper": 50.0,
+    "blackwell": 50.0,
+    "ampere": 25.0,
+    "volta": 12.5,
+    "cdna3": 50.0,
+    "cdna2": 25.0,
+}
+DEFAULT_NETWORK_GB_S = 12.5
+# NCCL's bus bandwidth on large messages reaches about three quarters of the link's peak
+# (nccl-tests' all_reduce_perf busbw on DGX A100 / H100 boards); an assumption, uncalibrated.
+COLLECTIVE_EFFICIENCY = 0.75
+# Of a collective's time that runs beside compute (DDP's bucketed all-reduce during backward,
+# FSDP's prefetched all-gathers), the share compute hides: communication kernels take SMs and
+# memory bandwidth from the compute they overlap. An assumption, uncalibrated.
+OVERLAP = 0.8
+# The host link CPU offload crosses, per direction (PCIe x16 of the generation the platform
+# uses: 3.0 for Volta/Turing, 4.0 for Ampere/Ada/MI250X, 5.0 for Hopper/Blackwell/MI300X),
+# at the efficiency of pinned-memory copies.
+HOST_LINK_GB_S = {
+    "pascal": 15.75,
+    "volta": 15.75,
+    "turing": 15.75,
+    "ampere": 31.5,
+    "ada": 31.5,
+    "cdna2": 31.5,
+    "hopper": 63.0,
+    "blackwell": 63.0,
+    "cdna3": 63.0,
+}
+HOST_COPY_EFFICIENCY = 0.8
+# DeepSpeed's CPU-Adam (ZeRO-Offload, Ren et al. 2021) streams the fp32 master weights, the
+# gradients and both moments through the CPU's vector units: parameters updated per second
+# per GPU process. An assumption (a few cores per GPU process with AVX-512), uncalibrated.
+CPU_ADAM_PARAMS_PER_S = 1.0e9
+
 
 @dataclass(frozen=True)
 class StepTime:
@@ -69,19 +116,28 @@ class StepTime:
     tokens_per_micro_step: int
     model_flops_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
     peak_flops: float  # the dense peak of the step's dtype on this GPU
+    # parts of the two above, for the output: communication compute does not hide (per
+    # micro-step, and once per step), and CPU offload's transfers and CPU update per step
+    comm_micro_seconds: float = 0.0
+    comm_step_seconds: float = 0.0
+    offload_seconds: float = 0.0
 
     def step_seconds(self, grad_accum_steps: int = 1) -> float:
         """One optimizer step: ``grad_accum_steps`` micro-steps and the optimizer's update."""
         return self.micro_seconds * grad_accum_steps + self.optimizer_seconds
 
     def to_json(self, grad_accum_steps: int = 1) -> dict[str, float]:
-        """``step_seconds``, ``tokens_per_s_per_gpu`` and ``mfu`` (model FLOPs over the peak)."""
+        """``step_seconds``, ``tokens_per_s_per_gpu`` and ``mfu`` (model FLOPs over the peak),
+        and the parts of the step spent on communication compute does not hide
+        (``comm_seconds``) and on CPU offload (``offload_seconds``)."""
         step = self.step_seconds(grad_accum_steps)
         tokens = self.tokens_per_micro_step * grad_accum_steps
         return {
             "step_seconds": step,
             "tokens_per_s_per_gpu": tokens / step,
             "mfu": self.model_flops_per_token * tokens / (step * self.peak_flops),
+            "comm_seconds": self.comm_micro_seconds * grad_accum_steps + self.comm_step_seconds,
+            "offload_seconds": self.offload_seconds,
         }
 
 
@@ -115,8 +171,9 @@ def step_time(
     micro_batch_size: int,
     seq_len: int,
 ) -> StepTime | None:
-    """The predicted time of one optimizer step on ``gpu`` (``setup`` resolved), or None where
-    the model does not apply: image models, several GPUs, offload, a GPU without a peak figure.
+    """The predicted time of one optimizer step on ``gpu`` (``setup`` resolved), per rank, or
+    None where the model does not apply: image models, a GPU without a peak figure, several
+    GPUs on a GPU without a link figure.
 
     Example:
         >>> from batchfit.hardware import get_gpu
@@ -127,10 +184,13 @@ def step_time(
         True
     """
     arch = model.arch
-    if arch.family == "vision" or setup.num_gpus > 1 or setup.offload != "none":
+    if arch.family == "vision":
         return None
     peak = _peak_flops(gpu, setup.precision)
     if peak is None or not gpu.bandwidth_gb_s:
+        return None
+    link = collective_gb_s(gpu, setup.num_gpus)
+    if setup.num_gpus > 1 and link is None:
         return None
     tokens = micro_batch_size * seq_len
     mm_params = _matmul_params(model)
@@ -155,18 +215,72 @@ def step_time(
         util = U_FP32
     else:
         util = U_MAX.get(gpu.architecture, 0.5) * width / (width + HALF_WIDTH)
-    amp = setup.precision in ("amp-bf16", "amp-fp16")
+    # DeepSpeed's stages run the 16-bit module without autocast (memory/_deepspeed.py)
+    amp = setup.precision in ("amp-bf16", "amp-fp16") and setup.sharding not in _ZERO
     launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers
     compute = flops_per_token * tokens / (peak * util)
+    backward_share = (backward + recompute) / flops_per_token
+    trainable = model_trainable(model, setup)
+    # sharded optimizers (ZeRO, FSDP) update this rank's partition only
+    shard = setup.num_gpus if setup.sharding in (*_ZERO, "fsdp") else 1
     element = 2 if setup.precision in ("bf16", "fp16") else 4
-    opt_bytes = OPTIMIZER_ACCESSES.get(setup.optimizer, 7) * element * model_trainable(model, setup)
+    opt_bytes = OPTIMIZER_ACCESSES.get(setup.optimizer, 7) * element * trainable / shard
+    update = opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    comm_micro = comm_step = 0.0
+    if link is not None:
+        moved = traffic(setup, model.total_params, int(trainable))
+        ring = (setup.num_gpus - 1) / setup.num_gpus / (link * 1e9 * COLLECTIVE_EFFICIENCY)
+        compute_micro = launch + compute
+        comm_micro = _exposed((moved.micro_gather + moved.micro_reduce) * ring, compute_micro)
+        last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
+        comm_step = _exposed(last, compute_micro * backward_share)
+        comm_step += moved.after_step_gather * ring
+    offload = 0.0
+    if setup.offload != "none":  # the CPU updates the offloaded state
+        offload, update = _offload_seconds(model, setup, gpu, trainable / shard), 0.0
     return StepTime(
-        micro_seconds=launch + compute,
-        optimizer_seconds=opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY),
+        micro_seconds=launch + compute + comm_micro,
+        optimizer_seconds=update + comm_step + offload,
         tokens_per_micro_step=tokens,
         model_flops_per_token=model_flops_per_token,
         peak_flops=peak,
+        comm_micro_seconds=comm_micro,
+        comm_step_seconds=comm_step,
+        offload_seconds=offload,
     )
+
+
+_ZERO = ("zero1", "zero2", "zero3")
+
+
+def collective_gb_s(gpu: GpuSpec, num_gpus: int) -> float | None:
+    """Per-GPU bandwidth per direction that a ring over ``num_gpus`` runs at: the node's link
+    inside one node, the slower of it and the network beyond (None: no figure)."""
+    if num_gpus <= 1:
+        return None
+    if not gpu.link_gb_s:
+        return None
+    if num_gpus <= GPUS_PER_NODE:
+        return gpu.link_gb_s
+    return min(gpu.link_gb_s, NETWORK_GB_S.get(gpu.architecture, DEFAULT_NETWORK_GB_S))
+
+
+def _exposed(comm_seconds: float, beside_seconds: float) -> float:
+    """Communication time that compute running beside it does not hide."""
+    return max(0.0, comm_seconds - OVERLAP * beside_seconds)
+
+
+def _offload_seconds(
+    model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, partition: float
+) -> float:
+    """CPU offload per optimizer step: the 16-bit gradient partition down to the host, the
+    updated 16-bit parameters back up, the CPU's Adam over the fp32 master partition; with
+    parameter offload, the parameters up again for forward and backward (ZeRO-Infinity)."""
+    host = HOST_LINK_GB_S.get(gpu.architecture, 15.75) * 1e9 * HOST_COPY_EFFICIENCY
+    moved = 2 * partition * 2  # gradients down, parameters up, 2 bytes each
+    if setup.offload == "optimizer+params":
+        moved += 2 * 2 * model.total_params / max(1, setup.num_gpus)
+    return moved / host + partition / CPU_ADAM_PARAMS_PER_S
 
 
 def model_trainable(model: ModelInfo, setup: TrainingSetup) -> float:
