@@ -1,4 +1,4 @@
-"""Per-GPU estimates against published multi-GPU measurements (benchmarks/data/published_multi_gpu.json).
+"""Per-GPU estimates against published multi-GPU measurements (data/published_multi_gpu.json).
 
 The multi-GPU counterpart of `gpu_published.py`: each point is a run its source describes (FSDP2 in
 torchtitan, FSDP1 in torchtune, DeepSpeed ZeRO), estimated with the trace engine on the GPU of the
@@ -111,17 +111,18 @@ def render(rows: list[dict[str, Any]], seconds: float) -> str:
     lines = [
         "## Per-GPU estimates against published multi-GPU runs (issue #12)",
         "",
-        "Published per-GPU memory of FSDP2 (torchtitan), FSDP1 (torchtune) and DeepSpeed ZeRO runs, "
-        "each with its source, quote and what was read in the framework's code in "
+        "Published per-GPU memory of FSDP2 (torchtitan), FSDP1 (torchtune) and DeepSpeed ZeRO "
+        "runs, each with its source, quote and what was read in the framework's code in "
         "`benchmarks/data/published_multi_gpu.json`. batchfit ran the trace engine "
         '(`device="cuda"`, the run\'s GPU from the catalog); the figure compared is the one of the '
         "published kind: allocated -> `peak_bytes`, reserved -> `reserved_bytes`, unknown -> "
         "`device_total_bytes` (all three are listed, the compared one in bold). No GPU was used: "
-        "these are the only multi-GPU CUDA checks so far. Rows marked [b] used torchtitan's op-level "
-        "selective checkpointing, which batchfit has no option for: they show full checkpointing "
-        "(the lower bound) and, in brackets, no checkpointing (the upper bound), and stay out of the "
-        f"summary. Produced by `python benchmarks/published_multi_gpu.py` ({seconds:.0f} s on 2 CPU "
-        "cores).",
+        "these are the only multi-GPU CUDA checks so far. Rows marked [b] used torchtitan's "
+        "op-level selective checkpointing, which batchfit has no option for: they show full "
+        "checkpointing "
+        "(the lower bound) and, in brackets, no checkpointing (the upper bound), and stay out of "
+        f"the summary. Produced by `python benchmarks/published_multi_gpu.py` ({seconds:.0f} s on "
+        "2 CPU cores).",
         "",
         "| id | source | setup (batchfit options) | published | peak / reserved / device GiB "
         "| error | what differs |",
@@ -146,7 +147,9 @@ def render(rows: list[dict[str, Any]], seconds: float) -> str:
         )
         lines.append(
             f"| {p['id']} | [{where}]({p['source']}) | {setup_text(p)} | "
-            f"{p['value_as_published']} ({truth / GIB:.1f} GiB, {p['metric']}) | "
+            f"{p['value_as_published']} ("
+            + ("" if p["value_as_published"].endswith("GiB") else f"{truth / GIB:.1f} GiB, ")
+            + f"{p['metric']}) | "
             f"{' / '.join(figures)} | {err} | {p['differs']} |"
         )
     kept = [r for r in rows if len(r["value"]) == 1]
@@ -164,6 +167,16 @@ def render(rows: list[dict[str, Any]], seconds: float) -> str:
                 f"\n{label}: median |error| {statistics.median(errs):.0%}, worst {max(errs):.0%} "
                 f"({len(subset)} rows)."
             )
+    lines += [
+        "",
+        "Reading: the torchtitan SAC rows lie inside their brackets; the full-AC torchtitan row "
+        "(compile and Float8 not modelled) is the cleanest FSDP2 check. torchtune's rows state a "
+        "sequence cap over alpaca samples padded per batch, so an estimate at the cap is an upper "
+        "bound (the 2x4090 LoRA row's config has no checkpointing: at the cap it cannot fit a "
+        "24 GB card). The DeepSpeed gist publishes its table without its script: precision, "
+        "optimizer, loop and unit are assumed, and three of its rows contradict the others "
+        "(see `differs`).",
+    ]
     return "\n".join(lines)
 
 
