@@ -672,3 +672,7 @@ def _check_device(device: str, budget: int | None, max_micro_batch: int | None) 
                 "--device cuda: no CUDA device is visible here (use --device cpu "
                 "with --memory-budget, or `batchfit estimate --gpu NAME`)"
             )
+
+
+# registered on import: `batchfit monitor` lives in its own module
+from batchfit.cli import monitor_cmd  # noqa: E402, F401

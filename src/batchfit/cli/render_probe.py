@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Table
 
+from batchfit import _plots
 from batchfit._units import BYTES_IN_GIB, gib_figure
 from batchfit.cli.render import err, out, sample_size
-from batchfit.errors import UsageError
 
 if TYPE_CHECKING:
     from batchfit.models import ModelInfo
@@ -138,19 +138,12 @@ def _duration(seconds: float) -> str:
 
 def require_matplotlib() -> None:
     """Refuse ``--plot`` without matplotlib before the trials, not after them."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'batchfit[plot]'") from None
+    _plots.require()
 
 
 def probe_plot(result: SearchResult, path: Path, budget: int | None) -> None:
     """Throughput and peak memory against the micro-batch (matplotlib, the `plot` extra)."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _plots.pyplot()
     from matplotlib.ticker import MaxNLocator
 
     ok = sorted(
@@ -182,10 +175,4 @@ def probe_plot(result: SearchResult, path: Path, budget: int | None) -> None:
         f"choice {result.micro_batch_size} (star), largest that fitted "
         f"{result.max_fitting_micro_batch}" + (" (grey dotted: out of memory)" if failed else "")
     )
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise UsageError(f"cannot write --plot {path}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    _plots.save(fig, path)

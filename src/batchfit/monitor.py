@@ -1,0 +1,331 @@
+"""``batchfit monitor -- CMD ...``: run a training command and watch its memory against a plan.
+
+The command runs as a child (stdin, stdout and stderr its own), dies with this process, and gets
+the signals this process gets (SIGINT, SIGTERM, SIGHUP). Every ``interval`` seconds the
+memory of its whole process tree is sampled: per-process GPU memory through NVML when
+``nvidia-ml-py`` is installed and a GPU is there (what nvidia-smi shows per process), else
+the resident set (RSS) from ``/proc``. Each sample can go to a JSONL log as it is taken; the
+result (``MonitorResult``) says the peak, per process too, and the command's exit code, which
+the CLI exits with.
+
+Seed 003 asks for "nvidia-smi to verify memory usage matches predictions" and a
+``watch -n 1 nvidia-smi`` loop; this is that loop, with the prediction beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from batchfit._units import BYTES_IN_KIB
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One look at the process tree: seconds since start, bytes per process (pid -> bytes)."""
+
+    seconds: float
+    processes: dict[int, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.processes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": round(self.seconds, 3),
+            "bytes": self.total_bytes,
+            "processes": {str(pid): b for pid, b in self.processes.items()},
+        }
+
+
+@dataclass
+class MonitorResult:
+    """What a monitored run did: its exit code, time, memory samples and peaks."""
+
+    exit_code: int
+    seconds: float
+    source: str  # "nvml" (GPU memory per process) or "rss" (resident memory, /proc)
+    samples: list[Sample] = field(default_factory=list)
+    commands: dict[int, str] = field(default_factory=dict)  # pid -> command line
+    drifted_at: float | None = None  # seconds into the run when memory first passed the limit
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((s.total_bytes for s in self.samples), default=0)
+
+    def process_peaks(self) -> dict[int, int]:
+        peaks: dict[int, int] = {}
+        for s in self.samples:
+            for pid, b in s.processes.items():
+                peaks[pid] = max(peaks.get(pid, 0), b)
+        return peaks
+
+    def to_json(self) -> dict[str, Any]:
+        """``peak_bytes``, ``samples``, ``exit_code``, ``seconds``, ``processes`` (DESIGN.md)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "samples": len(self.samples),
+            "exit_code": self.exit_code,
+            "seconds": round(self.seconds, 3),
+            "source": self.source,
+            "drifted_at_seconds": self.drifted_at,
+            "processes": [
+                {"pid": pid, "peak_bytes": peak, "command": self.commands.get(pid, "")}
+                for pid, peak in sorted(self.process_peaks().items())
+            ],
+        }
+
+
+def exit_status(returncode: int) -> int:
+    """A shell's exit status for a child's return code (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, for every process in /proc."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants that are alive."""
+    tree = _children()
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(tree.get(pid, ()))
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * BYTES_IN_KIB
+    except OSError:
+        pass
+    return 0
+
+
+def command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class _Nvml:
+    """GPU memory per process through NVML, when nvidia-ml-py and a GPU are there."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml = pynvml
+        self.handles = [
+            pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
+        ]
+        if not self.handles:
+            raise RuntimeError("no GPU")
+
+    def usage(self) -> dict[int, int]:
+        used: dict[int, int] = {}
+        for handle in self.handles:
+            for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                used[p.pid] = used.get(p.pid, 0) + int(p.usedGpuMemory or 0)
+        return used
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.nvml.nvmlShutdown()
+
+
+def _gpu_reader() -> _Nvml | None:
+    try:
+        return _Nvml()
+    except Exception:  # no nvidia-ml-py, no driver, no GPU: fall back to RSS
+        return None
+
+
+@contextlib.contextmanager
+def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Send SIGINT, SIGTERM and SIGHUP on to the child while it runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _die_with_parent() -> None:
+    from batchfit._oom import _libc
+    from batchfit.search._probe import _PR_SET_PDEATHSIG
+
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def run(
+    command: list[str],
+    *,
+    interval: float = 1.0,
+    log: IO[str] | None = None,
+    limit_bytes: int | None = None,
+    on_sample: Callable[[Sample, MonitorResult], None] | None = None,
+    on_drift: Callable[[Sample], None] | None = None,
+    gpu: bool | None = None,
+    compare: Callable[[Sample], int] | None = None,
+) -> MonitorResult:
+    """Run ``command``, sample its process tree every ``interval`` seconds until it exits.
+
+    ``limit_bytes``: ``on_drift`` is called once, the first time a sample passes it (the
+    sample's total, or what ``compare`` takes of it: a per-GPU plan is compared with the
+    largest process, one rank per GPU). ``gpu``:
+    None samples GPU memory when NVML answers, else RSS; False always RSS. A command that cannot
+    start gives exit code 127 (126 when it is not executable), as a shell would, and no
+    samples.
+
+    Example:
+        >>> r = run([sys.executable, "-c", "import time; time.sleep(0.3)"], interval=0.05,
+        ...         gpu=False)
+        >>> r.exit_code, r.samples[0].total_bytes > 0
+        (0, True)
+    """
+    reader = _gpu_reader() if gpu is not False else None
+    result = MonitorResult(exit_code=0, seconds=0.0, source="nvml" if reader else "rss")
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            command, preexec_fn=_die_with_parent if sys.platform == "linux" else None
+        )
+    except FileNotFoundError:
+        result.exit_code = 127
+        return result
+    except PermissionError:
+        result.exit_code = 126
+        return result
+    try:
+        with _forward_signals(proc):
+            while True:
+                done = proc.poll() is not None
+                sample = _sample(proc.pid, reader, time.monotonic() - start, result)
+                if sample is not None:
+                    result.samples.append(sample)
+                    if log is not None:
+                        log.write(json.dumps(sample.to_json()) + "\n")
+                        log.flush()
+                    if on_sample is not None:
+                        on_sample(sample, result)
+                    measured = compare(sample) if compare is not None else sample.total_bytes
+                    if (
+                        limit_bytes is not None
+                        and result.drifted_at is None
+                        and measured > limit_bytes
+                    ):
+                        result.drifted_at = sample.seconds
+                        if on_drift is not None:
+                            on_drift(sample)
+                if done:
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=interval)
+    finally:
+        if proc.poll() is None:  # this process is ending (an exception): the child too
+            proc.kill()
+        proc.wait()
+        if reader is not None:
+            reader.close()
+    result.exit_code = exit_status(proc.returncode)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _sample(
+    root: int, reader: _Nvml | None, seconds: float, result: MonitorResult
+) -> Sample | None:
+    pids = process_tree(root)
+    if reader is not None:
+        used = reader.usage()
+        usage = {pid: used[pid] for pid in pids if pid in used}
+    else:
+        usage = {pid: b for pid in pids if (b := rss_bytes(pid)) > 0}
+    for pid in usage:
+        if pid not in result.commands:
+            result.commands[pid] = command_line(pid)
+    if not usage and reader is None:
+        return None  # the tree is gone
+    return Sample(seconds, usage)
+
+
+def write_log_path(path: Path) -> IO[str]:
+    """Open ``path`` for the JSONL log (line-buffered)."""
+    return open(path, "w", buffering=1)
+
+
+def plot(result: MonitorResult, path: Path, limit_bytes: int | None, planned: int | None) -> None:
+    """Memory over time (GiB, seconds): the total, the plan's figure and its limit."""
+    from batchfit import _plots
+
+    plt = _plots.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = [s.seconds for s in result.samples]
+    ax.plot(
+        xs,
+        [_plots.gib(s.total_bytes) for s in result.samples],
+        color="tab:blue",
+        label=result.source,
+    )
+    if planned:
+        ax.axhline(_plots.gib(planned), color="tab:green", linestyle="--", label="plan")
+    if limit_bytes:
+        ax.axhline(_plots.gib(limit_bytes), color="tab:red", linestyle=":", label="plan + headroom")
+    if result.samples:
+        peak = max(result.samples, key=lambda s: s.total_bytes)
+        ax.plot([peak.seconds], [_plots.gib(peak.total_bytes)], "*", color="black", markersize=12)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"peak {_plots.gib(result.peak_bytes):.2f} GiB ({result.source}), exit code "
+        f"{result.exit_code}"
+    )
+    ax.legend(loc="lower right")
+    _plots.save(fig, path)

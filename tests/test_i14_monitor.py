@@ -1,0 +1,155 @@
+"""`batchfit monitor`: real child processes, their memory, exit codes, signals and files
+(issue #14, part 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchfit import monitor
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+# a child that holds 120 MiB (touched, so resident) for a while
+HOLD = "import time; b = bytearray(120 * 2**20); time.sleep({})"
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "batchfit", "monitor", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        check=False,
+    )
+
+
+def test_run_samples_the_childs_memory_and_keeps_its_exit_code() -> None:
+    result = monitor.run([PY, "-c", HOLD.format(0.6)], interval=0.05, gpu=False)
+    assert result.exit_code == 0
+    assert result.source == "rss"
+    assert result.peak_bytes >= 120 * 2**20
+    assert len(result.samples) >= 3
+    data = result.to_json()
+    assert data["peak_bytes"] == result.peak_bytes and data["samples"] == len(result.samples)
+    assert data["processes"] and data["processes"][0]["command"].startswith(PY)
+
+
+def test_exit_codes_as_a_shell_gives_them() -> None:
+    assert (
+        monitor.run([PY, "-c", "import sys; sys.exit(3)"], interval=0.05, gpu=False).exit_code == 3
+    )
+    killed = monitor.run(
+        [PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        interval=0.05,
+        gpu=False,
+    )
+    assert killed.exit_code == 128 + signal.SIGKILL
+    assert monitor.run(["no-such-command-batchfit"], gpu=False).exit_code == 127
+
+
+def test_grandchildren_are_counted() -> None:
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {HOLD.format(0.6)!r}])"
+    result = monitor.run([PY, "-c", code], interval=0.05, gpu=False)
+    assert len(result.process_peaks()) >= 2
+    assert result.peak_bytes >= 120 * 2**20
+
+
+def test_cli_writes_log_plot_and_json(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    log, png = tmp_path / "m.jsonl", tmp_path / "m.png"
+    proc = _cli(
+        "--interval",
+        "0.05",
+        "--log",
+        str(log),
+        "--plot",
+        str(png),
+        "--json",
+        "--",
+        PY,
+        "-c",
+        HOLD.format(0.5),
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["exit_code"] == 0 and data["peak_bytes"] >= 120 * 2**20
+    lines = log.read_text().splitlines()
+    assert len(lines) == data["samples"]
+    assert json.loads(lines[0]).keys() >= {"seconds", "bytes", "processes"}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failing_command_still_leaves_log_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    log, png = tmp_path / "m.jsonl", tmp_path / "m.png"
+    proc = _cli("--log", str(log), "--plot", str(png), "--", "no-such-command-batchfit")
+    assert proc.returncode == 127
+    assert "command not found" in proc.stderr
+    assert log.exists() and png.exists()
+    proc = _cli("--interval", "0.05", "--log", str(log), "--", PY, "-c", "import sys; sys.exit(5)")
+    assert proc.returncode == 5 and log.read_text()
+
+
+def test_unwritable_output_is_refused_before_the_command_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    proc = _cli(
+        "--log",
+        str(tmp_path / "missing" / "m.jsonl"),
+        "--",
+        PY,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--log" in proc.stderr
+    assert not marker.exists()
+
+
+def test_plan_drift_warns_once(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    # a plan of 10 MiB with 10 MiB headroom: the 120 MiB child passes it
+    plan.write_text(
+        json.dumps({"model": "gpt2", "peak_bytes": 10 * 2**20, "headroom_wanted_bytes": 10 * 2**20})
+    )
+    proc = _cli(
+        "--interval", "0.05", "--plan", str(plan), "--json", "--", PY, "-c", HOLD.format(0.5)
+    )
+    assert proc.returncode == 0
+    assert proc.stderr.count("above the plan for gpt2") == 1
+    assert json.loads(proc.stdout)["drifted_at_seconds"] is not None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = _cli("--plan", str(bad), "--", PY, "-c", "pass")
+    assert proc.returncode == 2 and "not JSON" in proc.stderr
+
+
+def test_sigint_reaches_the_command_and_leaves_no_orphan(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    proc = subprocess.Popen(
+        [PY, "-m", "batchfit", "monitor", "--interval", "0.1", "--", PY, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 128 + signal.SIGINT  # the child's KeyboardInterrupt
+    time.sleep(0.2)
+    assert (
+        not Path(f"/proc/{child}").exists()
+        or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    )
