@@ -1,11 +1,13 @@
 """What the runtime needs from FSDP2 (``torch.distributed.fsdp.fully_shard``, torch >= 2.6).
 
 Public FSDP2 calls where they exist (``set_requires_gradient_sync``, ``set_reshard_after_*``,
-``unshard``, ``reset_iter_state``). Three things have no public call and read FSDP2's private
+``unshard``, ``reset_iter_state``). Four things have no public call and read FSDP2's private
 state, checked against torch 2.13 (``torch/distributed/fsdp/_fully_shard/``): saving the flags
-to put them back, dropping the unsharded gradients of an abandoned global batch, and running
+to put them back, dropping the unsharded gradients of an abandoned global batch, running
 the reduce-scatter of gradients accumulated without sync outside a backward pass (the root's
-``_root_post_backward_final_callback``, which FSDP2 itself runs after every backward).
+``_root_post_backward_final_callback``, which FSDP2 itself runs after every backward), and
+finding the unsharded parameters whose gradient hooks see each micro-step's local gradient
+(the noise scale).
 """
 
 from __future__ import annotations
@@ -173,3 +175,17 @@ def abandon(root: Any) -> None:
     else:  # torch < 2.13: reshard each module; no collective was left in flight by us
         for module in modules_of(root):
             module.reshard()
+
+
+def unsharded_params(module: Any) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter | None]]:
+    """(sharded, unsharded) for each parameter FSDP2 manages directly in ``module``.
+
+    The unsharded parameter is the one forward and backward use (its ``.grad`` collects a
+    micro-step's local gradient before the reduce-scatter); None before the first all-gather
+    creates it. FSDP2 keeps that object from then on (``FSDPParam.init_unsharded_param``).
+    """
+    pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter | None]] = []
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            pairs.append((fsdp_param.sharded_param, getattr(fsdp_param, "_unsharded_param", None)))
+    return pairs

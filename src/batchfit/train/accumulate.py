@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from batchfit.train import _dist, _fsdp
 from batchfit.train._checks import check_positive_int
+from batchfit.train.noise import DEFAULT_EMA, NoiseScaleMeter
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class StepResult:
         learning_rate: The first parameter group's learning rate during the step.
         micro_batch_size: Samples per micro-batch when a ``MicroBatcher`` split the batch.
         ooms: Out-of-memory errors recovered from while running this global batch.
+        noise_scale: The gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018),
+            smoothed over the steps so far, in the unit of ``num_items``; set with
+            ``Accumulator(..., noise_scale=True)``. None until a step had two micro-batches
+            with items (over all ranks), or while the smoothed |G|² is not positive.
     """
 
     loss: float
@@ -58,6 +63,7 @@ class StepResult:
     learning_rate: float
     micro_batch_size: int | None = None
     ooms: int = 0
+    noise_scale: float | None = None
 
 
 @dataclass
@@ -107,6 +113,13 @@ class Accumulator:
             step and ``unscale_`` runs once, before clipping.
         scheduler: Stepped after every optimizer step the scaler did not skip.
         max_grad_norm: Clip the global gradient to this L2 norm.
+        noise_scale: Measure the gradient noise scale B_simple (``StepResult.noise_scale``,
+            :mod:`batchfit.train.noise`): a hook per parameter takes the squared norm of each
+            micro-batch's gradient before it is accumulated, the step adds the global
+            gradient norm, and the sums ride on the step's existing all-reduce. Needs at
+            least two micro-batches per global step over all ranks.
+        noise_scale_ema: Weight of the past in the running averages of tr(Σ) and |G|²
+            (0.95: about the last 20 steps).
 
     Example:
         >>> import torch
@@ -134,6 +147,8 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         scheduler: Any | None = None,
         max_grad_norm: float | None = None,
+        noise_scale: bool = False,
+        noise_scale_ema: float = DEFAULT_EMA,
     ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(
@@ -173,6 +188,9 @@ class Accumulator:
         self._items_tensors: list[torch.Tensor] = []
         self._k = 1
         self.grad_accum_steps = grad_accum_steps
+        self.last_result: StepResult | None = None  # the latest optimizer step's
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._noise = NoiseScaleMeter(model, params, noise_scale_ema) if noise_scale else None
         # Gradients left from before would be summed into the first step.
         self.model.zero_grad(set_to_none=True)
 
@@ -201,6 +219,12 @@ class Accumulator:
                 "the model has BatchNorm: its statistics come from each micro-batch, not the "
                 "global batch, so accumulation does not make them exact"
             )
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The smoothed gradient noise scale so far (``StepResult.noise_scale``); None when
+        not measured or not yet defined."""
+        return None if self._noise is None else self._noise.value
 
     @property
     def micro_steps_done(self) -> int:
@@ -384,7 +408,12 @@ class Accumulator:
             )
         count = _check_items(num_items)
         scaled = loss_sum if self.scaler is None else self.scaler.scale(loss_sum)
-        scaled.backward()  # type: ignore[no-untyped-call, unused-ignore]
+        if self._noise is None:
+            scaled.backward()  # type: ignore[no-untyped-call, unused-ignore]
+        else:
+            with self._noise.counting():
+                scaled.backward()  # type: ignore[no-untyped-call, unused-ignore]
+            self._noise.end_micro_step(count)
         self._backward_called = True
         self._losses.append(loss_sum.detach())
         if isinstance(count, torch.Tensor):
@@ -428,10 +457,14 @@ class Accumulator:
         self._losses = []
         self._items_float = 0.0
         self._items_tensors = []
+        if self._noise is not None:
+            self._noise.reset_step()
 
     def _step(self) -> StepResult:
-        loss, items = self._global_sums()
+        loss, items, noise_sums = self._global_sums()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # The hooks saw scaled gradients; the scale is fixed within the step.
+        loss_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in params if p.grad is not None]
@@ -447,6 +480,12 @@ class Accumulator:
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one rescale.
             scale *= self.max_grad_norm / (grad_norm + _CLIP_EPS)
         _scale_(grads, scale)
+        noise_scale = None
+        if self._noise is not None and noise_sums is not None:
+            small_sq_sum, items_sq_sum = noise_sums
+            noise_scale = self._noise.update(
+                small_sq_sum / loss_scale**2, items_sq_sum, items, grad_norm
+            )
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
         skipped = False
         if self.scaler is None:
@@ -470,12 +509,15 @@ class Accumulator:
             skipped=skipped,
             micro_steps=self._done,
             learning_rate=learning_rate,
+            noise_scale=noise_scale,
         )
         self.steps += 1
+        self.last_result = result
         return result
 
-    def _global_sums(self) -> tuple[float, float]:
-        """Loss sum and item count of the global batch, summed over ranks in one collective."""
+    def _global_sums(self) -> tuple[float, float, tuple[float, float] | None]:
+        """Loss sum and item count of the global batch, and the noise meter's sums (S, P),
+        summed over ranks in one collective."""
         device = self._losses[0].device
         dtype = torch.float32 if device.type == "mps" else torch.float64
         loss = _stack(self._losses, device, dtype).sum()
@@ -486,9 +528,11 @@ class Accumulator:
             stats = torch.stack([loss, items, bad.to(dtype)])
         else:
             stats = torch.stack([loss, loss.new_tensor(self._items_float), loss.new_zeros(())])
+        if self._noise is not None:
+            stats = torch.cat([stats, self._noise.local_sums(device, dtype)])
         if self.is_distributed:
             _dist.sum_(stats, self._group)
-        loss, total, n_bad = stats.tolist()
+        loss, total, n_bad, *noise = stats.tolist()
         if n_bad:
             raise ValueError(
                 "num_items was negative or not finite in a micro-step: pass the count of "
@@ -499,7 +543,7 @@ class Accumulator:
                 "the global batch has no items (num_items summed to 0 over all micro-steps "
                 "and ranks): nothing to average over; check the labels are not all ignored"
             )
-        return loss, total
+        return loss, total, (noise[0], noise[1]) if noise else None
 
 
 def _check_items(num_items: NumItems) -> float | torch.Tensor:
