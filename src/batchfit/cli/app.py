@@ -201,6 +201,22 @@ def estimate(
             "--explain", help="Show the modules holding the most activation memory (trace)."
         ),
     ] = False,
+    timeline: Annotated[
+        Path | None,
+        typer.Option(
+            "--timeline",
+            help="PNG of memory over the traced step by category, the peak marked (a dry "
+            "run of the whole model).",
+        ),
+    ] = None,
+    snapshot: Annotated[
+        Path | None,
+        typer.Option(
+            "--snapshot",
+            help="The same allocation stream as a PyTorch memory snapshot (pickle): open it "
+            "at pytorch.org/memory_viz or with python -m torch.cuda._memory_viz.",
+        ),
+    ] = None,
     as_json: JsonO = False,
 ) -> None:
     """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
@@ -217,6 +233,13 @@ def estimate(
     engine_name = _engine(engine)
     if grad_accum < 1:
         raise UsageError(f"--grad-accum must be a positive integer, got {grad_accum}")
+    for path, option in ((timeline, "--timeline"), (snapshot, "--snapshot")):
+        if path is not None:
+            _check_output(path, option)
+    if timeline is not None:
+        from batchfit import _plots
+
+        _plots.require("--timeline")
     gpu_spec = get_gpu(gpu) if gpu else None
     info = resolve_model(model, setup.task)
     seq, lengths_seen = sample_size(
@@ -235,6 +258,8 @@ def estimate(
         )
     if result.engine == "trace" and not result.is_image:  # the formulas model token models
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
+    if timeline is not None or snapshot is not None:
+        _draw_timeline(result, info, gpu_spec, grad_accum, timeline, snapshot)
     if as_json:
         data = result.to_json()
         if gpu_spec is not None:
@@ -248,6 +273,46 @@ def estimate(
         if lengths_seen is not None:
             render.note(lengths_seen.describe())
         render.estimate(result, info, gpu_spec, explain=explain)
+
+
+def _draw_timeline(
+    result: MemoryEstimate,
+    info: ModelInfo,
+    gpu: GpuSpec | None,
+    grad_accum: int,
+    png: Path | None,
+    pickle_path: Path | None,
+) -> None:
+    """``--timeline`` / ``--snapshot``: a dry run of the whole step, drawn and written."""
+    from batchfit.memory import timeline as tl
+
+    if result.engine != "trace":
+        raise UsageError(
+            "--timeline and --snapshot draw a dry run of the step, which this setup does not "
+            "have (the analytic engine answered): drop them, or change the setup"
+        )
+    device: Literal["cpu", "cuda"] = "cpu" if result.device == "cpu" else "cuda"
+    from batchfit.cli import render
+
+    with render.progress(f"dry run of the whole step for {png or pickle_path} ..."):
+        drawn = tl.step_timeline(
+            info,
+            result.setup,
+            micro_batch_size=result.micro_batch_size,
+            seq_len=result.seq_len,
+            device=device,
+            gpu=gpu,
+            grad_accum_steps=grad_accum,
+        )
+    title = (
+        f"{info.name}: micro-batch {result.micro_batch_size} x {result.seq_len}"
+        + (f", accumulation {grad_accum}" if grad_accum > 1 else "")
+        + f", {result.setup.precision}, on {gpu.name if gpu else device}"
+    )
+    if png is not None:
+        tl.plot(drawn, png, title, gpu.memory_bytes if gpu else None)
+    if pickle_path is not None:
+        tl.write_snapshot(drawn, pickle_path, device)
 
 
 def _compare_engines(

@@ -70,6 +70,9 @@ class TraceResult:
     top_modules: tuple[tuple[str, int], ...] = ()
     events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     reserved_bytes: int = 0  # from the caching allocator simulation (CUDA runs only)
+    # the dry run's whole allocation history (``_tracker.Timeline``), for the timeline
+    # picture; only on a result fresh from a dry run (not extrapolated, not cached)
+    timeline: Any = field(default=None, repr=False, compare=False)
 
     @property
     def peak(self) -> PhaseResult:

@@ -79,6 +79,8 @@ class Timeline:
     module_of: dict[int, str] = field(default_factory=dict)
     phase_peaks: dict[str, PhasePeak] = field(default_factory=lambda: defaultdict(PhasePeak))
     events: list[tuple[int, int]] = field(default_factory=list)  # (key, +bytes / -bytes)
+    # where each phase began: (number of events before it, phase); for the timeline picture
+    phase_marks: list[tuple[int, str]] = field(default_factory=list)
 
     def category(self, key: int) -> str:
         label = self.labels.get(key)
@@ -240,6 +242,8 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         """Enter ``phase`` at ``moments`` (one moment can stand for several, e.g. the one layer
         of a 1-layer stack is both its top and its bottom)."""
         self.phase = phase
+        self._settle()
+        self.timeline.phase_marks.append((len(self.timeline.events), phase))
         self.set_moments(*moments)
 
     def set_moments(self, *moments: str) -> None:

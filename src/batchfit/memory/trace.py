@@ -333,7 +333,7 @@ def _result(timeline: Timeline, seconds: float) -> TraceResult:
             name = timeline.module_of[key]
             by_module[name] = by_module.get(name, 0) + timeline.sizes[key]
     top = tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:10])
-    return TraceResult(tuple(phases), seconds, top, tuple(timeline.events))
+    return TraceResult(tuple(phases), seconds, top, tuple(timeline.events), timeline=timeline)
 
 
 def quiet() -> contextlib.AbstractContextManager[Any]:
