@@ -4,20 +4,25 @@
   gradient equals the full global batch's, across micro-batches and DDP or FSDP2 ranks.
 - :class:`MicroBatcher`: splits each global batch into micro-batches; on out-of-memory halves
   them and redoes the global batch from its first sample; every rank shrinks together.
+- :class:`BatchRamp`, :func:`lr_scale`: a global batch that grows between optimizer steps (on a
+  schedule, or when the measured noise scale passes it), the learning rate following it.
 - :func:`class_weights`, :func:`cross_entropy_sum`: weighted losses that stay exact.
 """
 
 from __future__ import annotations
 
 from batchfit.train.accumulate import Accumulator, MicroStep, StepResult
+from batchfit.train.ramp import BatchRamp, lr_scale
 from batchfit.train.recover import MicroBatcher
 from batchfit.train.weights import class_weights, cross_entropy_sum
 
 __all__ = [
     "Accumulator",
+    "BatchRamp",
     "MicroBatcher",
     "MicroStep",
     "StepResult",
     "class_weights",
     "cross_entropy_sum",
+    "lr_scale",
 ]

@@ -8,6 +8,9 @@ global batch is done, and dropout draws what a run at the smaller size would hav
 
 Composer's auto-microbatching does the same on GPUs; accelerate's ``find_executable_batch_size``
 instead shrinks the batch itself (the global batch changes) and reruns the whole function.
+
+With a ``BatchRamp`` the global batch itself changes, on purpose and only between optimizer
+steps (``batchfit.train.ramp``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from batchfit.train._batches import batch_len, slice_batch
 from batchfit.train._checks import check_positive_int
 from batchfit.train._restart import BatchStart
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
+from batchfit.train.ramp import BatchRamp
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,16 @@ class MicroBatcher:
     batch is redone. Its cost: the buffers' bytes once more (for BatchNorm, two floats per
     channel) and one device-side copy per global batch; nothing for a model without buffers.
 
+    A ``ramp`` (:class:`~batchfit.train.ramp.BatchRamp`) sets the global batch per optimizer
+    step: ``global_batch_size`` (all ranks) and ``local_batch_size`` (this rank's share) say
+    how many samples the next ``run`` must get, and ``run`` refuses any other count. The ramp
+    moves only after a completed step, so a global batch never changes within one; as it
+    grows the optimizer's learning rates (and a scheduler's ``base_lrs``) are rescaled by the
+    ramp's rule. It is independent of OOM recovery: an OOM redoes the same global batch at a
+    smaller micro-batch (the step stays exact: gradients are normalised by the item count,
+    whatever the split), and a larger global batch runs more micro-steps of the micro-batch
+    size in force, never a larger micro-batch.
+
     Args:
         accumulator: Does the backward passes and the optimizer step; its
             ``grad_accum_steps`` is set per global batch.
@@ -66,6 +80,7 @@ class MicroBatcher:
         grow_after_steps: After this many global steps without an OOM at a reduced size, try
             twice the size (up to ``micro_batch_size``). None keeps the reduced size.
         min_micro_batch_size: An OOM at this size is raised, not retried.
+        ramp: The global batch per optimizer step, and how the learning rate follows it.
 
     Example:
         >>> import torch
@@ -89,6 +104,7 @@ class MicroBatcher:
         *,
         grow_after_steps: int | None = None,
         min_micro_batch_size: int = 1,
+        ramp: BatchRamp | None = None,
     ) -> None:
         check_positive_int("micro_batch_size", micro_batch_size, meaning="samples per micro-batch")
         check_positive_int(
@@ -113,6 +129,33 @@ class MicroBatcher:
         self.num_ooms = 0  # over the batcher's life
         self._size = micro_batch_size
         self._clean_steps = 0
+        self.ramp = ramp
+        if ramp is not None:
+            self._check_divides(ramp.global_batch_size)
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples the next ``run`` covers over all ranks (a ramp's); None without a ramp."""
+        return None if self.ramp is None else self.ramp.global_batch_size
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """This rank's share of ``global_batch_size``: what to give the next ``run``."""
+        if self.ramp is None:
+            return None
+        return self.ramp.global_batch_size // self._world_size()
+
+    def _world_size(self) -> int:
+        acc = self.accumulator
+        return _dist.world_size(acc.process_group) if acc.is_distributed else 1
+
+    def _check_divides(self, global_batch: int) -> None:
+        world = self._world_size()
+        if global_batch % world:
+            raise ValueError(
+                f"the ramp's global batch {global_batch} does not split over {world} ranks: "
+                "use multiples of the world size"
+            )
 
     @property
     def micro_batch_size(self) -> int:
@@ -143,6 +186,12 @@ class MicroBatcher:
         n = batch_len(batch)
         if n == 0:
             raise ValueError("the global batch is empty: give MicroBatcher.run at least one sample")
+        if self.local_batch_size is not None and n != self.local_batch_size:
+            raise ValueError(
+                f"the ramp's global batch is {self.global_batch_size} samples at step "
+                f"{acc.steps}, {self.local_batch_size} on this rank, but run got {n}: draw "
+                "batcher.local_batch_size samples for each run"
+            )
         start = BatchStart.capture(acc.model)
         ooms = 0
         while True:
@@ -174,7 +223,28 @@ class MicroBatcher:
             )
             start.restore(acc.model)
         self._maybe_grow(ooms)
-        return replace(result, micro_batch_size=micro, ooms=ooms)
+        result = replace(result, micro_batch_size=micro, ooms=ooms)
+        if self.ramp is not None:
+            self._advance_ramp(self.ramp, result)
+        return result
+
+    def _advance_ramp(self, ramp: BatchRamp, result: StepResult) -> None:
+        """Between optimizer steps: the next global batch, and the LR that goes with it."""
+        old = ramp.global_batch_size
+        new = ramp.advance(self.accumulator.steps, result)
+        if new == old:
+            return
+        self._check_divides(new)
+        acc = self.accumulator
+        factor = ramp.apply_lr(acc.optimizer, acc.scheduler, old, new)
+        logger.info(
+            "global batch %d -> %d samples from step %d; learning rates x %.4g (%s rule)",
+            old,
+            new,
+            acc.steps,
+            factor,
+            ramp.lr_rule or "no",
+        )
 
     def _attempt(
         self, batch: Any, n: int, micro: int, step_fn: StepFn
