@@ -739,5 +739,5 @@ def _check_device(device: str, budget: int | None, max_micro_batch: int | None) 
             )
 
 
-# registered on import: `batchfit monitor` lives in its own module
-from batchfit.cli import monitor_cmd  # noqa: E402, F401
+# registered on import: `batchfit monitor` and `batchfit calibration` live in their own module
+from batchfit.cli import measured  # noqa: E402, F401

@@ -1,9 +1,11 @@
-"""``batchfit monitor``: run a training command, watch its memory, compare it with a plan."""
+"""Commands about measured runs: `batchfit monitor` (watch a training command against its plan)
+and `batchfit calibration` (how far measurements came from their estimates)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -16,9 +18,19 @@ from batchfit.errors import UsageError
 DEFAULT_TOLERANCE = 512 * 2**20  # a plan without a headroom figure (an estimate's JSON)
 
 
-def read_plan(path: Path) -> tuple[int, int, int | None, str]:
-    """A plan's (or an estimate's) ``--json`` output: the per-GPU figure, its tolerance (the
-    headroom the plan asked for), the process figure a CPU run compares with, the model."""
+@dataclass(frozen=True)
+class PlanFile:
+    """What ``monitor --plan`` reads of a ``plan --json`` (or ``estimate --json``) file."""
+
+    gpu_figure: int  # what nvidia-smi would show for one GPU (device_total_bytes)
+    tolerance: int  # the headroom the plan asked for
+    model: str
+    device: str  # the plan's GPU (catalog name), "" for a CPU estimate
+    setup_key: str  # the setup and sizes, for the calibration record
+
+
+def read_plan(path: Path) -> PlanFile:
+    """Read and check a ``--plan`` file (exit 2 with one line when it is not one)."""
     try:
         data = json.loads(path.read_text())
     except OSError as e:
@@ -34,7 +46,34 @@ def read_plan(path: Path) -> tuple[int, int, int | None, str]:
         )
     gpu_figure = data.get("device_total_bytes") or data["peak_bytes"]
     tolerance = data.get("headroom_wanted_bytes") or DEFAULT_TOLERANCE
-    return int(gpu_figure), int(tolerance), int(data["peak_bytes"]), str(data.get("model", "?"))
+    sizes = {k: data.get(k) for k in ("setup", "micro_batch_size", "seq_len", "grad_accum_steps")}
+    return PlanFile(
+        gpu_figure=int(gpu_figure),
+        tolerance=int(tolerance),
+        model=str(data.get("model", "?")),
+        device=str(data.get("gpu") or ""),
+        setup_key=json.dumps(sizes, sort_keys=True, separators=(",", ":"), default=str),
+    )
+
+
+def record_calibration(result: Any, plan: PlanFile) -> bool:
+    """A GPU run measured beside its plan becomes a calibration record (the largest process
+    against the plan's per-GPU figure); RSS is not comparable with a GPU figure: nothing."""
+    from batchfit import calibration
+
+    if result.source != "nvml" or not result.samples or not plan.device:
+        return False
+    measured = max((max(s.processes.values(), default=0) for s in result.samples), default=0)
+    return calibration.append(
+        calibration.Record(
+            source="monitor",
+            model=plan.model,
+            setup=plan.setup_key,
+            device=plan.device,
+            estimated_bytes=plan.gpu_figure,
+            measured_bytes=int(measured),
+        )
+    )
 
 
 @app.command(
@@ -82,9 +121,11 @@ def monitor(
         _plots.require()
     planned = limit = None
     model = ""
+    plan_file = None
     if plan is not None:
-        planned, tolerance, _, model = read_plan(plan)
-        limit = planned + tolerance
+        plan_file = read_plan(plan)
+        planned, model = plan_file.gpu_figure, plan_file.model
+        limit = planned + plan_file.tolerance
     live = _LiveLine(enabled=not as_json and sys.stderr.isatty(), planned=planned)
 
     def drift(sample: mon.Sample) -> None:
@@ -115,6 +156,8 @@ def monitor(
         typer.echo(f"batchfit monitor: {command[0]}: command not found", err=True)
     if plot is not None:
         mon.plot(result, plot, limit, planned)
+    if plan_file is not None and record_calibration(result, plan_file):
+        typer.echo("batchfit monitor: recorded for `batchfit calibration`", err=True)
     if as_json:
         _emit_json(result.to_json())
     else:
@@ -153,3 +196,45 @@ class _LiveLine:
         if self.enabled:
             sys.stderr.write("\r" + " " * 80 + "\r")
             sys.stderr.flush()
+
+
+@app.command()
+def calibration(as_json: JsonO = False) -> None:
+    """How far measured peaks came from their estimates, by GPU and torch version.
+
+    Records come from `monitor --plan` on a GPU (and the probe, the training callbacks with a
+    plan); `plan --headroom auto` uses their 99th percentile.
+    """
+    from rich.table import Table
+
+    from batchfit import calibration as cal
+    from batchfit.cli.render import out
+
+    records = cal.load()
+    rows = cal.summary(records)
+    headroom = cal.auto_headroom(records)
+    if as_json:
+        _emit_json(
+            {
+                "path": str(cal.path()),
+                "records": len(records),
+                "by_device": rows,
+                "headroom_auto": headroom.fraction,
+                "headroom_why": headroom.why,
+            }
+        )
+        return
+    out.print(f"calibration records: {len(records)} in {cal.path()}")
+    if rows:
+        table = Table(title="measured / estimated - 1", title_justify="left")
+        for column in ("device", "torch", "records", "median", "p90", "p99", "worst"):
+            table.add_column(column, justify="left" if column in ("device", "torch") else "right")
+        for r in rows:
+            table.add_row(
+                r["device"],
+                r["torch"],
+                str(r["records"]),
+                *(f"{r[k]:+.1%}" for k in ("median", "p90", "p99", "worst")),
+            )
+        out.print(table)
+    out.print(f"plan --headroom auto: {headroom.fraction:.1%} ({headroom.why})")

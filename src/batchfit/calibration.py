@@ -1,0 +1,198 @@
+"""The calibration loop: every time a measured peak sits beside an estimate for the same setup
+(``monitor --plan``, the probe, the training callbacks with a plan), one record is appended to a
+local file; ``batchfit calibration`` shows the errors, and ``plan --headroom auto`` takes its
+headroom from them (issue #14, part 4).
+
+The file is JSON lines in the user's data dir (``platformdirs.user_data_dir("batchfit")``,
+``BATCHFIT_DATA_DIR`` to move it): one record per measurement, never rewritten. A file that
+cannot be read is set aside (renamed ``*.corrupt-<time>``) with one warning, and a new one
+started: a calibration file never stops a command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FILE_NAME = "calibration.jsonl"
+# the headroom a plan keeps when it has no records, and the least it keeps with them
+DEFAULT_HEADROOM_FRACTION = 0.05
+HEADROOM_FLOOR_FRACTION = 0.02
+MIN_RECORDS = 5  # fewer records than this: the default, and the output says why
+
+
+@dataclass(frozen=True)
+class Record:
+    """One estimate beside its measurement (bytes), and where it was measured."""
+
+    source: str  # monitor | probe | hf-callback | lightning-callback
+    model: str
+    setup: str  # the setup the estimate was for, as a short key (JSON of its fields)
+    device: str  # the GPU kind (catalog name or the device's name) or "cpu"
+    estimated_bytes: int
+    measured_bytes: int
+    reserved_bytes: int | None = None
+    torch: str = ""
+    batchfit: str = ""
+    time: float = 0.0
+
+    @property
+    def error(self) -> float:
+        """Measured over estimated, minus one: above zero the estimate was short."""
+        return self.measured_bytes / self.estimated_bytes - 1
+
+
+def path() -> Path:
+    """Where the records live."""
+    override = os.environ.get("BATCHFIT_DATA_DIR")
+    if override:
+        return Path(override) / FILE_NAME
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("batchfit")) / FILE_NAME
+
+
+def append(record: Record) -> bool:
+    """Add ``record``; False (and no error) where the file cannot be written."""
+    from batchfit._version import __version__
+
+    filled = record
+    if not record.torch or not record.batchfit:
+        filled = Record(**{**asdict(record), "batchfit": __version__, "torch": _torch_version()})
+    if not filled.time:
+        filled = Record(**{**asdict(filled), "time": time.time()})
+    target = path()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a") as f:
+            f.write(json.dumps(asdict(filled), allow_nan=False) + "\n")
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _torch_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def load() -> list[Record]:
+    """Every record; a file that does not parse is set aside and an empty list returned."""
+    target = path()
+    try:
+        text = target.read_text()
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return []
+    records = []
+    try:
+        for line in text.splitlines():
+            if line.strip():
+                records.append(_record(json.loads(line)))
+    except (ValueError, TypeError, KeyError):
+        aside = target.with_name(f"{target.name}.corrupt-{int(time.time())}")
+        try:
+            target.rename(aside)
+            where = f"set aside as {aside}"
+        except OSError:
+            where = "left in place"
+        warnings.warn(
+            f"the calibration file {target} could not be read; {where}, a new one is started",
+            stacklevel=2,
+        )
+        return []
+    return records
+
+
+def _record(data: Any) -> Record:
+    if not isinstance(data, dict):
+        raise ValueError("not a record")
+    record = Record(**data)
+    if not isinstance(record.estimated_bytes, int) or record.estimated_bytes <= 0:
+        raise ValueError("bad estimate")
+    if not isinstance(record.measured_bytes, int) or record.measured_bytes < 0:
+        raise ValueError("bad measurement")
+    return record
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear between the closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """A plan's headroom as a fraction of its device total, and what backs it."""
+
+    fraction: float
+    records: int
+    why: str
+
+
+def auto_headroom(records: Iterable[Record], device: str | None = None) -> Headroom:
+    """The 99th percentile of how far measurements came above their estimates (for
+    ``device`` when it has enough records of its own), at least ``HEADROOM_FLOOR_FRACTION``;
+    the default when there are fewer than ``MIN_RECORDS``.
+
+    Example:
+        >>> r = [Record("monitor", "m", "s", "t4", 100, 103) for _ in range(5)]
+        >>> auto_headroom(r).fraction
+        0.03
+    """
+    every = list(records)
+    mine = [r for r in every if device is not None and r.device == device]
+    chosen = mine if len(mine) >= MIN_RECORDS else every
+    if len(chosen) < MIN_RECORDS:
+        return Headroom(
+            DEFAULT_HEADROOM_FRACTION,
+            len(chosen),
+            f"{len(chosen)} calibration record(s), fewer than {MIN_RECORDS}: the default "
+            f"{DEFAULT_HEADROOM_FRACTION:.0%}",
+        )
+    p99 = percentile([r.error for r in chosen], 99)
+    fraction = round(max(HEADROOM_FLOOR_FRACTION, p99), 4)
+    scope = f"on {device}" if chosen is mine else "on every device"
+    return Headroom(
+        fraction,
+        len(chosen),
+        f"99th percentile of {len(chosen)} calibration records {scope}: measured "
+        f"{p99:+.1%} over the estimate (floor {HEADROOM_FLOOR_FRACTION:.0%})",
+    )
+
+
+def summary(records: Iterable[Record]) -> list[dict[str, Any]]:
+    """Error statistics by (device, torch version): rows for ``batchfit calibration``."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        groups.setdefault((r.device, r.torch), []).append(r.error)
+    rows = []
+    for (device, torch_version), errors in sorted(groups.items()):
+        rows.append(
+            {
+                "device": device,
+                "torch": torch_version,
+                "records": len(errors),
+                "median": percentile(errors, 50),
+                "p90": percentile(errors, 90),
+                "p99": percentile(errors, 99),
+                "worst": max(errors, key=abs),
+            }
+        )
+    return rows

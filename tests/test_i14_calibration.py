@@ -1,0 +1,117 @@
+"""The calibration loop: records, a corrupt file, the automatic headroom, `batchfit calibration`,
+and `monitor --plan` recording a GPU run (issue #14, part 4)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchfit import calibration, monitor
+from tests._cli import run_cli
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def _record(device: str, estimated: int, measured: int) -> calibration.Record:
+    return calibration.Record("monitor", "gpt2", "{}", device, estimated, measured)
+
+
+def test_records_round_trip_with_versions() -> None:
+    assert calibration.append(_record("t4", 100, 110))
+    (loaded,) = calibration.load()
+    assert loaded.error == pytest.approx(0.10)
+    assert loaded.torch and loaded.batchfit and loaded.time > 0
+
+
+def test_a_corrupt_file_is_set_aside_and_a_new_one_started(data_dir: Path) -> None:
+    calibration.append(_record("t4", 100, 110))
+    with open(calibration.path(), "a") as f:
+        f.write("{broken\n")
+    with pytest.warns(UserWarning, match="set aside"):
+        assert calibration.load() == []
+    assert list(data_dir.glob("calibration.jsonl.corrupt-*"))
+    calibration.append(_record("t4", 100, 101))
+    assert len(calibration.load()) == 1
+
+
+def test_auto_headroom_default_percentile_floor_and_device() -> None:
+    few = calibration.auto_headroom([_record("t4", 100, 120)] * 2)
+    assert few.fraction == calibration.DEFAULT_HEADROOM_FRACTION and "fewer than" in few.why
+    errors = [0.0, 0.01, 0.02, 0.03, 0.10]
+    mixed = [_record("a100-80gb", 1000, int(1000 * (1 + e))) for e in errors]
+    h = calibration.auto_headroom(mixed)
+    assert h.fraction == pytest.approx(calibration.percentile(errors, 99), abs=1e-3)
+    under = [_record("t4", 1000, 900) for _ in range(5)]  # estimates always above the truth
+    assert calibration.auto_headroom(under).fraction == calibration.HEADROOM_FLOOR_FRACTION
+    # a device with enough records of its own uses them
+    both = mixed + under
+    assert calibration.auto_headroom(both, "t4").fraction == calibration.HEADROOM_FLOOR_FRACTION
+    assert "on t4" in calibration.auto_headroom(both, "t4").why
+
+
+def test_calibration_command(capsys: pytest.CaptureFixture[str]) -> None:
+    for e in (0.0, 0.02, 0.04, 0.01, 0.03):
+        calibration.append(_record("t4", 1000, int(1000 * (1 + e))))
+    code, out, _ = run_cli(["calibration", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["records"] == 5 and data["by_device"][0]["device"] == "t4"
+    assert 0.02 <= data["headroom_auto"] <= 0.05
+    code, out, _ = run_cli(["calibration"], capsys)
+    assert code == 0 and "plan --headroom auto" in out
+
+
+class _FakeNvml:
+    """NVML's per-process view, stood in by each process's RSS (no GPU here)."""
+
+    def usage(self) -> dict[int, int]:
+        import os
+
+        return {
+            int(p): b
+            for p in os.listdir("/proc")
+            if p.isdigit() and (b := monitor.rss_bytes(int(p))) > 0
+        }
+
+    def close(self) -> None:
+        pass
+
+
+def test_monitor_with_a_plan_records_a_gpu_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake: Any = _FakeNvml()
+    monkeypatch.setattr(monitor, "_gpu_reader", lambda: fake)
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        json.dumps(
+            {
+                "model": "gpt2",
+                "gpu": "t4",
+                "peak_bytes": 100 * 2**20,
+                "device_total_bytes": 150 * 2**20,
+                "headroom_wanted_bytes": 2**29,
+                "setup": {"precision": "amp-fp16"},
+                "micro_batch_size": 4,
+                "seq_len": 512,
+            }
+        )
+    )
+    hold = "import time; b = bytearray(120 * 2**20); time.sleep(0.4)"
+    code, _, err = run_cli(
+        ["monitor", "--interval", "0.05", "--plan", str(plan), "--", sys.executable, "-c", hold],
+        capsys,
+    )
+    assert code == 0, err
+    (record,) = calibration.load()
+    assert record.device == "t4" and record.estimated_bytes == 150 * 2**20
+    assert record.measured_bytes >= 120 * 2**20
+    assert "recorded" in err
