@@ -32,7 +32,10 @@ from batchfit.speed._comm import traffic
 U_MAX = {
     "volta": 0.55,
     "turing": 0.5,
-    "ampere": 0.62,
+    # Ampere 0.80: llm-foundry's published A100 runs (the calibration half of
+    # benchmarks/data/published_throughput.json) reach hardware utilisations of 0.7-0.77 for
+    # wide models with checkpointing (MFU 0.55-0.58 x 4/3 recompute)
+    "ampere": 0.80,
     "ada": 0.55,
     "hopper": 0.5,
     "blackwell": 0.45,
@@ -40,8 +43,12 @@ U_MAX = {
     "cdna3": 0.45,
 }
 # Width at which a model reaches half the ceiling (narrow matmuls underuse the GPU):
-# qwen2.5-0.5b (width 896) reached 0.30 at the margin on the H100, llama-3.2-1b (2048) 0.35.
+# qwen2.5-0.5b (width 896) reached 0.30 at the margin on the H100, llama-3.2-1b (2048) 0.35,
+# at micro-steps of up to 16k tokens. Longer micro-steps give narrow matmuls more rows: the
+# half width shrinks as the square root of the tokens beyond that (MPT-125m, width 768, at
+# 64k tokens a micro-step reached MFU 0.44 on A100s, llm-foundry's table).
 HALF_WIDTH = 900
+HALF_WIDTH_TOKENS = 16384
 # fp32 matmuls run on the CUDA cores (PyTorch's default, allow_tf32=False): gpt2 reached 0.54
 # of the H100's 67 TFLOP/s non-tensor peak.
 U_FP32 = 0.54
@@ -214,7 +221,8 @@ def step_time(
     if setup.precision == "fp32":
         util = U_FP32
     else:
-        util = U_MAX.get(gpu.architecture, 0.5) * width / (width + HALF_WIDTH)
+        half = HALF_WIDTH * min(1.0, (HALF_WIDTH_TOKENS / tokens) ** 0.5)
+        util = U_MAX.get(gpu.architecture, 0.5) * width / (width + half)
     # DeepSpeed's stages run the 16-bit module without autocast (memory/_deepspeed.py)
     amp = setup.precision in ("amp-bf16", "amp-fp16") and setup.sharding not in _ZERO
     launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers
