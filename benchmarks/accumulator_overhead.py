@@ -78,9 +78,9 @@ def hand_written(model: torch.nn.Module) -> Callable[[Batch], float]:
     return step
 
 
-def accumulator(model: torch.nn.Module) -> Callable[[Batch], float]:
+def accumulator(model: torch.nn.Module, noise_scale: bool = False) -> Callable[[Batch], float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    acc = Accumulator(model, opt, GLOBAL // MICRO, max_grad_norm=1.0)
+    acc = Accumulator(model, opt, GLOBAL // MICRO, max_grad_norm=1.0, noise_scale=noise_scale)
 
     def step(batch: Batch) -> float:
         ids, labels = batch
@@ -104,6 +104,43 @@ def micro_batcher(model: torch.nn.Module) -> Callable[[Batch], float]:
         return cross_entropy_sum(*logits_and_labels(model, *micro))
 
     return lambda batch: batcher.run(batch, step_fn).loss
+
+
+def base_model() -> torch.nn.Module:
+    """The 2-layer GPT-2 (n_embd 128, dropout 0) every loop trains, seeded."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ_LEN,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def time_loops(
+    steps: dict[str, Callable[[Batch], float]], batches: list[Batch], warmup: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per-step process CPU and wall seconds of each loop, taking turns in a fresh random
+    order every step (machine load hits all alike); the first ``warmup`` steps are dropped."""
+    names = list(steps)
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    shuffler = random.Random(0)
+    for i, batch in enumerate(batches):
+        for name in shuffler.sample(names, len(names)):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps[name](batch)
+            if i >= warmup:
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    return cpu, wall
 
 
 def bookkeeping_us(repeat: int = 300) -> dict[str, float]:
@@ -164,20 +201,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ_LEN,
-        n_embd=128,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    base = GPT2LMHeadModel(config)
+    base = base_model()
     loops = {
         "hand-written loop": hand_written,
         "Accumulator": accumulator,
@@ -187,19 +211,8 @@ def main() -> int:
     names = list(loops)
     # One model for every loop (each with its own optimizer): the timings differ only by the
     # loop code, not by where each copy's tensors happen to sit in memory.
-    steps = {name: make(base) for name, make in loops.items()}
     batches = make_batches(args.warmup + args.steps)
-    wall: dict[str, list[float]] = {name: [] for name in loops}
-    cpu: dict[str, list[float]] = {name: [] for name in loops}
-    shuffler = random.Random(0)
-    for i, batch in enumerate(batches):
-        order = shuffler.sample(names, len(names))  # a fresh order each step
-        for name in order:
-            start, start_cpu = time.perf_counter(), time.process_time()
-            steps[name](batch)
-            if i >= args.warmup:
-                wall[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - start_cpu)
+    cpu, wall = time_loops({name: make(base) for name, make in loops.items()}, batches, args.warmup)
     hand = cpu[names[0]]
     drift = _largest_difference(base, batches[:3])
     own = bookkeeping_us()

@@ -36,7 +36,6 @@ import functools
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,14 +74,6 @@ def estimate_terms(
     return trace, grad_sq
 
 
-@dataclass
-class _Fired:
-    """A parameter's hook calls within one micro-step's backward."""
-
-    grad_was_none: bool
-    held: list[torch.Tensor] = field(default_factory=list)
-
-
 class NoiseScaleMeter:
     """Squared norms of each micro-batch's gradient, from hooks; B_simple from a step's sums.
 
@@ -118,7 +109,8 @@ class NoiseScaleMeter:
         self._active = False
         self._norms: list[torch.Tensor] = []
         self._cross: list[torch.Tensor] = []
-        self._fired: dict[int, _Fired] = {}
+        self._fired: dict[int, bool] = {}  # slot -> had no .grad before this micro-step
+        self._held: dict[int, list[torch.Tensor]] = {}  # reused slots' incoming gradients
         self._reused: set[int] = set()  # slots that fire more than once per backward
         self._exact = True
         self._sq_sum: torch.Tensor | None = None
@@ -189,7 +181,7 @@ class NoiseScaleMeter:
         for term in terms[1:]:
             micro = micro + term.to(micro.device)
         self._sq_sum = micro if self._sq_sum is None else self._sq_sum + micro
-        self._norms, self._cross, self._fired = [], [], {}
+        self._norms, self._cross, self._fired, self._held = [], [], {}, {}
         if isinstance(items, torch.Tensor):
             self._items_sq.append(items)
         else:
@@ -227,7 +219,7 @@ class NoiseScaleMeter:
 
     def reset_step(self) -> None:
         """Drop the current step's sums (a finished or abandoned global step)."""
-        self._norms, self._cross, self._fired = [], [], {}
+        self._norms, self._cross, self._fired, self._held = [], [], {}, {}
         self._sq_sum = None
         self._items_sq_float = 0.0
         self._items_sq = []
@@ -235,23 +227,26 @@ class NoiseScaleMeter:
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if not self._active:
             return
-        param = self._params[slot]
         self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
-        fired = self._fired.get(slot)
-        if fired is None:
-            was_none = param.grad is None
-            fired = self._fired[slot] = _Fired(grad_was_none=was_none)
-            if slot in self._reused and not was_none:
-                fired.held.append(grad)
+        if slot in self._fired:
+            self._fired_again(slot, grad)
             return
-        # Fired again in this backward (reentrant checkpointing): add 2 (earlier uses)·grad.
+        was_none = self._params[slot].grad is None
+        self._fired[slot] = was_none
+        if slot in self._reused and not was_none:
+            self._held.setdefault(slot, []).append(grad)
+
+    def _fired_again(self, slot: int, grad: torch.Tensor) -> None:
+        """A second use in this backward (reentrant checkpointing): add 2 (earlier uses)·grad."""
         flat = grad.reshape(-1).float()
-        if fired.grad_was_none and param.grad is not None:
-            self._cross.append(2 * torch.dot(param.grad.reshape(-1).float(), flat))
+        earlier_sum = self._params[slot].grad
+        if self._fired[slot] and earlier_sum is not None:
+            self._cross.append(2 * torch.dot(earlier_sum.reshape(-1).float(), flat))
         elif slot in self._reused:
-            for earlier in fired.held:
+            held = self._held.setdefault(slot, [])
+            for earlier in held:
                 self._cross.append(2 * torch.dot(earlier.reshape(-1).float(), flat))
-            fired.held.append(grad)
+            held.append(grad)
         else:
             self._exact = False
             logger.info(
