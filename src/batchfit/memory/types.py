@@ -93,6 +93,12 @@ class MemoryEstimate:
             **self.speed_json(),
         }
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the breakdown, a bar of the components, the predicted time."""
+        from batchfit._html import estimate_html
+
+        return estimate_html(self.to_json())
+
     def speed_json(self, grad_accum_steps: int = 1) -> dict[str, float | None]:
         """``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu`` (None where not predicted)."""
         speed = self.extras.get("speed")

@@ -58,6 +58,12 @@ class Trial:
     steps: int
     error: str | None = None
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the trials, the choice, the notes."""
+        from batchfit._html import probe_html
+
+        return probe_html(self.to_json())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "micro_batch_size": self.micro_batch_size,
@@ -102,6 +108,12 @@ class SearchResult:
     @property
     def ooms(self) -> int:
         return sum(not t.ok for t in self.trials)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the trials, the choice, the notes."""
+        from batchfit._html import probe_html
+
+        return probe_html(self.to_json())
 
     def to_json(self) -> dict[str, Any]:
         return {
