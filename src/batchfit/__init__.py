@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from batchfit.memory.types import MemoryEstimate
     from batchfit.models import ModelInfo, resolve_model
     from batchfit.plan import Plan, fit_table, make_plan, scale_learning_rate
+    from batchfit.profile import profile_memory
     from batchfit.spec import TrainingSetup
     from batchfit.train import (
         Accumulator,
@@ -50,6 +51,7 @@ _EXPORTS = {
     "make_plan": "batchfit.plan",
     "fit_table": "batchfit.plan",
     "scale_learning_rate": "batchfit.plan",
+    "profile_memory": "batchfit.profile",
     "export": "batchfit.export",
     "with_framework": "batchfit.frameworks",
     "UsageError": "batchfit.errors",
@@ -79,6 +81,7 @@ __all__ = [
     "fit_table",
     "get_gpu",
     "make_plan",
+    "profile_memory",
     "resolve_model",
     "scale_learning_rate",
     "with_framework",
