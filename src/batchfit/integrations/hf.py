@@ -1,5 +1,6 @@
 """Hugging Face Transformers: a plan as ``TrainingArguments``; peak memory and throughput per
-step, with a warning when the run needs more memory than its plan said."""
+step, with a warning when the run needs more memory than its plan said; the gradient noise
+scale of a batchfit ``Accumulator``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from batchfit._memwatch import PROC_STATUS, status_bytes
 from batchfit._units import BYTES_IN_GIB
 from batchfit.export import export
 from batchfit.plan import Plan
+from batchfit.train.accumulate import Accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +163,56 @@ class PeakMemoryCallback(TrainerCallback):
 def _status_bytes(field: str) -> int:
     """``status_bytes`` on Linux; 0 without procfs: off Linux the CPU peak is not measured."""
     return status_bytes(field) if Path(PROC_STATUS).exists() else 0
+
+
+class NoiseScaleCallback(TrainerCallback):
+    """Log the gradient noise scale of a batchfit ``Accumulator`` that runs the optimizer step.
+
+    For loops where an ``Accumulator(..., noise_scale=True)`` does the accumulation (a
+    ``Trainer`` subclass, or any loop that fires these callbacks). After each optimizer step
+    the accumulator's latest ``StepResult.noise_scale`` (B_simple, in ``num_items``: tokens or
+    samples) is logged with ``logging`` and kept in ``history``; at each of the Trainer's
+    logging steps it is added to the logged values (``logs``, which the callbacks after this
+    one receive, and the Trainer's ``state.log_history``). Nothing is logged while the value
+    is None (one micro-batch per step on one rank, or too few steps yet).
+
+    Args:
+        accumulator: The ``Accumulator`` whose steps are logged.
+
+    Example:
+        >>> callback = NoiseScaleCallback(acc)  # doctest: +SKIP
+        >>> trainer = Trainer(model, args, callbacks=[callback])  # doctest: +SKIP
+    """
+
+    def __init__(self, accumulator: Accumulator) -> None:
+        self.accumulator = accumulator
+        self.history: list[tuple[int, float]] = []  # (global step, noise scale)
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        value = self.accumulator.noise_scale
+        if value is None:
+            return
+        self.history.append((state.global_step, value))
+        logger.info("step %d: gradient noise scale %.4g items", state.global_step, value)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        value = self.accumulator.noise_scale
+        if value is None or logs is None:
+            return
+        logs["noise_scale"] = value
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step:
+            last["noise_scale"] = value

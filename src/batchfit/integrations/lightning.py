@@ -3,7 +3,8 @@
 Lightning's automatic optimization scales each micro-batch's loss by
 ``1 / accumulate_grad_batches``: exact for per-sample mean losses over equal micro-batches
 (what this callback keeps), not for token means over padded sequences. For those, use
-``batchfit.train.Accumulator`` in a manual-optimization ``training_step``.
+``batchfit.train.Accumulator`` in a manual-optimization ``training_step``; ``NoiseScaleCallback``
+then logs its gradient noise scale.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from batchfit.export import export
 from batchfit.plan import Plan
 from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.train._checks import check_positive_int
+from batchfit.train.accumulate import Accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,60 @@ class MicroBatchCallback(pl.Callback):
         trainer.accumulate_grad_batches = accum
         self.chosen = (micro, accum)
         _reload_dataloaders(trainer)
+
+
+class NoiseScaleCallback(pl.Callback):
+    """Log the gradient noise scale of the ``Accumulator`` a manual-optimization module uses.
+
+    After every training batch that ended an optimizer step, the accumulator's latest
+    ``StepResult.noise_scale`` (B_simple, in ``num_items``: tokens or samples) goes to each of
+    the trainer's loggers as ``noise_scale`` at the trainer's ``global_step`` (the steps the
+    accumulator's optimizer took, when it is the ``LightningOptimizer`` from
+    ``self.optimizers()``), to ``logging``, and into ``history``. Nothing is logged while
+    the value is None (one micro-batch per step on one rank, or too few steps yet).
+
+    Args:
+        accumulator: The ``Accumulator(..., noise_scale=True)`` the module steps with, or
+            the name of the module attribute that holds it (for one built at fit start,
+            once ``self.optimizers()`` exists).
+
+    Example:
+        >>> callback = NoiseScaleCallback("accumulator")  # module.accumulator  # doctest: +SKIP
+        >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
+    """
+
+    def __init__(self, accumulator: Accumulator | str = "accumulator") -> None:
+        self.accumulator = accumulator
+        self.history: list[tuple[int, float]] = []  # (global step, noise scale)
+        self._logged_step = 0
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        source = self.accumulator
+        acc = getattr(pl_module, source, None) if isinstance(source, str) else source
+        if not isinstance(acc, Accumulator):
+            raise ValueError(
+                f"the module has no Accumulator in its {source!r} attribute: set it before "
+                "the first training batch, or pass the Accumulator"
+            )
+        if acc.steps == self._logged_step:
+            return  # this batch was not the last micro-batch of an optimizer step
+        self._logged_step = acc.steps
+        value = acc.noise_scale
+        if value is None:
+            return
+        self.history.append((trainer.global_step, value))
+        logger.info("step %d: gradient noise scale %.4g items", trainer.global_step, value)
+        # One row per optimizer step, at its global step (LightningModule.log would key it by
+        # batches and repeat it on the batches that do not step).
+        for run_logger in trainer.loggers:
+            run_logger.log_metrics({"noise_scale": value}, step=trainer.global_step)
 
 
 def trainer_kwargs(plan: Plan, **overrides: Any) -> dict[str, Any]:
