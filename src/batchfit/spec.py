@@ -160,6 +160,12 @@ class TrainingSetup:
     # PyTorch's caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the
     # allocator simulation maps pages into one growing segment instead of fixed segments)
     expandable_segments: bool = False
+    # torch.compile: changes the step's time only (fused kernels), never its planned memory
+    compile: bool = False
+    # checkpoint every K-th layer of the stack, layers K-1, 2K-1, ... counted from 0
+    # (torchtitan's per-layer selective checkpointing counts so); None: every layer when
+    # grad_ckpt is on. Setting it switches checkpointing on.
+    grad_ckpt_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None:
@@ -188,6 +194,15 @@ class TrainingSetup:
             raise UsageError(f"--loss chunked:N needs 1 <= N <= 1048576, got {self.loss_chunks}")
         if isinstance(self.lora_targets, list):  # accept lists from Python callers
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        every = self.grad_ckpt_every
+        if every is not None:
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise UsageError(
+                    f"--grad-ckpt-every must be a positive integer (1 = every layer), got {every!r}"
+                )
+            object.__setattr__(self, "grad_ckpt", True)
+            if every == 1:
+                object.__setattr__(self, "grad_ckpt_every", None)
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise UsageError(f"--num-gpus must be a positive integer, got {self.num_gpus!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
@@ -250,6 +265,17 @@ class TrainingSetup:
         ``convert_output`` (litgpt; ``fabric/wrappers.py``), both to the default dtype."""
         mixed = self.precision not in ("fp32", "auto")
         return mixed and self.framework in ("hf-trainer", "accelerate", "axolotl", "litgpt")
+
+    def checkpointed_layers(self, num_layers: int) -> int:
+        """How many of ``num_layers`` layers are checkpointed (``grad_ckpt_every``).
+
+        Example:
+            >>> TrainingSetup(grad_ckpt_every=4).checkpointed_layers(30)  # layers 3, 7, ..., 27
+            7
+        """
+        if not self.grad_ckpt:
+            return 0
+        return num_layers // (self.grad_ckpt_every or 1)
 
     def resolved(self, *, device: Literal["cpu", "cuda"], bf16_supported: bool) -> TrainingSetup:
         """Return a copy with ``precision="auto"`` and ``attention="auto"`` made concrete.

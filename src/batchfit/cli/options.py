@@ -128,6 +128,8 @@ def _setup(raw: dict[str, Any]) -> TrainingSetup:
         expandable_segments=expandable_from_env()
         if raw["expandable_segments"] is None
         else raw["expandable_segments"],
+        compile=raw["compile"],
+        grad_ckpt_every=raw["grad_ckpt_every"],
     )
 
 
@@ -191,6 +193,16 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         help="Comma-separated module names; default: peft's for the model type.",
     ),
     "grad_ckpt": _option(bool, False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
+    "grad_ckpt_every": _option(
+        int | None,
+        None,
+        "--grad-ckpt-every",
+        help="Checkpoint every K-th layer (layers K-1, 2K-1, ...; implies --grad-ckpt): a dial "
+        "between none and all, each checkpointed layer costs a recompute.",
+    ),
+    "compile": _option(
+        bool, False, "--compile/--no-compile", help="torch.compile: changes the predicted time."
+    ),
     "expandable_segments": _option(
         bool | None,
         None,

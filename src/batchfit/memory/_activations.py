@@ -327,7 +327,11 @@ def step_activations(
     amp_copies = _amp_copies(
         model, rg, lora=lora_targets is not None and setup.frozen_dtype != "fp32"
     )
-    if setup.grad_ckpt:
+    if setup.grad_ckpt and setup.grad_ckpt_every:
+        kept, copies, end, lines = _partly_checkpointed(
+            arch, rg, stack, tokens, amp_copies, setup.grad_ckpt_every
+        )
+    elif setup.grad_ckpt:
         kept, copies, end, lines = _checkpointed(arch, rg, stack, tokens, amp_copies)
     else:
         kept, copies, end, lines = _stored(arch, stack, tokens, amp_copies)
@@ -534,6 +538,39 @@ def _checkpointed(
         ),
     ]
     return ckpt, layer_copies, end, lines
+
+
+def _partly_checkpointed(
+    arch: Architecture, rg: Regime, stack: _Stack, tokens: int, amp_copies: float, every: int
+) -> tuple[float, float, float, list[Line]]:
+    """Every ``every``-th layer checkpointed (its input kept, recomputed in backward), the
+    others stored whole (their weight copies too); layers of both stacks averaged."""
+    layers = arch.num_layers + arch.num_decoder_layers
+    n_ckpt = layers // every
+    n_full = layers - n_ckpt
+    per_layer = (
+        stack.per_layer * arch.num_layers + stack.decoder_layer * arch.num_decoder_layers
+    ) / max(layers, 1)
+    layer_input = rg.stream_bytes * arch.hidden_size * tokens
+    kept = layer_input * n_ckpt + per_layer * n_full
+    layer_copies = amp_copies / max(layers, 1)
+    copies = layer_copies * n_full + (layer_copies if n_ckpt else 0.0)
+    end = per_layer + layer_copies + layer_input if n_ckpt else 0.0
+    lines = [
+        Line(
+            "activations",
+            f"checkpointed layer inputs (every {every}th layer)",
+            int(layer_input * n_ckpt),
+            f"{n_ckpt} layers x {rg.stream_bytes} B x {arch.hidden_size} x {tokens:,} tokens",
+        ),
+        Line(
+            "activations",
+            f"{n_full} layers stored whole",
+            int(per_layer * n_full),
+            f"{n_full} x {_layer_formula(stack.terms, tokens)}",
+        ),
+    ]
+    return kept, copies, end, lines
 
 
 def _stored(

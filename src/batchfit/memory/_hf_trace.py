@@ -178,6 +178,8 @@ def _build(
             enable(activation_checkpointing_kwargs=ckpt_kwargs)
         else:  # the older name, deprecated since
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+        if setup.grad_ckpt_every:
+            checkpoint_every(net, setup.grad_ckpt_every)
     if setup.is_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -207,6 +209,18 @@ def _build(
             _inputs_require_grads(base)
     net.train()
     return cast(torch.nn.Module, net)
+
+
+def checkpoint_every(net: torch.nn.Module, every: int) -> None:
+    """Keep checkpointing on layers ``every - 1``, ``2 * every - 1``, ... of each layer stack
+    only (torchtitan's count; transformers' own ``every_n_layers`` starts at layer 0), by the
+    per-layer flag transformers' checkpointed layers read."""
+    from batchfit.memory.trace import layer_stacks
+
+    for stack in layer_stacks(net):
+        for i, layer in enumerate(stack):
+            if hasattr(layer, "gradient_checkpointing"):
+                setattr(layer, "gradient_checkpointing", i % every == every - 1)  # noqa: B010
 
 
 def _inputs_require_grads(net: torch.nn.Module) -> None:

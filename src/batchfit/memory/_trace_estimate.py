@@ -6,6 +6,7 @@ turned into a ``MemoryEstimate`` without importing torch or transformers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, Literal
@@ -78,6 +79,8 @@ def trace_depths(model: ModelInfo, setup: TrainingSetup | None = None) -> tuple[
 
         layer_types = getattr(_meta.make_config(model.config, model.task), "layer_types", None)
     period = layer_period(layer_types) if isinstance(layer_types, list) and layer_types else 1
+    if setup is not None and setup.grad_ckpt_every:  # a checkpointed layer in each period
+        period = math.lcm(period, setup.grad_ckpt_every)
     if setup is not None and is_fsdp(setup):
         return (2 * period, 3 * period)
     return DEPTHS if period == 1 else (period, 2 * period)

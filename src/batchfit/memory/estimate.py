@@ -181,6 +181,12 @@ def estimate(
     if micro_batch_size is None or seq_len is None:
         raise UsageError("give micro_batch_size and seq_len for a resolved model")
     warnings = check_workload(model, micro_batch_size, seq_len)
+    every, depth = setup.grad_ckpt_every, model.arch.num_layers
+    if every and every > depth:
+        warnings.append(
+            f"--grad-ckpt-every {every} checkpoints no layer of {model.name}'s {depth}: "
+            f"give at most {depth}, or drop --grad-ckpt"
+        )
     kwargs: dict[str, Any] = {
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
