@@ -175,7 +175,8 @@ def test_export_to_file(tmp_path, capsys):
     target = tmp_path / "args.json"
     code, out, _ = run_cli([*CONTRACT, "--export", "hf", "--out", str(target), "--json"], capsys)
     assert code == 0
-    assert json.loads(out)["exports"] == {"hf": str(target)}
+    exports = json.loads(out)["exports"]
+    assert exports["hf"] == str(target) and set(exports) == {"hf", "launch"}
     args = json.loads(target.read_text())["training_arguments"]
     assert args["per_device_train_batch_size"] == 16
     assert args["gradient_accumulation_steps"] == 8

@@ -175,8 +175,11 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
         }
     elif setup.sharding == "fsdp":
         config["distributed_type"] = "FSDP"
+        # FSDP2 (accelerate 1.15 FullyShardedDataParallelPlugin, fsdp_version=2): a bool
+        # reshard_after_forward replaces FSDP1's sharding strategy (True = FULL_SHARD)
         config["fsdp_config"] = {
-            "fsdp_sharding_strategy": "FULL_SHARD",
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": True,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_offload_params": setup.offload != "none",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
@@ -185,6 +188,35 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
     else:
         config["distributed_type"] = "MULTI_GPU" if plan.num_gpus > 1 else "NO"
     return config
+
+
+def launch_command(plan: Plan, kind: str | None = None, config_path: str | None = None) -> str:
+    """The command line that runs the plan's setup on its GPUs (``train.py`` is your script).
+
+    DeepSpeed's ZeRO plans launch with ``deepspeed`` and the DeepSpeed config, FSDP2 plans with
+    ``accelerate launch`` and its config, DDP with ``torchrun``; ``config_path`` names the
+    exported file (``kind``) where it is the one the launcher reads.
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.plan import make_plan
+        >>> p = make_plan(resolve_model("gpt2"), get_gpu("a100-40gb"),
+        ...               TrainingSetup(num_gpus=4), seq_len=1024, global_batch=64,
+        ...               engine="analytic")
+        >>> launch_command(p)
+        'torchrun --nproc-per-node 4 train.py'
+    """
+    setup, n = plan.setup, plan.num_gpus
+    if is_deepspeed(setup):
+        ds = config_path if kind == "deepspeed" and config_path else "ds_config.json"
+        return f"deepspeed --num_gpus {n} train.py --deepspeed {ds}"
+    if setup.sharding == "fsdp":
+        acc = config_path if kind == "accelerate" and config_path else "accelerate.yaml"
+        return f"accelerate launch --config_file {acc} train.py"
+    if n > 1:
+        return f"torchrun --nproc-per-node {n} train.py"
+    return "python train.py"
 
 
 def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:

@@ -449,6 +449,9 @@ def plan(
             engine=engine_name,
         )
     exports, export_text = _exports(result, export_kind, out)
+    from batchfit.export import launch_command
+
+    launch = launch_command(result, export_kind, str(out) if out is not None else None)
     if export_kind is not None:
         from batchfit.export import export_caveats
 
@@ -456,11 +459,12 @@ def plan(
         result = replace(result, warnings=(*result.warnings, *caveats))
     if as_json:
         extra = {"lengths": lengths_seen.to_json()} if lengths_seen is not None else {}
-        _emit_json({**result.to_json(), "exports": exports, **extra})
+        _emit_json({**result.to_json(), "exports": {**exports, "launch": launch}, **extra})
     else:
         if lengths_seen is not None:
             render.note(lengths_seen.describe())
         render.plan(result, info)
+        render.note(f"launch: {launch}")
         if export_kind is not None:
             render.export_note(export_kind, out, export_text)
 

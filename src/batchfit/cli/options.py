@@ -250,8 +250,19 @@ _SHARED: dict[str, tuple[Any, Any]] = {
 }
 # Data parallelism: not for `gpus` (one GPU each); `probe` takes --sharding (its --nproc ranks).
 _PARALLEL: dict[str, tuple[Any, Any]] = {
-    "num_gpus": _option(int, 1, "--num-gpus", help="GPUs (data parallel)."),
-    "sharding": _option(str, "none", "--sharding", help=_choices(SHARDINGS)),
+    "num_gpus": _option(
+        int,
+        1,
+        "--num-gpus",
+        help="GPUs (data parallel); plan compares DDP, ZeRO-1/2/3 and FSDP2 on them.",
+    ),
+    "sharding": _option(
+        str,
+        "none",
+        "--sharding",
+        help=f"{_choices(SHARDINGS)}; ddp = torch DDP, zero1|zero2|zero3 = DeepSpeed ZeRO "
+        "(16-bit weights and gradients, fp32 master partition in the optimizer), fsdp = FSDP2.",
+    ),
     "offload": _option(str, "none", "--offload", help=_choices(OFFLOADS)),
 }
 

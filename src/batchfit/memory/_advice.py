@@ -21,4 +21,9 @@ def advice(setup: TrainingSetup, device: Device, gpu: GpuSpec | None) -> list[st
         warnings.append(f"{gpu.name} supports bf16: amp-bf16 needs no GradScaler")
     if setup.precision in ("bf16", "amp-bf16") and gpu is not None and not gpu.bf16:
         warnings.append(f"{gpu.name} has no native bf16: use amp-fp16 with a GradScaler")
+    if setup.sharding == "fsdp" and setup.num_gpus == 1:
+        warnings.append(
+            "--sharding fsdp with --num-gpus 1: nothing to shard (one rank holds every shard); "
+            "add --num-gpus N"
+        )
     return warnings

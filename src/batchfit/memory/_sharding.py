@@ -56,8 +56,6 @@ def shard_and_offload(
         states = divided("optimizer_state", states, f"optimizer state / {shard}")
         grads = divided("gradients", grads, f"gradients / {shard}")
         weights = divided("weights", weights, f"weights / {shard}")
-    elif sharding not in ("none", "ddp") and setup.num_gpus == 1 and setup.offload == "none":
-        warnings.append(f"--sharding {sharding} on one GPU divides nothing")
     host = 0.0
     if setup.offload in ("optimizer", "optimizer+params"):
         host += states

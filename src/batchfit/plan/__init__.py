@@ -10,7 +10,7 @@ This module puts them together.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from batchfit._batchnorm import batchnorm_warning
@@ -33,6 +33,7 @@ from batchfit.plan._max_micro_batch import (
 from batchfit.plan._own import OwnModel, own_model
 from batchfit.plan._value import Alternative, Plan
 from batchfit.spec import TrainingSetup
+from batchfit.speed._comm import comm_bytes_per_step
 
 __all__ = [
     "DEFAULT_HEADROOM_BYTES",
@@ -61,7 +62,8 @@ def samples_from_target(
         if global_batch % num_gpus:
             raise UsageError(
                 f"--global-batch {global_batch} cannot be split evenly over {num_gpus} GPUs; "
-                f"nearest reachable: {_nearest(global_batch, num_gpus)}"
+                f"nearest reachable: {_nearest(global_batch, num_gpus)}, or --num-gpus "
+                f"{divisors_near(global_batch, num_gpus)}"
             )
         return global_batch
     assert global_batch_tokens is not None  # exactly one was given (checked above)
@@ -69,9 +71,11 @@ def samples_from_target(
         raise UsageError(f"--global-batch-tokens must be positive, got {global_batch_tokens}")
     unit = seq_len * num_gpus
     if global_batch_tokens % unit:
+        samples = global_batch_tokens // seq_len if global_batch_tokens % seq_len == 0 else 0
+        world = f", or --num-gpus {divisors_near(samples, num_gpus)}" if samples else ""
         raise UsageError(
             f"--global-batch-tokens {global_batch_tokens} is not a multiple of seq-len x GPUs "
-            f"= {unit}; nearest reachable: {_nearest(global_batch_tokens, unit)} tokens"
+            f"= {unit}; nearest reachable: {_nearest(global_batch_tokens, unit)} tokens{world}"
         )
     return global_batch_tokens // seq_len
 
@@ -167,29 +171,83 @@ class _Target:
             return alt
         best = self.max_micro(alt.setup)
         _, est = self.fits(alt.setup, max(best, 1))
-        return Alternative(alt.techniques, alt.setup, best, est.device_total_bytes, est.engine)
+        return replace(
+            alt, max_micro_batch=best, device_total_bytes=est.device_total_bytes, engine=est.engine
+        )
+
+    def comm(self, setup: TrainingSetup) -> int:
+        """Bytes one GPU sends per optimizer step under ``setup`` (``speed/_comm.py``)."""
+        est = self.fits(setup, 1)[1]
+        return comm_bytes_per_step(est.setup, est.total_params, est.trainable_params)
 
 
 def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
-    """Try every rung of the ladder; take the first that fits ``wanted`` (or 1) if needed."""
+    """Every rung of the ladder as an alternative; then the choice: on several GPUs the widest
+    exact sharding option (``_widest``), else the first rung that fits ``wanted`` (or 1)."""
     base_max = target.max_micro(setup)
-    needs_ladder = base_max == 0 or (wanted is not None and wanted > base_max)
-    chosen = _Fit(setup, (), base_max, ())
-    alternatives = []
     model = target.model if isinstance(target.model, ModelInfo) else None  # None: your module
     checkpointing = model is not None and model.supports_grad_ckpt
-    rungs = ladder(setup, target.gpu, model, checkpointing=checkpointing)
-    for combo in rungs:
+    alternatives = []
+    for combo in ladder(setup, target.gpu, model, checkpointing=checkpointing):
         try:
             alt = target.alternative(combo, apply(setup, combo))
         except UsageError:
             continue  # a rung this model cannot take (no module matches the LoRA targets)
-        if needs_ladder and not chosen.techniques and alt.max_micro_batch >= (wanted or 1):
-            alt = target.confirmed(alt)  # the lines' answer is a what-if: the plan's is traced
+        alternatives.append(replace(alt, comm_bytes_per_step=target.comm(alt.setup)))
+    if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+        base = Alternative((), setup, base_max, 0, target.engine, target.comm(setup))
+        widest = _widest(target, base, alternatives, wanted)
+        if widest is not None:
+            return widest
+    if base_max > 0 and (wanted is None or wanted <= base_max):
+        return _Fit(setup, (), base_max, tuple(alternatives))
+    for k, alt in enumerate(alternatives):
+        if alt.max_micro_batch >= (wanted or 1):
+            alt = alternatives[k] = target.confirmed(alt)  # the lines' answer is a what-if
             if alt.max_micro_batch >= (wanted or 1):
-                chosen = _Fit(alt.setup, combo, alt.max_micro_batch, ())
-        alternatives.append(alt)
-    return _Fit(chosen.setup, chosen.techniques, chosen.max_micro_batch, tuple(alternatives))
+                return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives))
+    return _Fit(setup, (), base_max, tuple(alternatives))
+
+
+_OFFLOADS = frozenset({"offload-optimizer", "offload-optimizer+params", "fsdp-cpu-offload"})
+
+
+def _widest(
+    target: _Target, base: Alternative, alternatives: list[Alternative], wanted: int | None
+) -> _Fit | None:
+    """The exact option (DDP as asked, or with ZeRO-1/2/3 or FSDP2, each with the ladder's
+    lean loss and checkpointing) that runs the largest micro-batch the per-GPU batch allows,
+    then no recompute, then the least communication (``speed/_comm.py``), then the fewest
+    techniques; offload (a CPU step) and rungs that change training only when none of these
+    fits (None then)."""
+    options = [base, *alternatives]
+    eligible = {
+        i
+        for i, a in enumerate(options)
+        if all(t.kind == "exact" and t.name not in _OFFLOADS for t in a.techniques)
+    }
+
+    def key(i: int) -> tuple[int, bool, int, int]:
+        alt = options[i]
+        if alt.max_micro_batch < (wanted or 1):
+            return (0, False, 0, i)
+        usable = 1 if wanted else largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
+        # at one size, recomputing costs more than any collective: full checkpointing takes
+        # 21-23% of throughput (DESIGN.md), while 2 x Psi vs 3 x Psi mostly hides behind compute
+        return (-usable, alt.setup.grad_ckpt, alt.comm_bytes_per_step, i)
+
+    checked: set[int] = {0}  # the base's size is searched and confirmed already
+    while eligible:
+        best = min(eligible, key=key)
+        if key(best)[0] == 0:
+            return None
+        if best in checked:
+            alt = options[best]
+            shown = tuple(options[1:])
+            return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, shown)
+        options[best] = target.confirmed(options[best])  # the lines' answer is a what-if
+        checked.add(best)
+    return None
 
 
 def _fit_warnings(gpu: GpuSpec, wanted: int | None, fit: _Fit) -> list[str]:

@@ -219,6 +219,7 @@ def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
     if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
         why = f"shard across {setup.num_gpus} GPUs"
         rungs += [(*base, zero(stage, why)) for stage in _ZERO_STAGES]
+        rungs.append((*base, FSDP))
     if setup.offload == "none" and setup.method != "qlora":
         rungs.append((*base, zero("zero2", "ZeRO-Offload needs ZeRO"), OFFLOAD_OPTIMIZER))
         rungs.append((*base, zero("zero3", "parameter offload needs ZeRO-3"), OFFLOAD_ALL))

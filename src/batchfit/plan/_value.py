@@ -19,6 +19,7 @@ class Alternative:
     max_micro_batch: int  # 0 = nothing fits
     device_total_bytes: int  # at micro-batch max(1, max_micro_batch)
     engine: str = "trace"  # the one that answered: "analytic" where the trace cannot run it
+    comm_bytes_per_step: int = 0  # what one GPU sends per optimizer step (speed/_comm.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -27,6 +28,7 @@ class Alternative:
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
         }
 
 
