@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import torch
@@ -53,6 +54,15 @@ class StepResult:
             smoothed over the steps so far, in the unit of ``num_items``; set with
             ``Accumulator(..., noise_scale=True)``. None until a step had two micro-batches
             with items (over all ranks), or while the smoothed |G|² is not positive.
+        seconds: Wall time of the step on this rank, from its first micro-step to the end of
+            the optimizer step.
+        peak_bytes: Peak memory while the step ran, on this rank: CUDA
+            ``max_memory_allocated`` (its peak counter is reset as the step begins), on the
+            CPU the process's RSS high-water mark (Linux; reset likewise). None elsewhere.
+        reserved_bytes: CUDA ``max_memory_reserved`` over the step; None on the CPU.
+        samples_per_s: Samples of the global batch per second of ``seconds`` (all ranks),
+            where the samples are known (a ``MicroBatcher`` splits them); else None.
+        items_per_s: ``num_items`` per second of ``seconds``.
     """
 
     loss: float
@@ -64,6 +74,12 @@ class StepResult:
     micro_batch_size: int | None = None
     ooms: int = 0
     noise_scale: float | None = None
+    # measurements of this run: not part of what two equivalent steps compare equal on
+    seconds: float = field(default=0.0, compare=False)
+    peak_bytes: int | None = field(default=None, compare=False)
+    reserved_bytes: int | None = field(default=None, compare=False)
+    samples_per_s: float | None = field(default=None, compare=False)
+    items_per_s: float | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -189,6 +205,8 @@ class Accumulator:
         self._k = 1
         self.grad_accum_steps = grad_accum_steps
         self.last_result: StepResult | None = None  # the latest optimizer step's
+        self._step_began = time.perf_counter()
+        self._peak: _StepPeak | None = None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._noise = NoiseScaleMeter(model, params, noise_scale_ema) if noise_scale else None
         # Gradients left from before would be summed into the first step.
@@ -339,6 +357,9 @@ class Accumulator:
                 "`with acc.micro_step():` block before starting the next"
             )
         handle = MicroStep(index=self._done, is_last=self._done + 1 == self._k)
+        if self._done == 0:
+            self._step_began = time.perf_counter()
+            self._peak = _StepPeak.begin(self._device())
         self._open, self._backward_called = True, False
         finished = False
         try:
@@ -502,6 +523,8 @@ class Accumulator:
             )
         elif self.scheduler is not None:
             self.scheduler.step()
+        seconds = time.perf_counter() - self._step_began
+        peak, reserved = self._peak.read() if self._peak is not None else (None, None)
         result = StepResult(
             loss=loss / items,
             grad_norm=grad_norm,
@@ -510,10 +533,18 @@ class Accumulator:
             micro_steps=self._done,
             learning_rate=learning_rate,
             noise_scale=noise_scale,
+            seconds=seconds,
+            peak_bytes=peak,
+            reserved_bytes=reserved,
+            items_per_s=items / seconds if seconds > 0 else None,
         )
         self.steps += 1
         self.last_result = result
         return result
+
+    def _device(self) -> torch.device:
+        first = next(self.model.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
 
     def _global_sums(self) -> tuple[float, float, tuple[float, float] | None]:
         """Loss sum and item count of the global batch, and the noise meter's sums (S, P),
@@ -594,3 +625,35 @@ def _scale_(grads: list[torch.Tensor], scale: float) -> None:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     for same in by_kind.values():
         torch._foreach_mul_(same, scale)
+
+
+class _StepPeak:
+    """A step's peak memory: CUDA's peak counters, or the CPU's RSS high-water mark, reset as
+    the step begins (both are per process: a caller's own peak readings restart too)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @classmethod
+    def begin(cls, device: torch.device) -> _StepPeak | None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return cls(device)
+        if device.type == "cpu":
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # VmHWM restarts from the current RSS
+            except OSError:  # not Linux, or not allowed
+                return None
+            return cls(device)
+        return None
+
+    def read(self) -> tuple[int | None, int | None]:
+        if self.device.type == "cuda":
+            return (
+                int(torch.cuda.max_memory_allocated(self.device)),
+                int(torch.cuda.max_memory_reserved(self.device)),
+            )
+        from batchfit._memwatch import status_bytes
+
+        return status_bytes("VmHWM"), None

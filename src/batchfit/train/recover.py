@@ -223,7 +223,11 @@ class MicroBatcher:
             )
             start.restore(acc.model)
         self._maybe_grow(ooms)
-        result = replace(result, micro_batch_size=micro, ooms=ooms)
+        samples_per_s = None
+        if result.seconds > 0:  # the global batch's samples, all ranks
+            ranks = _dist.world_size(acc.process_group) if acc.is_distributed else 1
+            samples_per_s = n * ranks / result.seconds
+        result = replace(result, micro_batch_size=micro, ooms=ooms, samples_per_s=samples_per_s)
         if self.ramp is not None:
             self._advance_ramp(self.ramp, result)
         return result
