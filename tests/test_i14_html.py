@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,64 @@ def test_a_real_browser_renders_the_report(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_plan_report_and_auto_headroom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan --report` writes the page with the traced step drawn in it; `--headroom auto`
+    says what backs it (here: no calibration records, the default)."""
+    import json
+    import os
+
+    pytest.importorskip("matplotlib")
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_embd": 128,
+                "n_layer": 2,
+                "n_head": 4,
+                "n_positions": 256,
+                "vocab_size": 3000,
+            }
+        )
+    )
+    page = tmp_path / "plan.html"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchfit",
+            "plan",
+            str(config),
+            "--gpu",
+            "t4",
+            "--seq-len",
+            "128",
+            "--global-batch",
+            "16",
+            "--headroom",
+            "auto",
+            "--report",
+            str(page),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+            "BATCHFIT_DATA_DIR": str(tmp_path / "data"),
+            "BATCHFIT_NO_CACHE": "1",
+        },
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert any("--headroom auto: 5.0%" in w for w in data["warnings"])
+    assert data["headroom_wanted_bytes"] == int(0.05 * data["gpu_bytes"])
+    html = page.read_text()
+    assert "data:image/png;base64," in html and "The step, traced" in html

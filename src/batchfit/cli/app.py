@@ -79,7 +79,12 @@ GpuO = Annotated[
     typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`): implies --device cuda."),
 ]
 Headroom = Annotated[
-    str, typer.Option("--headroom", help="Free memory to keep on the GPU, e.g. 1GiB.")
+    str,
+    typer.Option(
+        "--headroom",
+        help="Free memory to keep on the GPU, e.g. 1GiB; auto (plan): the 99th percentile of "
+        "`batchfit calibration`'s records.",
+    ),
 ]
 
 
@@ -395,6 +400,14 @@ def plan(
         Path | None,
         typer.Option("--out", help="The one file --export writes (default: print it)."),
     ] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            "--report",
+            help="One self-contained HTML page (no network): the plan, its breakdown, the "
+            "traced step's timeline and the alternatives.",
+        ),
+    ] = None,
     as_json: JsonO = False,
 ) -> None:
     """Plan micro-batch x accumulation x GPUs that hit a global batch exactly, and what fits."""
@@ -411,9 +424,22 @@ def plan(
         if export_kind is None:
             raise UsageError("--out needs --export KIND")
         _check_output(out, "--out")
+    if report is not None:
+        _check_output(report, "--report")
     engine_name = _engine(engine)
-    headroom_bytes = parse_size(headroom, what="--headroom", allow_zero=True)
     gpu_spec = get_gpu(gpu)
+    headroom_note = None
+    if headroom.strip().lower() == "auto":
+        from batchfit import calibration
+
+        auto = calibration.auto_headroom(calibration.load(), gpu_spec.name)
+        headroom_bytes = int(auto.fraction * gpu_spec.memory_bytes)
+        headroom_note = (
+            f"--headroom auto: {auto.fraction:.1%} of {gib(gpu_spec.memory_bytes)} = "
+            f"{gib(headroom_bytes)} ({auto.why})"
+        )
+    else:
+        headroom_bytes = parse_size(headroom, what="--headroom", allow_zero=True)
     if headroom_bytes >= gpu_spec.memory_bytes:
         raise UsageError(
             f"--headroom {headroom} is all of {gpu_spec.name}'s "
@@ -448,7 +474,11 @@ def plan(
             headroom_bytes=headroom_bytes,
             engine=engine_name,
         )
+    if headroom_note is not None:
+        result = replace(result, warnings=(headroom_note, *result.warnings))
     exports, export_text = _exports(result, export_kind, out)
+    if report is not None:
+        _write_report(result, info, gpu_spec, report)
     from batchfit.export import launch_command
 
     launch = launch_command(result, export_kind, str(out) if out is not None else None)
@@ -467,6 +497,49 @@ def plan(
         render.note(f"launch: {launch}")
         if export_kind is not None:
             render.export_note(export_kind, out, export_text)
+
+
+def _write_report(result: Plan, info: ModelInfo, gpu: GpuSpec, path: Path) -> None:
+    """``plan --report``: the page, with the chosen setup's traced step drawn in it (a dry run
+    of the whole model) when the trace engine answered."""
+    import os
+    import tempfile
+
+    from batchfit import _html
+
+    png = None
+    est = result.estimate
+    if est.engine == "trace" and not est.is_image:
+        from batchfit import _plots
+        from batchfit.cli import render
+        from batchfit.memory import timeline as tl
+
+        _plots.require("--report")
+        with render.progress("dry run of the whole step for the report ..."):
+            drawn = tl.step_timeline(
+                info,
+                est.setup,
+                micro_batch_size=est.micro_batch_size,
+                seq_len=est.seq_len,
+                device="cuda",
+                gpu=gpu,
+                grad_accum_steps=result.grad_accum_steps,
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            picture = Path(tmp) / "timeline.png"
+            title = f"{info.name}: micro-batch {est.micro_batch_size} x {est.seq_len} on {gpu.name}"
+            tl.plot(drawn, picture, title, gpu.memory_bytes)
+            png = picture.read_bytes()
+    page = _html.report_page(result.to_json(), png)
+    tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp_path.write_text(page)
+        os.replace(tmp_path, path)
+    except OSError as e:
+        raise UsageError(f"cannot write --report {path}: {e.strerror}") from None
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
 
 
 def _exports(

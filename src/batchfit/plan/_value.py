@@ -82,6 +82,12 @@ class Plan:
         """Whether the step leaves the headroom asked for, and at least a byte, free."""
         return self.headroom_bytes > 0 and self.headroom_bytes >= self.headroom_wanted_bytes
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the plan, its breakdown, the alternatives with their time."""
+        from batchfit._html import plan_html
+
+        return plan_html(self.to_json())
+
     def to_json(self) -> dict[str, Any]:
         est = self.estimate
         return {
