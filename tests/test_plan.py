@@ -16,6 +16,7 @@ make_plan_analytic = functools.partial(make_plan, engine="analytic")
 fit_table_analytic = functools.partial(fit_table, engine="analytic")
 
 GPT2 = resolve_model("gpt2")
+LLAMA_1B = resolve_model("llama-3.2-1b")  # a rotary model: 4096-token samples
 
 
 def test_contract_gpt2_rtx3060():
@@ -97,10 +98,22 @@ def test_learning_rate_rules():
         seq_len=256,
         global_batch_tokens=65536,
         base_lr=6e-4,
-        base_batch=32768,
+        base_batch_tokens=32768,
     )
     assert p.learning_rate == pytest.approx(6e-4 * 2**0.5)  # tokens in, tokens out
-    with pytest.raises(UsageError, match="together"):
+    # the base recipe's batch in samples: 128 samples x 256 tokens = 32768 tokens, the same
+    q = make_plan_analytic(
+        GPT2,
+        get_gpu("a100-40gb"),
+        TrainingSetup(),
+        seq_len=256,
+        global_batch_tokens=65536,
+        base_lr=6e-4,
+        base_batch=128,
+    )
+    assert q.learning_rate == pytest.approx(6e-4 * 2**0.5)
+    assert "taken as 32768 tokens" in (q.lr_rule or "")
+    with pytest.raises(UsageError, match="--base-batch"):
         make_plan_analytic(
             GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, base_lr=1e-4
         )
@@ -191,3 +204,28 @@ def test_lion_and_adafactor_scaling_is_said_to_have_no_source(optimizer: str) ->
 def test_a_learning_rate_that_overflows_when_scaled_is_refused() -> None:
     with pytest.raises(UsageError, match="overflows"):
         scale_learning_rate(1e308, 16, 64, "sgd")
+
+
+def test_the_lr_unit_trap_is_gone():
+    """Issue #13: --base-batch 256 with a target in tokens was read as 256 tokens (64 x the LR,
+    silently). It is 256 samples now; a base far from the target warns with the numbers."""
+    kw = {"seq_len": 4096, "global_batch_tokens": 1048576, "base_lr": 3e-4}
+    samples = make_plan_analytic(
+        LLAMA_1B, get_gpu("h100-80gb"), TrainingSetup(), base_batch=256, **kw
+    )
+    assert samples.learning_rate == pytest.approx(3e-4)  # 256 x 4096 tokens: the same batch
+    assert not any("far from where it was tuned" in w for w in samples.warnings)
+    tokens = make_plan_analytic(
+        LLAMA_1B, get_gpu("h100-80gb"), TrainingSetup(), base_batch_tokens=256, **kw
+    )
+    assert tokens.learning_rate == pytest.approx(3e-4 * 64)
+    assert any("4.1e+03x the base batch" in w for w in tokens.warnings)
+    with pytest.raises(UsageError, match="not both"):
+        make_plan_analytic(
+            LLAMA_1B,
+            get_gpu("h100-80gb"),
+            TrainingSetup(),
+            base_batch=1,
+            base_batch_tokens=1,
+            **kw,
+        )

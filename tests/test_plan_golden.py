@@ -65,7 +65,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
         "llama-3.2-1b",
         "t4",
         {"method": "qlora", "precision": "amp-fp16"},
-        {"seq_len": 1024, "global_batch_tokens": 16384, "base_lr": 2e-4, "base_batch": 8192},
+        {"seq_len": 1024, "global_batch_tokens": 16384, "base_lr": 2e-4, "base_batch_tokens": 8192},
     ),
     "bert-lora-classification-t4": (
         "bert-base-uncased",

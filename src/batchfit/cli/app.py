@@ -384,9 +384,11 @@ def plan(
     ] = None,
     base_batch: Annotated[
         int | None,
-        typer.Option(
-            "--base-batch", help="Batch --base-lr was tuned at (same unit as the target)."
-        ),
+        typer.Option("--base-batch", help="Batch --base-lr was tuned at, in samples."),
+    ] = None,
+    base_batch_tokens: Annotated[
+        int | None,
+        typer.Option("--base-batch-tokens", help="Batch --base-lr was tuned at, in tokens."),
     ] = None,
     headroom: Headroom = "0.5GiB",
     engine: EngineO = "trace",
@@ -471,6 +473,7 @@ def plan(
             micro_batch_size=micro_batch,
             base_lr=base_lr,
             base_batch=base_batch,
+            base_batch_tokens=base_batch_tokens,
             headroom_bytes=headroom_bytes,
             engine=engine_name,
         )

@@ -23,7 +23,7 @@ from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
 from batchfit.plan._fit_table import FitRow, fit_table
 from batchfit.plan._ladder import Combo, Technique, apply, ladder
-from batchfit.plan._lr_scaling import scale_learning_rate
+from batchfit.plan._lr_scaling import _count, scale_learning_rate
 from batchfit.plan._max_micro_batch import (
     DEFAULT_HEADROOM_BYTES,
     fits,
@@ -87,7 +87,7 @@ def _nearest(value: int, unit: int) -> str:
 
 
 def _check_inputs(
-    micro_batch_size: int | None, per_gpu: int, base_lr: float | None, base_batch: int | None
+    micro_batch_size: int | None, per_gpu: int, base_lr: float | None, base_batch: float | None
 ) -> None:
     """Refuse what no plan can follow, before any estimate runs."""
     if per_gpu > MAX_N:  # the divisor search factors it: keep its cost bounded
@@ -104,7 +104,8 @@ def _check_inputs(
         )
     if (base_lr is None) != (base_batch is None):
         raise UsageError(
-            "give --base-lr and --base-batch together (the LR was tuned at that batch)"
+            "give --base-lr with --base-batch (samples) or --base-batch-tokens (tokens): "
+            "the batch the LR was tuned at"
         )
 
 
@@ -311,12 +312,48 @@ def _loss_warnings(techniques: Combo, setup: TrainingSetup) -> list[str]:
     return []
 
 
+# Beyond this factor either way, a scaled LR is a guess far from where it was tuned (and a
+# unit mix-up, samples for tokens, gives factors of a sequence length).
+LR_FACTOR_WARN = 8.0
+
+
 def _learning_rate(
-    base_lr: float | None, base_batch: int | None, target: int, optimizer: str
-) -> tuple[float | None, str | None]:
-    if base_lr is None or base_batch is None:
-        return None, None
-    return scale_learning_rate(base_lr, base_batch, target, optimizer)
+    base_lr: float | None,
+    base: tuple[float, str] | None,
+    target: tuple[int, str],
+    seq_len: int | None,
+    optimizer: str,
+) -> tuple[float | None, str | None, list[str]]:
+    """The scaled LR, its rule, and warnings; ``base`` and ``target`` are (batch, unit) with
+    unit "samples" or "tokens": a base in the other unit is converted at ``seq_len``."""
+    if base_lr is None or base is None:
+        return None, None, []
+    (base_batch, base_unit), (target_batch, unit) = base, target
+    note = ""
+    if base_unit != unit:
+        if not seq_len:
+            raise UsageError(
+                f"--base-batch in {base_unit} against a target in {unit} needs --seq-len to "
+                "convert one into the other"
+            )
+        converted = base_batch * seq_len if unit == "tokens" else base_batch / seq_len
+        note = (
+            f" (the base batch of {_count(base_batch)} {base_unit} taken as "
+            f"{_count(converted)} {unit} at {seq_len} tokens a sample: the base recipe's "
+            "sequence length is assumed)"
+        )
+        base_batch = converted
+    lr, rule = scale_learning_rate(base_lr, base_batch, target_batch, optimizer)
+    warnings = []
+    factor = target_batch / base_batch
+    if factor > LR_FACTOR_WARN or factor < 1 / LR_FACTOR_WARN:
+        warnings.append(
+            f"the global batch is {factor:.3g}x the base batch ({_count(base_batch)} -> "
+            f"{target_batch:,} {unit}): the LR moves from {base_lr:g} to {lr:.3g}, far from "
+            "where it was tuned; check the base batch's unit (--base-batch is samples, "
+            "--base-batch-tokens tokens) and tune the LR near the new batch"
+        )
+    return lr, rule + note, warnings
 
 
 def _lora_targets(model: ModelInfo | OwnModel, setup: TrainingSetup) -> tuple[str, ...]:
@@ -338,6 +375,7 @@ def make_plan(
     micro_batch_size: int | None = None,
     base_lr: float | None = None,
     base_batch: int | None = None,
+    base_batch_tokens: int | None = None,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     engine: str = "trace",
     batch_fn: Callable[[int], Any] | None = None,
@@ -379,7 +417,14 @@ def make_plan(
     seq = seq_len or 0
     global_samples = samples_from_target(global_batch, global_batch_tokens, seq, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
-    _check_inputs(micro_batch_size, per_gpu, base_lr, base_batch)
+    if base_batch is not None and base_batch_tokens is not None:
+        raise UsageError("give --base-batch (samples) or --base-batch-tokens (tokens), not both")
+    base: tuple[float, str] | None = None
+    if base_batch is not None:
+        base = (base_batch, "samples")
+    elif base_batch_tokens is not None:
+        base = (base_batch_tokens, "tokens")
+    _check_inputs(micro_batch_size, per_gpu, base_lr, base[0] if base else None)
     engine, engine_note = usable_engine(engine)
     target = _Target(target_model, gpu, seq, per_gpu, headroom_bytes, engine)
     fit = _climb(target, setup, micro_batch_size)
@@ -387,10 +432,14 @@ def make_plan(
     micro = micro_batch_size or largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
     accum = per_gpu // micro
     _, est = target.fits(fit.setup, micro)
-    # --base-batch is in the unit of the target: tokens when the target is in tokens
-    lr_target = global_batch_tokens if global_batch_tokens is not None else global_samples
-    lr, rule = _learning_rate(base_lr, base_batch, lr_target, fit.setup.optimizer)
+    target_batch = (
+        (global_batch_tokens, "tokens")
+        if global_batch_tokens is not None
+        else (global_samples, "samples")
+    )
+    lr, rule, lr_warnings = _learning_rate(base_lr, base, target_batch, seq, fit.setup.optimizer)
     warnings = [
+        *lr_warnings,
         *([engine_note] if engine_note else []),
         *est.warnings,
         *fit_warnings,

@@ -12,7 +12,7 @@ _UNSOURCED = frozenset({"lion", "adafactor"})
 
 
 def scale_learning_rate(
-    base_lr: float, base_batch: int, global_batch: int, optimizer: str
+    base_lr: float, base_batch: float, global_batch: int, optimizer: str
 ) -> tuple[float, str]:
     """Scale a learning rate tuned at ``base_batch`` to ``global_batch``.
 
@@ -37,7 +37,7 @@ def scale_learning_rate(
         raise UsageError(
             f"--base-lr {base_lr:g} scaled to {global_batch} samples overflows: give a real rate"
         )
-    sqrt_text = f"{base_lr:g} x sqrt({global_batch}/{base_batch})"
+    sqrt_text = f"{base_lr:g} x sqrt({global_batch}/{_count(base_batch)})"
     if optimizer in _UNSOURCED:
         return base_lr * math.sqrt(ratio), (
             f"no published batch-size rule for {optimizer} (it keeps other state than Adam): "
@@ -49,5 +49,10 @@ def scale_learning_rate(
         )
     return base_lr * ratio, (
         f"linear scaling for {optimizer} (Goyal et al. 2017): "
-        f"{base_lr:g} x {global_batch}/{base_batch}"
+        f"{base_lr:g} x {global_batch}/{_count(base_batch)}"
     )
+
+
+def _count(batch: float) -> str:
+    """A batch as written: whole numbers in full, a fraction to four digits."""
+    return f"{batch:.0f}" if float(batch).is_integer() else f"{batch:.4g}"
