@@ -137,6 +137,18 @@ class _Target:
             return max_micro_batch_traced(*args)
         return max_micro_batch(*args)
 
+    def step_seconds(self, setup: TrainingSetup, micro: int) -> float:
+        """Predicted seconds of one optimizer step at ``micro`` (``batchfit.speed``); 0 where
+        the time model does not apply (then every option ties and the fallbacks decide)."""
+        if not isinstance(self.model, ModelInfo):
+            return 0.0
+        from batchfit.memory.analytic import resolve_setup
+        from batchfit.speed import step_time
+
+        resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
+        t = step_time(self.model, resolved, self.gpu, micro_batch_size=micro, seq_len=self.seq_len)
+        return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro, 1))
+
     def fits(self, setup: TrainingSetup, micro: int) -> tuple[bool, MemoryEstimate]:
         accum = max(self.per_gpu // micro, 1)
         return fits(
@@ -213,14 +225,21 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
 _OFFLOADS = frozenset({"offload-optimizer", "offload-optimizer+params", "fsdp-cpu-offload"})
 
 
+# Options whose predicted step times are this close are a tie: the time model is 10-20% off
+# at the median on published runs (docs/benchmarks.md), so the simpler option goes first.
+TIME_TOLERANCE = 0.05
+
+
 def _widest(
     target: _Target, base: Alternative, alternatives: list[Alternative], wanted: int | None
 ) -> _Fit | None:
     """The exact option (DDP as asked, or with ZeRO-1/2/3 or FSDP2, each with the ladder's
-    lean loss and checkpointing) that runs the largest micro-batch the per-GPU batch allows,
-    then no recompute, then the least communication (``speed/_comm.py``), then the fewest
-    techniques; offload (a CPU step) and rungs that change training only when none of these
-    fits (None then)."""
+    lean loss and checkpointing) that finishes an optimizer step soonest by the time model
+    (``batchfit.speed``: compute at the largest micro-batch the per-GPU batch allows,
+    recompute under checkpointing, the communication compute does not hide); where the time
+    model does not apply, the largest micro-batch, then no recompute, then the least
+    communication (``speed/_comm.py``), then the fewest techniques. Offload (a CPU step) and
+    rungs that change training only when none of these fits (None then)."""
     options = [base, *alternatives]
     eligible = {
         i
@@ -228,20 +247,25 @@ def _widest(
         if all(t.kind == "exact" and t.name not in _OFFLOADS for t in a.techniques)
     }
 
-    def key(i: int) -> tuple[int, bool, int, int]:
+    def usable(i: int) -> int:
+        return wanted or largest_divisor_at_most(target.per_gpu, options[i].max_micro_batch)
+
+    def tiebreak(i: int) -> tuple[int, bool, int, int, int]:
+        # at one size, recomputing costs more than any collective (full checkpointing takes
+        # 21-23% of throughput, DESIGN.md); then the least sent, then the fewest techniques
         alt = options[i]
-        if alt.max_micro_batch < (wanted or 1):
-            return (0, False, 0, i)
-        usable = 1 if wanted else largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
-        # at one size, recomputing costs more than any collective: full checkpointing takes
-        # 21-23% of throughput (DESIGN.md), while 2 x Psi vs 3 x Psi mostly hides behind compute
-        return (-usable, alt.setup.grad_ckpt, alt.comm_bytes_per_step, i)
+        return (-usable(i), alt.setup.grad_ckpt, alt.comm_bytes_per_step, len(alt.techniques), i)
 
     checked: set[int] = {0}  # the base's size is searched and confirmed already
     while eligible:
-        best = min(eligible, key=key)
-        if key(best)[0] == 0:
+        fitting = [i for i in eligible if options[i].max_micro_batch >= (wanted or 1)]
+        if not fitting:
             return None
+        seconds = {i: target.step_seconds(options[i].setup, usable(i)) for i in fitting}
+        fastest = min(seconds.values())
+        # within the time model's resolution of the fastest, the simpler option
+        near = [i for i in fitting if seconds[i] <= fastest * (1 + TIME_TOLERANCE)]
+        best = min(near, key=tiebreak)
         if best in checked:
             alt = options[best]
             shown = tuple(options[1:])

@@ -228,9 +228,11 @@ def step_time(
     else:
         half = HALF_WIDTH * min(1.0, (HALF_WIDTH_TOKENS / tokens) ** 0.5)
         util = U_MAX.get(gpu.architecture, 0.5) * width / (width + half)
-    # DeepSpeed's stages run the 16-bit module without autocast (memory/_deepspeed.py)
-    amp = setup.precision in ("amp-bf16", "amp-fp16") and setup.sharding not in _ZERO
-    launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers
+    # DeepSpeed's stages run the 16-bit module without autocast (memory/_deepspeed.py), but
+    # its engine's per-parameter hooks cost launches too: counted as autocast's
+    amp = setup.precision in ("amp-bf16", "amp-fp16")
+    # recomputed layers launch their forward kernels again (about a third of a layer's)
+    launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers * (1 + recompute_share / 3)
     compute = flops_per_token * tokens / (peak * util)
     if setup.compile:
         compute /= COMPILE_SPEEDUP
