@@ -229,3 +229,33 @@ def test_the_lr_unit_trap_is_gone():
             base_batch_tokens=1,
             **kw,
         )
+
+
+def test_the_run_has_a_time_a_cost_and_ranked_candidates():
+    """--train-tokens and --gpu-hour-price give the run's time and cost; candidates lists the
+    plan, then the alternatives that fit, fastest first, with the same keys (issue #13)."""
+    p = make_plan_analytic(
+        resolve_model("llama-3.1-8b"),
+        get_gpu("h100-80gb"),
+        TrainingSetup(num_gpus=8),
+        seq_len=4096,
+        global_batch_tokens=1048576,
+        train_tokens=10 * 1048576 + 1,
+        gpu_hour_price=2.0,
+    )
+    assert p.train_steps == 11  # rounded up: the last step is whole
+    assert p.train_seconds == pytest.approx(11 * p.step_seconds)
+    assert p.cost_usd == pytest.approx(p.train_seconds / 3600 * 8 * 2.0)
+    rows = p.to_json()["candidates"]
+    assert rows[0]["chosen"] and rows[0]["step_seconds"] == p.step_seconds
+    times = [r["step_seconds"] for r in rows[1:] if r["step_seconds"] is not None]
+    assert times == sorted(times) and len(times) >= 2
+    assert all(set(r) == set(rows[0]) for r in rows)
+    with pytest.raises(UsageError, match="--gpu-hour-price"):
+        make_plan_analytic(
+            GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, gpu_hour_price=-1.0
+        )
+    with pytest.raises(UsageError, match="--train-tokens"):
+        make_plan_analytic(
+            GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, train_tokens=0
+        )

@@ -4,6 +4,7 @@ layer (``search/_probe.py``); this file parses options and checks them before an
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import replace
@@ -402,6 +403,25 @@ def plan(
         Path | None,
         typer.Option("--out", help="The one file --export writes (default: print it)."),
     ] = None,
+    train_tokens: Annotated[
+        int | None,
+        typer.Option("--train-tokens", help="Tokens of the whole run: adds its time (and cost)."),
+    ] = None,
+    epochs: Annotated[
+        float | None,
+        typer.Option("--epochs", help="Passes over --dataset-size samples: the run's length."),
+    ] = None,
+    dataset_size: Annotated[
+        int | None, typer.Option("--dataset-size", help="Samples per epoch (with --epochs).")
+    ] = None,
+    gpu_hour_price: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-hour-price",
+            help="Dollars per GPU-hour: the run's cost (with --train-tokens or --epochs).",
+            parser=finite_float,
+        ),
+    ] = None,
     report: Annotated[
         Path | None,
         typer.Option(
@@ -428,6 +448,13 @@ def plan(
         _check_output(out, "--out")
     if report is not None:
         _check_output(report, "--report")
+    if (epochs is None) != (dataset_size is None):
+        raise UsageError("--epochs and --dataset-size go together (the run's length in samples)")
+    if epochs is not None and not epochs > 0:
+        raise UsageError(f"--epochs must be positive, got {epochs}")
+    train_samples = None
+    if epochs is not None and dataset_size is not None:
+        train_samples = math.ceil(epochs * dataset_size)
     engine_name = _engine(engine)
     gpu_spec = get_gpu(gpu)
     headroom_note = None
@@ -474,6 +501,9 @@ def plan(
             base_lr=base_lr,
             base_batch=base_batch,
             base_batch_tokens=base_batch_tokens,
+            train_tokens=train_tokens,
+            train_samples=train_samples,
+            gpu_hour_price=gpu_hour_price,
             headroom_bytes=headroom_bytes,
             engine=engine_name,
         )

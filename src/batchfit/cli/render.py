@@ -275,6 +275,12 @@ def plan(p: Plan, info: ModelInfo) -> None:
     else:
         out.print("  to fit: nothing extra needed")
     time_line(est.speed_json(p.grad_accum_steps), "  ")
+    if p.train_seconds is not None:
+        cost = f", ${p.cost_usd:,.0f} at ${p.gpu_hour_price:g} a GPU-hour" if p.cost_usd else ""
+        out.print(
+            f"  the run: {p.train_steps:,} optimizer steps, ~{_duration(p.train_seconds)} on "
+            f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
+        )
     free = p.headroom_bytes
     out.print(
         f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
@@ -302,6 +308,10 @@ def plan(p: Plan, info: ModelInfo) -> None:
         table.add_column("kind", overflow="fold")
         table.add_column("largest micro-batch", justify="right")
         table.add_column("GiB at that size", justify="right")
+        timed = any(a.step_seconds for a in p.alternatives)
+        if timed:
+            table.add_column("s / step", justify="right")
+            table.add_column("tokens/s/GPU", justify="right")
         # mark the rows the formulas answered, when the trace answered any (it was asked for)
         traced = est.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
         for alt in p.alternatives:
@@ -312,11 +322,30 @@ def plan(p: Plan, info: ModelInfo) -> None:
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
                 gib_figure(alt.device_total_bytes),
+                *(
+                    (
+                        f"{alt.step_seconds:.3g}" if alt.step_seconds else "-",
+                        f"{alt.tokens_per_s_per_gpu:,.0f}" if alt.tokens_per_s_per_gpu else "-",
+                    )
+                    if timed
+                    else ()
+                ),
             )
         out.print(table)
         if traced and any(alt.engine == "analytic" for alt in p.alternatives):
             out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
     _warn(p.warnings)
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it readable."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 def export_note(kind: str, path: Path | None, text: str | None) -> None:

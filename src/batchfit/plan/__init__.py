@@ -9,6 +9,7 @@ This module puts them together.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -402,6 +403,9 @@ def make_plan(
     base_batch_tokens: int | None = None,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     engine: str = "trace",
+    train_tokens: int | None = None,
+    train_samples: int | None = None,
+    gpu_hour_price: float | None = None,
     batch_fn: Callable[[int], Any] | None = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
 ) -> Plan:
@@ -441,6 +445,8 @@ def make_plan(
     seq = seq_len or 0
     global_samples = samples_from_target(global_batch, global_batch_tokens, seq, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
+    train_steps = _train_steps(train_tokens, train_samples, global_samples, seq or 1)
+    _price(gpu_hour_price)
     if base_batch is not None and base_batch_tokens is not None:
         raise UsageError("give --base-batch (samples) or --base-batch-tokens (tokens), not both")
     base: tuple[float, str] | None = None
@@ -488,7 +494,43 @@ def make_plan(
         learning_rate=lr,
         lr_rule=rule,
         techniques=fit.techniques,
-        alternatives=fit.alternatives,
+        alternatives=tuple(_timed(target, a) for a in fit.alternatives),
         warnings=tuple(dict.fromkeys(warnings)),
         lora_targets=_lora_targets(target_model, fit.setup),
+        train_steps=train_steps,
+        gpu_hour_price=gpu_hour_price,
     )
+
+
+def _timed(target: _Target, alt: Alternative) -> Alternative:
+    """``alt`` with the time model's figures at the largest micro-batch it allows."""
+    if not alt.max_micro_batch:
+        return alt
+    micro = largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
+    seconds = target.step_seconds(alt.setup, micro) or None
+    tokens = None
+    if seconds is not None and isinstance(target.model, ModelInfo):
+        tokens = target.per_gpu * target.seq_len / seconds
+    return replace(alt, micro_batch_size=micro, step_seconds=seconds, tokens_per_s_per_gpu=tokens)
+
+
+def _train_steps(
+    tokens: int | None, samples: int | None, global_samples: int, seq_len: int
+) -> int | None:
+    """Optimizer steps of the run: ``tokens`` (or ``samples``) over the global batch."""
+    for name, value in (("--train-tokens", tokens), ("--epochs x --dataset-size", samples)):
+        if value is not None and (isinstance(value, bool) or value < 1):
+            raise UsageError(f"{name} must be a positive number, got {value}")
+    if tokens is not None and samples is not None:
+        raise UsageError("give --train-tokens or --epochs with --dataset-size, not both")
+    if tokens is not None:
+        return -(-tokens // (global_samples * seq_len))
+    if samples is not None:
+        return -(-samples // global_samples)
+    return None
+
+
+def _price(price: float | None) -> float | None:
+    if price is not None and not (math.isfinite(price) and price > 0):
+        raise UsageError(f"--gpu-hour-price must be a positive number of dollars, got {price}")
+    return price

@@ -20,6 +20,11 @@ class Alternative:
     device_total_bytes: int  # at micro-batch max(1, max_micro_batch)
     engine: str = "trace"  # the one that answered: "analytic" where the trace cannot run it
     comm_bytes_per_step: int = 0  # what one GPU sends per optimizer step (speed/_comm.py)
+    # the time model at the largest micro-batch that divides the per-GPU batch (None: not
+    # predicted: nothing fits, an image model, your own module)
+    micro_batch_size: int = 0
+    step_seconds: float | None = None
+    tokens_per_s_per_gpu: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -29,6 +34,9 @@ class Alternative:
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
             "comm_bytes_per_step": self.comm_bytes_per_step,
+            "micro_batch_size": self.micro_batch_size,
+            "step_seconds": self.step_seconds,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
         }
 
 
@@ -56,6 +64,69 @@ class Plan:
     alternatives: tuple[Alternative, ...]
     warnings: tuple[str, ...]
     lora_targets: tuple[str, ...] = ()
+    # the training run's length (--train-tokens, or --epochs x --dataset-size) and price
+    train_steps: int | None = None
+    gpu_hour_price: float | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.estimate.speed_json(self.grad_accum_steps)["step_seconds"]
+
+    @property
+    def train_seconds(self) -> float | None:
+        """Predicted time of the whole run (``train_steps`` optimizer steps)."""
+        step = self.step_seconds
+        return None if step is None or self.train_steps is None else step * self.train_steps
+
+    @property
+    def cost_usd(self) -> float | None:
+        """The run's price: GPU-hours times ``gpu_hour_price``."""
+        run = self.train_seconds
+        if run is None or self.gpu_hour_price is None:
+            return None
+        return run / 3600 * self.num_gpus * self.gpu_hour_price
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """The plan, then the alternatives that fit, fastest first, with the same keys."""
+        rows = [
+            {
+                "techniques": [t.name for t in self.techniques],
+                "micro_batch_size": self.micro_batch_size,
+                "grad_accum_steps": self.grad_accum_steps,
+                "device_total_bytes": self.device_total_bytes,
+                "chosen": True,
+                **self._timed(self.step_seconds),
+            }
+        ]
+        timed = [a for a in self.alternatives if a.max_micro_batch and a.micro_batch_size]
+        for a in sorted(timed, key=lambda a: (a.step_seconds is None, a.step_seconds or 0.0)):
+            per_gpu = self.global_batch_size // self.num_gpus
+            rows.append(
+                {
+                    "techniques": [t.name for t in a.techniques],
+                    "micro_batch_size": a.micro_batch_size,
+                    "grad_accum_steps": per_gpu // a.micro_batch_size,
+                    "device_total_bytes": a.device_total_bytes,
+                    "chosen": False,
+                    **self._timed(a.step_seconds),
+                }
+            )
+        return rows
+
+    def _timed(self, step: float | None) -> dict[str, float | None]:
+        tokens = self.tokens_per_step
+        train = None if step is None or self.train_steps is None else step * self.train_steps
+        cost = None
+        if train is not None and self.gpu_hour_price is not None:
+            cost = train / 3600 * self.num_gpus * self.gpu_hour_price
+        return {
+            "step_seconds": step,
+            "tokens_per_s_per_gpu": None
+            if step is None or tokens is None
+            else tokens / self.num_gpus / step,
+            "train_seconds": train,
+            "cost_usd": cost,
+        }
 
     @property
     def is_image(self) -> bool:
@@ -117,4 +188,8 @@ class Plan:
             "setup": est.to_json()["setup"],
             "warnings": list(self.warnings),
             **est.speed_json(self.grad_accum_steps),
+            "train_steps": self.train_steps,
+            "train_seconds": self.train_seconds,
+            "cost_usd": self.cost_usd,
+            "candidates": self.candidates(),
         }
