@@ -259,3 +259,18 @@ def test_the_run_has_a_time_a_cost_and_ranked_candidates():
         make_plan_analytic(
             GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, train_tokens=0
         )
+
+
+def test_fused_adamw_is_the_first_exact_rung():
+    """Pure bf16 8B on an H100: foreach AdamW's fp32 temporary of every parameter does not
+    fit beside the model; the fused kernel, which costs no time, does (issue #13)."""
+    p = make_plan_analytic(
+        resolve_model("llama-3.1-8b"),
+        get_gpu("h100-80gb"),
+        TrainingSetup(precision="bf16"),
+        seq_len=256,
+        global_batch=8,
+    )
+    assert [t.name for t in p.techniques] == ["fused-adamw"]
+    assert p.setup.optimizer_impl == "fused" and p.fits
+    assert p.to_json()["techniques"][0]["kind"] == "exact"

@@ -42,6 +42,13 @@ GRAD_CKPT = Technique(
     "recompute each layer in backward",
     lambda s: replace(s, grad_ckpt=True),
 )
+FUSED_ADAMW = Technique(
+    "fused-adamw",
+    "exact",
+    "torch's fused AdamW kernel (fused=True; TrainingArguments optim adamw_torch_fused): the "
+    "same update without foreach's fp32 temporary of every parameter during step()",
+    lambda s: replace(s, optimizer_impl="fused"),
+)
 FUSED_LOSS = Technique(
     "fused-loss",
     "exact",
@@ -262,12 +269,20 @@ def ladder(
         >>> from batchfit.hardware import get_gpu
         >>> from batchfit.models import resolve_model
         >>> rungs = ladder(TrainingSetup(), get_gpu("t4"), resolve_model("llama-3.2-1b"))
-        >>> [[t.name for t in combo] for combo in rungs][:2]
-        [['fused-loss'], ['fused-loss', 'gradient-checkpointing']]
+        >>> for combo in rungs[:3]:
+        ...     print(" + ".join(t.name for t in combo))
+        fused-adamw
+        fused-loss
+        fused-loss + gradient-checkpointing
     """
     loss = lean_loss(model, setup)
     base: Combo = () if loss is None else (loss,)
     first: list[Combo] = [base] if base else []
+    if setup.optimizer in ("adam", "adamw") and setup.optimizer_impl in ("auto", "foreach"):
+        # PyTorch's default on CUDA is foreach (DESIGN.md), whose step holds an fp32 copy of
+        # every parameter; fused costs no time, so it is tried first, alone (later rungs
+        # change where the peak is, and DeepSpeed's bring their own fused optimizer)
+        first.insert(0, (FUSED_ADAMW,))
     if checkpointing and not setup.grad_ckpt:
         base = (*base, GRAD_CKPT)
         first.append(base)
