@@ -4,6 +4,7 @@ scale of a batchfit ``Accumulator``."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class PeakMemoryCallback(TrainerCallback):
         self.expected_peak_bytes = (
             plan.estimate.peak_bytes if plan is not None else expected_peak_bytes
         )
+        self.plan = plan
         self.tolerance = tolerance
         self.history: list[StepMemory] = []
         self.drifted_steps: list[int] = []
@@ -159,10 +161,69 @@ class PeakMemoryCallback(TrainerCallback):
                 expected / BYTES_IN_GIB,
             )
 
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _log_step_memory(self, logs)
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        if _record_calibration(self):
+            logger.info("recorded the run's peak beside its plan for `batchfit calibration`")
+
 
 def _status_bytes(field: str) -> int:
     """``status_bytes`` on Linux; 0 without procfs: off Linux the CPU peak is not measured."""
     return status_bytes(field) if Path(PROC_STATUS).exists() else 0
+
+
+def _log_step_memory(callback: PeakMemoryCallback, logs: dict[str, float] | None) -> None:
+    """The latest step's peak (GiB) and samples/s into the Trainer's logs, which the
+    reporters after this callback (TensorBoard, W&B, CSV) and ``state.log_history`` get."""
+    if logs is None or not callback.history:
+        return
+    last = callback.history[-1]
+    logs["peak_memory_gib"] = round(last.peak_bytes / BYTES_IN_GIB, 4)
+    logs["samples_per_s"] = round(last.samples_per_s, 3)
+
+
+def _record_calibration(callback: PeakMemoryCallback) -> bool:
+    """A CUDA run with a plan: its largest step peak beside the plan's, one calibration record
+    (``batchfit calibration``; CPU runs measure RSS, not comparable: nothing)."""
+    plan = callback.plan
+    if plan is None or not callback._cuda or not callback.history:
+        return False
+    from batchfit import calibration
+
+    est = plan.estimate
+    return calibration.append(
+        calibration.Record(
+            source="hf-callback",
+            model=plan.model,
+            setup=json.dumps(
+                {
+                    "setup": est.to_json()["setup"],
+                    "micro": est.micro_batch_size,
+                    "seq": est.seq_len,
+                },
+                sort_keys=True,
+                default=str,
+            ),
+            device=plan.gpu,
+            estimated_bytes=est.peak_bytes,
+            measured_bytes=max(r.peak_bytes for r in callback.history),
+        )
+    )
 
 
 class NoiseScaleCallback(TrainerCallback):
