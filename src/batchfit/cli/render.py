@@ -488,10 +488,11 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
         f"({engine} engine; no gradient accumulation)",
         title_justify="left",
     )
-    for col in ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "what it takes"):
+    columns = ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "h / 1B tokens")
+    for col in (*columns, "what it takes"):
         table.add_column(
             col,
-            justify="right" if col in ("GiB", "largest micro-batch", "GiB used") else "left",
+            justify="right" if col in columns[1:] and col != "precision" else "left",
             no_wrap=col == "GPU",
             min_width=max(len(r.gpu.name) for r in rows) if col == "GPU" else None,
             overflow="fold",
@@ -512,9 +513,17 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
             r.precision,
             str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
             "-" if r.note else gib_figure(r.device_total_bytes),
+            "-"
+            if r.seconds_per_billion_tokens is None
+            else f"{r.seconds_per_billion_tokens / 3600:,.1f}",
             needs,
         )
     out.print(table)
+    if any(r.seconds_per_billion_tokens for r in rows):
+        out.print(
+            "h / 1B tokens: one GPU at the largest micro-batch in the row's setup, the optimizer "
+            "step spread over a 1M-token batch (predicted; batchfit.speed)"
+        )
     if any(t.kind != "exact" for r in rows for t in r.techniques):
         out.print("* changes what is learned; the others are exact")
     if any(r.engine != engine for r in rows):

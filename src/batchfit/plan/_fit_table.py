@@ -30,6 +30,9 @@ class FitRow:
     techniques: Combo
     engine: str = "trace"  # the one that answered: "analytic" where the trace cannot run it
     note: str = ""  # why this GPU cannot run the setup at all (then nothing else is set)
+    # the time model at the largest micro-batch, one GPU, the optimizer step spread over a
+    # batch of REFERENCE_BATCH_TOKENS (None: not predicted)
+    seconds_per_billion_tokens: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -41,6 +44,7 @@ class FitRow:
             "techniques": [{"name": t.name, "kind": t.kind} for t in self.techniques],
             "engine": self.engine,
             "note": self.note or None,
+            "seconds_per_billion_tokens": self.seconds_per_billion_tokens,
         }
 
 
@@ -93,4 +97,31 @@ def _row(
                 chosen, techniques = alt, combo
                 break
     _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
-    return FitRow(gpu, est.setup.precision, best, est.device_total_bytes, techniques, est.engine)
+    return FitRow(
+        gpu,
+        est.setup.precision,
+        best,
+        est.device_total_bytes,
+        techniques,
+        est.engine,
+        seconds_per_billion_tokens=_per_billion(model, est.setup, gpu, best, seq_len),
+    )
+
+
+# One consistent setup per row: the optimizer step spread over a 1M-token global batch
+REFERENCE_BATCH_TOKENS = 1 << 20
+
+
+def _per_billion(
+    model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, micro: int, seq_len: int
+) -> float | None:
+    """Seconds one GPU takes for a billion tokens at ``micro`` (``batchfit.speed``)."""
+    if not micro or model.task == "image-classification":
+        return None
+    from batchfit.speed import step_time
+
+    t = step_time(model, setup, gpu, micro_batch_size=micro, seq_len=seq_len)
+    if t is None:
+        return None
+    per_token = t.micro_seconds / t.tokens_per_micro_step
+    return 1e9 * (per_token + t.optimizer_seconds / REFERENCE_BATCH_TOKENS)
