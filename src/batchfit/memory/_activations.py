@@ -293,6 +293,9 @@ class Activations:
     at_backward_start: float  # everything saved, the loss's buffers: activations' own peak
     at_backward_end: float  # with checkpointing, one recomputed layer; else all freed
     lines: tuple[Line, ...]
+    # with checkpointing, backward in the top layer: every other checkpointed input still held
+    # beside the top layer's recomputed activations (the trace's "in the top layer" moment)
+    at_backward_top: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,8 @@ def step_activations(
     else:
         kept, copies, end, lines = _stored(arch, stack, tokens, amp_copies)
     lines += [final_line, *loss_lines]
+    # the top layer recomputes while the inputs kept for the layers below are still held
+    top = kept + end if setup.grad_ckpt and end else 0.0
     end_extra, end_lines = _held_at_backward_end(
         model, rg, tokens, setup, full=lora_targets is None
     )
@@ -347,7 +352,7 @@ def step_activations(
             why = "one recomputed layer's weights at a time, 2 B each"
         lines.append(Line("activations", "autocast 16-bit weight copies", int(copies), why))
     start = kept + final + held + bwd_extra + copies
-    return Activations(start, end, tuple(lines))
+    return Activations(start, end, tuple(lines), at_backward_top=top)
 
 
 def _stack(

@@ -91,6 +91,7 @@ def peak(
     grads_before = grads if held else min(head_grad, grads)
     phases = {
         "backward": (grads_before, acts.at_backward_start, fixed),
+        "backward-top": (grads_before, acts.at_backward_top, fixed),
         "backward-end": (grads, acts.at_backward_end, fixed),
         "optimizer-step": (grads, 0.0, fixed + temps),
     }

@@ -137,7 +137,7 @@ def estimate_analytic(
     step = StepMemory(
         components=at_peak.components,
         peak_phase=at_peak.phase,
-        activation_peak_bytes=int(acts.at_backward_start),
+        activation_peak_bytes=int(max(acts.at_backward_start, acts.at_backward_top)),
         total_params=model.total_params + (params.trainable if setup.is_lora else 0),
         trainable_params=params.trainable,
         host_bytes=int(sharded.host),
