@@ -208,7 +208,12 @@ def launch_command(plan: Plan, kind: str | None = None, config_path: str | None 
         'torchrun --nproc-per-node 4 train.py'
     """
     setup, n = plan.setup, plan.num_gpus
+    if kind == "accelerate":  # accelerate's config carries DeepSpeed or FSDP: it launches
+        acc = config_path or "accelerate.yaml"
+        return f"accelerate launch --config_file {acc} train.py"
     if is_deepspeed(setup):
+        if kind == "hf":  # the DeepSpeed config rides inside TrainingArguments(deepspeed=...)
+            return f"deepspeed --num_gpus {n} train.py"
         ds = config_path if kind == "deepspeed" and config_path else "ds_config.json"
         return f"deepspeed --num_gpus {n} train.py --deepspeed {ds}"
     if setup.sharding == "fsdp":
@@ -278,6 +283,23 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
             "gradients with an fp32 master partition and fp32 optimizer states, so this config "
             "does not run what was planned: export accelerate (FSDP2) or plan with --sharding "
             "zero1|zero2|zero3"
+        )
+    if kind == "deepspeed":  # a DeepSpeed JSON holds neither: the script must switch them on
+        needs = []
+        if setup.grad_ckpt:
+            needs.append("gradient checkpointing (model.gradient_checkpointing_enable())")
+        if setup.loss == "fused":
+            needs.append("Liger's fused linear cross-entropy (liger_kernel)")
+        if needs:
+            caveats.append(
+                f"the plan needs {' and '.join(needs)}, which a DeepSpeed config cannot switch "
+                "on: your train.py must, or the step will not fit"
+            )
+    if kind == "accelerate" and is_deepspeed(setup):
+        caveats.append(
+            "accelerate's DeepSpeed plugin fills bucket sizes of its own ('auto'), while the plan "
+            "counted DeepSpeed's (reduce_bucket_size 5e8, stage3 buckets): export deepspeed too "
+            "and set deepspeed_config_file to it, so the run is the one planned"
         )
     return caveats
 

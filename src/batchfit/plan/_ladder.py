@@ -228,6 +228,9 @@ def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
         rungs += [(*base, zero(stage, why)) for stage in _ZERO_STAGES]
         rungs.append((*base, FSDP))
     if setup.offload == "none" and setup.method != "qlora":
+        if setup.sharding == "fsdp":  # FSDP2 asked: its own offload, not DeepSpeed's
+            rungs.append((*base, FSDP_OFFLOAD))
+            return rungs
         rungs.append((*base, zero("zero2", "ZeRO-Offload needs ZeRO"), OFFLOAD_OPTIMIZER))
         rungs.append((*base, zero("zero3", "parameter offload needs ZeRO-3"), OFFLOAD_ALL))
     return rungs

@@ -541,21 +541,29 @@ def main() -> None:
 
     final: dict[str, Any]
     summary: dict[str, Any] = {"rank": rank}
+    summaries: list[dict[str, Any]] | None = None
     try:
-        result = probe(spec, emit)
-        final = {"result": result.to_json()}
-        summary.update(
-            micro_batch_size=result.micro_batch_size,
-            max_fitting_micro_batch=result.max_fitting_micro_batch,
-        )
-    except UsageError as e:  # a bug's ValueError must show its traceback, not exit 2
-        final = {"usage_error": str(e)}
-        summary.update(usage_error=str(e), no_fit=isinstance(e, NoFitError))
+        try:
+            result = probe(spec, emit)
+            final = {"result": result.to_json()}
+            summary.update(
+                micro_batch_size=result.micro_batch_size,
+                max_fitting_micro_batch=result.max_fitting_micro_batch,
+            )
+        except UsageError as e:  # a bug's ValueError must show its traceback, not exit 2
+            final = {"usage_error": str(e)}
+            summary.update(usage_error=str(e), no_fit=isinstance(e, NoFitError))
+        if nproc > 1:
+            summaries = _ranks.gather(summary)  # None: the ranks never joined a group
     finally:
         _ranks.finish()
     emit(final)
-    if nproc > 1:  # short lines: atomic on the shared pipe
-        print(json.dumps({"rank_summary": summary}, allow_nan=False), flush=True)
+    if nproc > 1:
+        # rank 0 speaks for all once they joined (one writer: no lines interleave on the
+        # shared pipe); otherwise each rank says its own, short line
+        for line in summaries if summaries is not None else [summary]:
+            if summaries is None or rank == 0:
+                print(json.dumps({"rank_summary": line}, allow_nan=False), flush=True)
 
 
 if __name__ == "__main__":

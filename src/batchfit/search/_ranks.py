@@ -102,6 +102,8 @@ def failure(stderr: str, returncode: int) -> str:
     """One line from torchrun's report of its first failed rank."""
     rank = re.search(r"rank\s*:\s*(\d+)", stderr)
     code = re.search(r"exitcode\s*:\s*(-?\d+)", stderr)
+    if returncode == 0:
+        return "the probe's ranks ended without a result (rank 0's report could not be read)"
     if rank is None:
         tail = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit code {returncode}"
         return f"the probe's ranks failed: {tail}"
@@ -132,6 +134,17 @@ def init(device_type: str) -> Any:
         return torch.device("cuda", local)
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+def gather(summary: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's summary, on every rank (None when no process group was joined)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, summary)
+    return out
 
 
 def finish() -> None:
