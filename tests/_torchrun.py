@@ -17,14 +17,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(worker: Path, out: Path, attempts: int = 3) -> subprocess.CompletedProcess[str]:
-    """Run ``worker out`` on 2 ranks; the last attempt's process (returncode 0 if one passed).
+def torchrun(
+    worker: Path,
+    *args: object,
+    attempts: int = 3,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``worker *args`` on 2 ranks; the last attempt's process (returncode 0 if one passed).
 
     Two ranks import torch on a 2-core machine: under load that is slow, and a free port can be
     taken between choosing and binding it; gloo has also aborted at teardown under the full
     suite ("terminate called without an active exception"). Retries, each a fresh port.
+    ``env`` adds to the environment (PYTHONPATH is the repository, one OpenMP thread a rank).
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     for _attempt in range(attempts):
         proc = subprocess.run(
             [
@@ -38,9 +44,9 @@ def torchrun(worker: Path, out: Path, attempts: int = 3) -> subprocess.Completed
                 "--master_port",
                 str(_free_port()),
                 str(worker),
-                str(out),
+                *(str(a) for a in args),
             ],
-            env=env,
+            env=full_env,
             capture_output=True,
             text=True,
             timeout=300,

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from batchfit.memory._trace_estimate import estimate_trace, trace_depths
 from batchfit.memory._tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
-from tests._torchrun import _free_port
+from tests._torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT2 = {
@@ -135,35 +132,11 @@ def test_traced_rank_peak_matches_two_real_gloo_ranks(tiny: Path) -> None:
     """Two real CPU ranks (gloo) run FSDP2 as the trace lays it out; each measures its own
     peak (VmHWM, ``benchmarks/_fsdp_truth.py``). The trace of one rank is within 3%."""
     spec = {"model": str(tiny), "setup": {"sharding": "fsdp"}, "micro": 8, "seq": 256}
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT / "src"),
-        "OMP_NUM_THREADS": "1",
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-    }
-    for _attempt in range(3):  # a free port can be taken before torchrun binds it
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(_free_port()),
-                str(ROOT / "benchmarks" / "_fsdp_truth.py"),
-                json.dumps(spec),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if proc.returncode == 0:
-            break
+    proc = torchrun(
+        ROOT / "benchmarks" / "_fsdp_truth.py",
+        json.dumps(spec),
+        env={"PYTHONPATH": str(ROOT / "src"), "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
     ranks = json.loads(line)["ranks"]
