@@ -51,7 +51,7 @@ def test_a_deepspeed_export_of_a_pure_bf16_plan_says_it_needs_more():
         global_batch=64,
         engine="analytic",
     )
-    assert any("fp32 master copy" in c for c in export_caveats(plan, "deepspeed"))
+    assert any("fp32 master partition" in c for c in export_caveats(plan, "deepspeed"))
     assert not export_caveats(
         make_plan(
             resolve_model("gpt2"),

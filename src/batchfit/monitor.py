@@ -194,10 +194,15 @@ def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _die_with_parent() -> None:
+def _child_setup() -> None:
+    """In the command's process, before it starts: die with this process, and take the
+    signals it forwards with their default meaning (a shell starts background jobs with
+    SIGINT ignored, and an ignored signal stays ignored across exec)."""
     from batchfit._oom import _libc
     from batchfit.search._probe import _PR_SET_PDEATHSIG
 
+    for signum in _FORWARDED:
+        signal.signal(signum, signal.SIG_DFL)
     libc = _libc()
     if libc is not None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -234,7 +239,7 @@ def run(
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            command, preexec_fn=_die_with_parent if sys.platform == "linux" else None
+            command, preexec_fn=_child_setup if sys.platform == "linux" else None
         )
     except FileNotFoundError:
         result.exit_code = 127
