@@ -174,6 +174,7 @@ class Plan:
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": est.reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
+            "host_bytes": est.host_bytes,
             "gpu_bytes": self.gpu_bytes,
             "headroom_bytes": self.headroom_bytes,
             "headroom_wanted_bytes": self.headroom_wanted_bytes,
