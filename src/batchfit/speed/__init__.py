@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchfit.hardware import GpuSpec
+from batchfit.memory._deepspeed import is_deepspeed
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 from batchfit.speed._comm import traffic
@@ -239,7 +240,7 @@ def step_time(
     backward_share = (backward + recompute) / flops_per_token
     trainable = model_trainable(model, setup)
     # sharded optimizers (ZeRO, FSDP) update this rank's partition only
-    shard = setup.num_gpus if setup.sharding in (*_ZERO, "fsdp") else 1
+    shard = setup.num_gpus if is_deepspeed(setup) or setup.sharding == "fsdp" else 1
     element = 2 if setup.precision in ("bf16", "fp16") else 4
     opt_bytes = OPTIMIZER_ACCESSES.get(setup.optimizer, 7) * element * trainable / shard
     update = opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
@@ -265,9 +266,6 @@ def step_time(
         comm_step_seconds=comm_step,
         offload_seconds=offload,
     )
-
-
-_ZERO = ("zero1", "zero2", "zero3")
 
 
 def collective_gb_s(gpu: GpuSpec, num_gpus: int) -> float | None:

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchfit.memory._deepspeed import is_deepspeed
 from batchfit.spec import TrainingSetup
-
-# DeepSpeed's stages (``memory/_deepspeed.py``): the module DeepSpeed communicates holds
-# 16-bit parameters and gradients under bf16/fp16, fp32 ones under fp32
-_DEEPSPEED = ("zero1", "zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,9 @@ def traffic(setup: TrainingSetup, total_params: int, trainable_params: int) -> T
     if setup.num_gpus <= 1 or setup.sharding == "none":
         return Traffic()
     sixteen = setup.precision in ("bf16", "fp16", "amp-bf16", "amp-fp16")
-    if setup.sharding in _DEEPSPEED:
-        # DeepSpeed communicates its 16-bit module's parameters and gradients
+    if is_deepspeed(setup):
+        # DeepSpeed communicates its module's parameters and gradients: 16-bit under
+        # bf16/fp16, fp32 under fp32 (memory/_deepspeed.py)
         b = 2.0 if sixteen else 4.0
         grads, params = trainable_params * b, trainable_params * b
         if setup.sharding == "zero1":
