@@ -4,9 +4,10 @@ layer (``search/_probe.py``); this file parses options and checks them before an
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast, get_args
@@ -121,9 +122,10 @@ VerboseO = Annotated[
 
 
 @contextlib.contextmanager
-def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[None]:
+def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[Callable[[str], None]]:
     """The trace cache off for this command when --no-cache is given, its notes on stderr
-    with --verbose; each dry run shown as progress on a terminal (they take seconds)."""
+    with --verbose; each dry run shown as progress on a terminal (they take seconds). Yields
+    the function that names the stage the dry runs belong to (shown before each)."""
     import logging
 
     from batchfit import _cache
@@ -140,10 +142,19 @@ def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[None]:
             _cache.log.setLevel(logging.INFO)
             stack.callback(_cache.log.removeHandler, handler)
         status = stack.enter_context(render.progress("dry runs"))
+        stage = [""]
+
+        def named(text: str) -> None:
+            status(f"{stage[0]}: {text}" if stage[0] else text)
+
+        def set_stage(text: str) -> None:
+            stage[0] = text
+            status(text)
+
         previous = _trace_estimate.on_dry_run
-        _trace_estimate.on_dry_run = status
+        _trace_estimate.on_dry_run = named
         stack.callback(setattr, _trace_estimate, "on_dry_run", previous)
-        yield
+        yield set_stage
 
 
 def _emit_json(obj: dict[str, Any]) -> None:
@@ -354,7 +365,7 @@ def _compare_engines(
 
 
 @app.command()
-@setup_options(parallel=True)
+@setup_options(parallel=True, auto_gpus=True)
 def plan(
     model: ModelArg,
     gpu: Annotated[
@@ -422,6 +433,12 @@ def plan(
             parser=finite_float,
         ),
     ] = None,
+    max_gpus: Annotated[
+        int,
+        typer.Option(
+            "--max-gpus", help="With --num-gpus auto: the most GPUs tried (1, 2, 4, ... and it)."
+        ),
+    ] = 8,
     report: Annotated[
         Path | None,
         typer.Option(
@@ -431,6 +448,7 @@ def plan(
         ),
     ] = None,
     as_json: JsonO = False,
+    num_gpus_auto: bool = False,
 ) -> None:
     """Plan micro-batch x accumulation x GPUs that hit a global batch exactly, and what fits."""
     from batchfit.cli import render
@@ -438,8 +456,10 @@ def plan(
     from batchfit.hardware import get_gpu
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
-    from batchfit.plan import make_plan
+    from batchfit.plan import make_plan, make_plan_auto
 
+    if max_gpus != 8 and not num_gpus_auto:
+        raise UsageError("--max-gpus goes with --num-gpus auto")
     if export_kind is not None:
         check_choice("--export", export_kind, EXPORT_KINDS)
     if out is not None:
@@ -489,8 +509,13 @@ def plan(
             "or --padding packed (or max) with --seq-len"
         )
     check_workload(info, micro_batch or 1, seq)
-    with _cache_switch(no_cache, verbose):
-        result = make_plan(
+    with _cache_switch(no_cache, verbose) as stage:
+        planner = (
+            functools.partial(make_plan_auto, max_gpus=max_gpus, progress=stage)
+            if num_gpus_auto
+            else make_plan
+        )
+        result = planner(
             info,
             gpu_spec,
             setup,

@@ -90,6 +90,14 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
     return with_framework(setup, framework, explicit)
 
 
+def _gpu_number(text: str) -> int:
+    """``--num-gpus N``: a whole number (``auto`` is taken by the commands that allow it)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--num-gpus must be a whole number of GPUs, got {text!r}") from None
+
+
 def _setup(raw: dict[str, Any]) -> TrainingSetup:
     targets = raw["lora_targets"]
     lora = (targets, raw["lora_rank"], raw["lora_alpha"], raw["lora_dropout"])
@@ -114,7 +122,7 @@ def _setup(raw: dict[str, Any]) -> TrainingSetup:
         else tuple(t.strip() for t in targets.split(",") if t.strip()),
         grad_ckpt=raw["grad_ckpt"],
         attention=cast(Attention, check_choice("--attention", raw["attention"], ATTENTIONS)),
-        num_gpus=raw.get("num_gpus", 1),
+        num_gpus=_gpu_number(raw.get("num_gpus", "1")),
         sharding=cast(Sharding, check_choice("--sharding", raw.get("sharding", "none"), SHARDINGS)),
         offload=cast(Offload, check_choice("--offload", raw.get("offload", "none"), OFFLOADS)),
         loop=cast(Loop, check_choice("--loop", raw["loop"], LOOPS)),
@@ -251,10 +259,11 @@ _SHARED: dict[str, tuple[Any, Any]] = {
 # Data parallelism: not for `gpus` (one GPU each); `probe` takes --sharding (its --nproc ranks).
 _PARALLEL: dict[str, tuple[Any, Any]] = {
     "num_gpus": _option(
-        int,
-        1,
+        str,
+        "1",
         "--num-gpus",
-        help="GPUs (data parallel); plan compares DDP, ZeRO-1/2/3 and FSDP2 on them.",
+        help="GPUs (data parallel); plan compares DDP, ZeRO-1/2/3 and FSDP2 on them; "
+        "plan takes auto: 1, 2, 4, ... up to --max-gpus, and picks the count.",
     ),
     "sharding": _option(
         str,
@@ -267,16 +276,24 @@ _PARALLEL: dict[str, tuple[Any, Any]] = {
 }
 
 
-def setup_options(*, parallel: bool = False, sharding: bool = False) -> Callable[[F], F]:
+# Parameters the decorator fills in, not options typer shows.
+_GIVEN = frozenset({"setup", "num_gpus_auto"})
+
+
+def setup_options(
+    *, parallel: bool = False, sharding: bool = False, auto_gpus: bool = False
+) -> Callable[[F], F]:
     """Decorate a command taking ``setup: TrainingSetup``: typer sees the shared options in
     its place (``parallel`` adds --num-gpus/--sharding/--offload, ``sharding`` --sharding
-    alone) and the command gets them parsed into one ``TrainingSetup``."""
+    alone) and the command gets them parsed into one ``TrainingSetup``. With ``auto_gpus``,
+    ``--num-gpus auto`` reaches the command as ``num_gpus_auto=True`` (and 1 in the setup);
+    elsewhere it is refused."""
     extra = _PARALLEL if parallel else {"sharding": _PARALLEL["sharding"]} if sharding else {}
     shared = {**_SHARED, **extra}
 
     def decorate(command: F) -> F:
         signature = inspect.signature(command, eval_str=True)
-        own = [p for p in signature.parameters.values() if p.name != "setup"]
+        own = [p for p in signature.parameters.values() if p.name not in _GIVEN]
         added = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d)
             for name, (a, d) in shared.items()
@@ -286,6 +303,11 @@ def setup_options(*, parallel: bool = False, sharding: bool = False) -> Callable
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
             raw = {name: kwargs.pop(name) for name in shared}
+            if str(raw.get("num_gpus", "")).strip().lower() == "auto":
+                if not auto_gpus:
+                    raise UsageError("--num-gpus auto is for `batchfit plan`: give a number")
+                raw["num_gpus"] = "1"
+                kwargs["num_gpus_auto"] = True
             return command(setup=_parse(raw), **kwargs)
 
         wrapper.__dict__["__signature__"] = signature.replace(parameters=params)

@@ -334,7 +334,38 @@ def plan(p: Plan, info: ModelInfo) -> None:
         out.print(table)
         if traced and any(alt.engine == "analytic" for alt in p.alternatives):
             out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
+    if p.gpu_counts:
+        _gpu_counts(p)
     _warn(p.warnings)
+
+
+def _gpu_counts(p: Plan) -> None:
+    """``--num-gpus auto``: each count's plan in one row, the chosen one marked."""
+    run = any(c.train_seconds for c in p.gpu_counts)
+    cost = any(c.cost_usd for c in p.gpu_counts)
+    table = Table(title="GPU counts (--num-gpus auto)", title_justify="left")
+    for name in ("GPUs", "micro x accum", "techniques", "s / step", "tokens/s/GPU", "per GPU"):
+        table.add_column(name, justify="left" if name == "techniques" else "right")
+    if run:
+        table.add_column("run", justify="right")
+    if cost:
+        table.add_column("cost", justify="right")
+    for c in p.gpu_counts:
+        if not c.micro_batch_size:
+            table.add_row(str(c.num_gpus), "-", escape(c.note), *["-"] * (3 + run + cost))
+            continue
+        table.add_row(
+            f"[bold]{c.num_gpus}[/] *" if c.chosen else str(c.num_gpus),
+            f"{c.micro_batch_size} x {c.grad_accum_steps}" if c.fits else "[red]none fits[/]",
+            " + ".join(c.techniques) or "-",
+            f"{c.step_seconds:.3g}" if c.step_seconds else "-",
+            f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
+            f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
+            *([_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
+            *([f"${c.cost_usd:,.0f}" if c.cost_usd else "-"] if cost else []),
+        )
+    out.print(table)
+    out.print(f"* {escape(p.gpu_count_rule or '')}")
 
 
 def _duration(seconds: float) -> str:

@@ -23,6 +23,7 @@ from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
 from batchfit.plan._fit_table import FitRow, fit_table
+from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, choose
 from batchfit.plan._ladder import Combo, Technique, apply, ladder
 from batchfit.plan._lr_scaling import _count, scale_learning_rate
 from batchfit.plan._max_micro_batch import (
@@ -44,6 +45,7 @@ __all__ = [
     "Technique",
     "fit_table",
     "make_plan",
+    "make_plan_auto",
     "samples_from_target",
     "scale_learning_rate",
 ]
@@ -499,6 +501,39 @@ def make_plan(
         lora_targets=_lora_targets(target_model, fit.setup),
         train_steps=train_steps,
         gpu_hour_price=gpu_hour_price,
+    )
+
+
+def make_plan_auto(
+    model: ModelInfo,
+    gpu: GpuSpec,
+    setup: TrainingSetup,
+    *,
+    max_gpus: int = DEFAULT_MAX_GPUS,
+    progress: Callable[[str], None] | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """``make_plan`` on 1, 2, 4, ... up to ``max_gpus`` GPUs, and the count to use.
+
+    Each count is planned in full (``make_plan(..., setup with num_gpus=n, **kwargs)``); the
+    plan returned is the most GPUs whose per-GPU throughput stays within
+    ``AUTO_EFFICIENCY`` of the best count's, with every count in ``Plan.gpu_counts`` and the
+    reason in ``Plan.gpu_count_rule`` (``plan/_gpu_count.py``).
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> from batchfit.hardware import get_gpu
+        >>> p = make_plan_auto(resolve_model("gpt2"), get_gpu("a100-80gb"), TrainingSetup(),
+        ...                    max_gpus=4, seq_len=1024, global_batch=64, engine="analytic")
+        >>> [c.num_gpus for c in p.gpu_counts], p.num_gpus in (1, 2, 4)
+        ([1, 2, 4], True)
+    """
+    if setup.num_gpus != 1:
+        raise UsageError("--num-gpus auto chooses the count: give it without a number")
+    return choose(
+        lambda n: make_plan(model, gpu, replace(setup, num_gpus=n), **kwargs),
+        max_gpus,
+        progress,
     )
 
 

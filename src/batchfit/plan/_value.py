@@ -41,6 +41,42 @@ class Alternative:
 
 
 @dataclass(frozen=True)
+class GpuCount:
+    """One GPU count's plan, summarised for the table ``--num-gpus auto`` prints."""
+
+    num_gpus: int
+    fits: bool
+    micro_batch_size: int
+    grad_accum_steps: int
+    techniques: tuple[str, ...]
+    sharding: str
+    step_seconds: float | None
+    tokens_per_s_per_gpu: float | None
+    train_seconds: float | None
+    cost_usd: float | None
+    efficiency: float | None = None  # per-GPU throughput over the best count's
+    chosen: bool = False
+    note: str = ""  # why a count has no plan (the global batch does not split over it)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_gpus": self.num_gpus,
+            "fits": self.fits,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "techniques": list(self.techniques),
+            "sharding": self.sharding,
+            "step_seconds": self.step_seconds,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "train_seconds": self.train_seconds,
+            "cost_usd": self.cost_usd,
+            "efficiency": self.efficiency,
+            "chosen": self.chosen,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
 class Plan:
     """A complete, exact plan. ``micro x accum x GPUs == global batch`` always holds."""
 
@@ -67,6 +103,9 @@ class Plan:
     # the training run's length (--train-tokens, or --epochs x --dataset-size) and price
     train_steps: int | None = None
     gpu_hour_price: float | None = None
+    # --num-gpus auto: every count tried (this plan's among them) and why this one
+    gpu_counts: tuple[GpuCount, ...] = ()
+    gpu_count_rule: str | None = None
 
     @property
     def step_seconds(self) -> float | None:
@@ -193,4 +232,6 @@ class Plan:
             "train_seconds": self.train_seconds,
             "cost_usd": self.cost_usd,
             "candidates": self.candidates(),
+            "gpu_counts": [c.to_json() for c in self.gpu_counts],
+            "gpu_count_rule": self.gpu_count_rule,
         }
