@@ -402,6 +402,29 @@ def plan(
         int | None,
         typer.Option("--base-batch-tokens", help="Batch --base-lr was tuned at, in tokens."),
     ] = None,
+    base_betas: Annotated[
+        str,
+        typer.Option(
+            "--base-betas",
+            help="Adam's betas at the base batch: the plan offers the rescaled ones.",
+        ),
+    ] = "0.9,0.999",
+    base_eps: Annotated[
+        float,
+        typer.Option("--base-eps", help="Adam's eps at the base batch.", parser=finite_float),
+    ] = 1e-8,
+    critical_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--critical-batch",
+            help="Critical batch in samples (e.g. StepResult.noise_scale measured by "
+            "Accumulator(noise_scale=True)): the LR stops growing there.",
+        ),
+    ] = None,
+    critical_batch_tokens: Annotated[
+        int | None,
+        typer.Option("--critical-batch-tokens", help="Critical batch in tokens."),
+    ] = None,
     headroom: Headroom = "0.5GiB",
     engine: EngineO = "trace",
     no_cache: NoCacheO = False,
@@ -457,6 +480,7 @@ def plan(
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
     from batchfit.plan import make_plan, make_plan_auto
+    from batchfit.plan._lr_scaling import parse_betas
 
     if max_gpus != 8 and not num_gpus_auto:
         raise UsageError("--max-gpus goes with --num-gpus auto")
@@ -526,6 +550,10 @@ def plan(
             base_lr=base_lr,
             base_batch=base_batch,
             base_batch_tokens=base_batch_tokens,
+            base_betas=parse_betas(base_betas),
+            base_eps=base_eps,
+            critical_batch=critical_batch,
+            critical_batch_tokens=critical_batch_tokens,
             train_tokens=train_tokens,
             train_samples=train_samples,
             gpu_hour_price=gpu_hour_price,

@@ -261,9 +261,11 @@ def plan(p: Plan, info: ModelInfo) -> None:
         out.print(f"  largest micro-batch that fits: {p.max_micro_batch}")
     if p.learning_rate is not None:
         out.print(
-            f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({p.lr_rule}; valid below "
-            "the critical batch size)"
+            f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({escape(p.lr_rule or '')}; valid "
+            "below the critical batch size)"
         )
+        for line in p.lr_scaling.lines() if p.lr_scaling else []:
+            out.print(f"    {escape(line)}")
     if p.techniques:
         named = ", ".join(
             f"{t.name} [{'green' if t.kind == 'exact' else 'yellow'}]({t.kind})[/]"

@@ -25,7 +25,13 @@ from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_mos
 from batchfit.plan._fit_table import FitRow, fit_table
 from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, choose
 from batchfit.plan._ladder import Combo, Technique, apply, ladder
-from batchfit.plan._lr_scaling import _count, scale_learning_rate
+from batchfit.plan._lr_scaling import (
+    DEFAULT_BETAS,
+    DEFAULT_EPS,
+    follow_batch,
+    lr_options,
+    scale_learning_rate,
+)
 from batchfit.plan._max_micro_batch import (
     DEFAULT_HEADROOM_BYTES,
     fits,
@@ -339,50 +345,6 @@ def _loss_warnings(techniques: Combo, setup: TrainingSetup) -> list[str]:
     return []
 
 
-# Beyond this factor either way, a scaled LR is a guess far from where it was tuned (and a
-# unit mix-up, samples for tokens, gives factors of a sequence length).
-LR_FACTOR_WARN = 8.0
-
-
-def _learning_rate(
-    base_lr: float | None,
-    base: tuple[float, str] | None,
-    target: tuple[int, str],
-    seq_len: int | None,
-    optimizer: str,
-) -> tuple[float | None, str | None, list[str]]:
-    """The scaled LR, its rule, and warnings; ``base`` and ``target`` are (batch, unit) with
-    unit "samples" or "tokens": a base in the other unit is converted at ``seq_len``."""
-    if base_lr is None or base is None:
-        return None, None, []
-    (base_batch, base_unit), (target_batch, unit) = base, target
-    note = ""
-    if base_unit != unit:
-        if not seq_len:
-            raise UsageError(
-                f"--base-batch in {base_unit} against a target in {unit} needs --seq-len to "
-                "convert one into the other"
-            )
-        converted = base_batch * seq_len if unit == "tokens" else base_batch / seq_len
-        note = (
-            f" (the base batch of {_count(base_batch)} {base_unit} taken as "
-            f"{_count(converted)} {unit} at {seq_len} tokens a sample: the base recipe's "
-            "sequence length is assumed)"
-        )
-        base_batch = converted
-    lr, rule = scale_learning_rate(base_lr, base_batch, target_batch, optimizer)
-    warnings = []
-    factor = target_batch / base_batch
-    if factor > LR_FACTOR_WARN or factor < 1 / LR_FACTOR_WARN:
-        warnings.append(
-            f"the global batch is {factor:.3g}x the base batch ({_count(base_batch)} -> "
-            f"{target_batch:,} {unit}): the LR moves from {base_lr:g} to {lr:.3g}, far from "
-            "where it was tuned; check the base batch's unit (--base-batch is samples, "
-            "--base-batch-tokens tokens) and tune the LR near the new batch"
-        )
-    return lr, rule + note, warnings
-
-
 def _lora_targets(model: ModelInfo | OwnModel, setup: TrainingSetup) -> tuple[str, ...]:
     if not setup.is_lora:
         return ()
@@ -403,6 +365,10 @@ def make_plan(
     base_lr: float | None = None,
     base_batch: int | None = None,
     base_batch_tokens: int | None = None,
+    base_betas: tuple[float, float] = DEFAULT_BETAS,
+    base_eps: float = DEFAULT_EPS,
+    critical_batch: int | None = None,
+    critical_batch_tokens: int | None = None,
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     engine: str = "trace",
     train_tokens: int | None = None,
@@ -457,6 +423,7 @@ def make_plan(
     elif base_batch_tokens is not None:
         base = (base_batch_tokens, "tokens")
     _check_inputs(micro_batch_size, per_gpu, base_lr, base[0] if base else None)
+    critical = lr_options(base_lr, base_betas, base_eps, critical_batch, critical_batch_tokens)
     engine, engine_note = usable_engine(engine)
     target = _Target(target_model, gpu, seq, per_gpu, headroom_bytes, engine)
     fit = _climb(target, setup, micro_batch_size)
@@ -469,7 +436,16 @@ def make_plan(
         if global_batch_tokens is not None
         else (global_samples, "samples")
     )
-    lr, rule, lr_warnings = _learning_rate(base_lr, base, target_batch, seq, fit.setup.optimizer)
+    lr_scaling, lr_warnings = follow_batch(
+        base_lr,
+        base,
+        target_batch,
+        seq,
+        fit.setup.optimizer,
+        base_betas=base_betas,
+        base_eps=base_eps,
+        critical=critical,
+    )
     warnings = [
         *lr_warnings,
         *([engine_note] if engine_note else []),
@@ -493,8 +469,9 @@ def make_plan(
         headroom_bytes=gpu.memory_bytes - est.device_total_bytes,
         headroom_wanted_bytes=headroom_bytes,
         max_micro_batch=fit.max_micro_batch,
-        learning_rate=lr,
-        lr_rule=rule,
+        learning_rate=lr_scaling.learning_rate if lr_scaling else None,
+        lr_rule=lr_scaling.rule if lr_scaling else None,
+        lr_scaling=lr_scaling,
         techniques=fit.techniques,
         alternatives=tuple(_timed(target, a) for a in fit.alternatives),
         warnings=tuple(dict.fromkeys(warnings)),

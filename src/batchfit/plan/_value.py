@@ -7,6 +7,7 @@ from typing import Any
 
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._ladder import Combo
+from batchfit.plan._lr_scaling import LrScaling, lr_json
 from batchfit.spec import TrainingSetup
 
 
@@ -100,6 +101,8 @@ class Plan:
     alternatives: tuple[Alternative, ...]
     warnings: tuple[str, ...]
     lora_targets: tuple[str, ...] = ()
+    # how the LR followed the batch: the cap, Adam's betas and eps (None without --base-lr)
+    lr_scaling: LrScaling | None = None
     # the training run's length (--train-tokens, or --epochs x --dataset-size) and price
     train_steps: int | None = None
     gpu_hour_price: float | None = None
@@ -221,6 +224,7 @@ class Plan:
             "fits": self.fits,
             "learning_rate": self.learning_rate,
             "lr_rule": self.lr_rule,
+            **lr_json(self.lr_scaling),
             "techniques": [{"name": t.name, "kind": t.kind, "why": t.why} for t in self.techniques],
             "alternatives": [a.to_json() for a in self.alternatives],
             "components": dict(est.components),
