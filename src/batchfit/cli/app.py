@@ -902,5 +902,7 @@ def _check_device(device: str, budget: int | None, max_micro_batch: int | None) 
             )
 
 
-# registered on import: `batchfit monitor` and `batchfit calibration` live in their own module
+# registered on import: `batchfit monitor` and `batchfit calibration` live in their own module,
+# `batchfit batch-size` in its own
+import batchfit.cli.batch_laws  # noqa: E402, F401
 from batchfit.cli import measured  # noqa: E402, F401

@@ -283,6 +283,12 @@ def plan(p: Plan, info: ModelInfo) -> None:
             f"  the run: {p.train_steps:,} optimizer steps, ~{_duration(p.train_seconds)} on "
             f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
         )
+        if p.setup.method == "full" and p.task == "causal-lm" and p.tokens_per_step:
+            tokens = human_count((p.train_steps or 0) * p.tokens_per_step)
+            out.print(
+                f"  pre-training? `batchfit batch-size {escape(p.model.removeprefix('generic-'))} "
+                f"--train-tokens {tokens} -s {p.seq_len}`: the batch published laws recommend"
+            )
     free = p.headroom_bytes
     out.print(
         f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
