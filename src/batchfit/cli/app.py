@@ -452,8 +452,19 @@ def plan(
         float | None,
         typer.Option(
             "--gpu-hour-price",
-            help="Dollars per GPU-hour: the run's cost (with --train-tokens or --epochs).",
+            help="Dollars per GPU-hour: the run's cost (with --train-tokens or --epochs). "
+            "Default: the catalog's approximate on-demand list price for the GPU, with its "
+            "source and date (none for GPUs without one).",
             parser=finite_float,
+        ),
+    ] = None,
+    throughput_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--throughput-from",
+            help="`batchfit probe ... --json` output for this model, setup, --seq-len and GPU: "
+            "its measured steps replace the step-time model's (the nearest measured size's "
+            "measured/predicted ratio where the plan's size was not measured).",
         ),
     ] = None,
     max_gpus: Annotated[
@@ -481,6 +492,7 @@ def plan(
     from batchfit.models import resolve_model
     from batchfit.plan import make_plan, make_plan_auto
     from batchfit.plan._lr_scaling import parse_betas
+    from batchfit.plan._throughput import read_probe
 
     if max_gpus != 8 and not num_gpus_auto:
         raise UsageError("--max-gpus goes with --num-gpus auto")
@@ -533,6 +545,7 @@ def plan(
             "or --padding packed (or max) with --seq-len"
         )
     check_workload(info, micro_batch or 1, seq)
+    probe_file = read_probe(throughput_from) if throughput_from is not None else None
     with _cache_switch(no_cache, verbose) as stage:
         planner = (
             functools.partial(make_plan_auto, max_gpus=max_gpus, progress=stage)
@@ -557,6 +570,7 @@ def plan(
             train_tokens=train_tokens,
             train_samples=train_samples,
             gpu_hour_price=gpu_hour_price,
+            throughput_from=probe_file,
             headroom_bytes=headroom_bytes,
             engine=engine_name,
         )
@@ -834,7 +848,10 @@ def probe(
             if info.task == "image-classification"
             else {"seq_len": seq_len}
         )
-        _emit_json({"model": info.name, "device": device, **size, **report.to_json()})
+        from batchfit.plan._throughput import probe_identity
+
+        ident = probe_identity(device, setup)  # what a plan's --throughput-from checks
+        _emit_json({"model": info.name, "device": device, **size, **ident, **report.to_json()})
     else:
         render_probe.probe_table(info, report, seq_len, budget, plot)
 

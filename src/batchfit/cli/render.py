@@ -155,8 +155,9 @@ def estimate(
     _warn(est.warnings)
 
 
-def time_line(speed: dict[str, float | None], indent: str = "") -> None:
-    """The predicted step time, when there is one (``batchfit.speed``)."""
+def time_line(speed: dict[str, float | None], indent: str = "", source: str | None = None) -> None:
+    """The step time, when there is one: predicted (``batchfit.speed``), or corrected by a
+    probe's measured steps as ``source`` says (``plan --throughput-from``)."""
     if speed.get("step_seconds") is None:
         return
     parts = []
@@ -165,11 +166,16 @@ def time_line(speed: dict[str, float | None], indent: str = "") -> None:
     if speed.get("offload_seconds"):
         parts.append(f"{speed['offload_seconds']:.2g} s of CPU offload")
     within = f" (of which {' and '.join(parts)})" if parts else ""
+    why = (
+        f"--throughput-from: {escape(source)}"
+        if source
+        else "predicted; compute calibrated on an H100, about 15-25% off on measured steps; "
+        "communication and offload not yet checked on real runs"
+    )
     out.print(
         f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
         f"{speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
-        f"{100 * (speed['mfu'] or 0):.0f}% (predicted; compute calibrated on an H100, about "
-        "15-25% off on measured steps; communication and offload not yet checked on real runs)"
+        f"{100 * (speed['mfu'] or 0):.0f}% ({why})"
     )
 
 
@@ -276,9 +282,16 @@ def plan(p: Plan, info: ModelInfo) -> None:
         out.print("  to fit: [red]no technique on the ladder is enough[/] (see the warning)")
     else:
         out.print("  to fit: nothing extra needed")
-    time_line(est.speed_json(p.grad_accum_steps), "  ")
+    time_line(p.speed_json(), "  ", p.throughput.source if p.throughput else None)
     if p.train_seconds is not None:
-        cost = f", ${p.cost_usd:,.0f} at ${p.gpu_hour_price:g} a GPU-hour" if p.cost_usd else ""
+        cost = (
+            f", ${p.cost_usd:,.{0 if p.cost_usd >= 100 else 2}f} at ${p.gpu_hour_price:g}/GPU-hour "
+            f"({escape(p.price_source)})"
+            if p.cost_usd and p.price_source
+            else ""
+            if p.gpu_hour_price
+            else f" (no list price for {p.gpu} in the table: --gpu-hour-price USD adds the cost)"
+        )
         out.print(
             f"  the run: {p.train_steps:,} optimizer steps, ~{_duration(p.train_seconds)} on "
             f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
@@ -342,6 +355,12 @@ def plan(p: Plan, info: ModelInfo) -> None:
         out.print(table)
         if traced and any(alt.engine == "analytic" for alt in p.alternatives):
             out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
+        if any(alt.throughput_source for alt in p.alternatives):
+            out.print(
+                "s / step: corrected by --throughput-from (the model x the probe's "
+                "measured/predicted ratio at the nearest micro-batch it timed; --json gives "
+                "each row's throughput_source)"
+            )
     if p.gpu_counts:
         _gpu_counts(p)
     _warn(p.warnings)

@@ -9,7 +9,7 @@ This module puts them together.
 
 from __future__ import annotations
 
-import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +39,8 @@ from batchfit.plan._max_micro_batch import (
     max_micro_batch_traced,
 )
 from batchfit.plan._own import OwnModel, own_model
+from batchfit.plan._prices import gpu_hour_price as _hour_price
+from batchfit.plan._throughput import Measured, ProbeFile, bind
 from batchfit.plan._value import Alternative, Plan
 from batchfit.spec import TrainingSetup
 from batchfit.speed._comm import comm_bytes_per_step
@@ -139,6 +141,7 @@ class _Target:
     headroom: int
 
     engine: str
+    measured: Measured | None = None  # --throughput-from: the probe's correction
 
     def max_micro(self, setup: TrainingSetup) -> int:
         args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
@@ -156,6 +159,8 @@ class _Target:
 
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
         t = step_time(self.model, resolved, self.gpu, micro_batch_size=micro, seq_len=self.seq_len)
+        if t is not None and self.measured is not None:
+            t = self.measured.corrected(t, resolved, micro)
         return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro, 1))
 
     def fits(self, setup: TrainingSetup, micro: int) -> tuple[bool, MemoryEstimate]:
@@ -374,6 +379,7 @@ def make_plan(
     train_tokens: int | None = None,
     train_samples: int | None = None,
     gpu_hour_price: float | None = None,
+    throughput_from: ProbeFile | str | os.PathLike[str] | None = None,
     batch_fn: Callable[[int], Any] | None = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
 ) -> Plan:
@@ -387,6 +393,10 @@ def make_plan(
     many samples) and optionally ``loss_fn(out, batch)``: the plan then comes from dry runs of
     your step (``seq_len`` is needed only for a target in tokens). Techniques your module
     would have to apply itself (checkpointing, LoRA) are not on its ladder.
+
+    ``throughput_from`` (``probe --json``'s file, for this model, setup, sequence length and
+    GPU) corrects the step-time model by the measured steps (``plan/_throughput.py``); the
+    cost is at ``gpu_hour_price``, else the catalog's price for the GPU (``plan/_prices.py``).
 
     Example:
         >>> from batchfit.models import resolve_model
@@ -414,7 +424,7 @@ def make_plan(
     global_samples = samples_from_target(global_batch, global_batch_tokens, seq, setup.num_gpus)
     per_gpu = global_samples // setup.num_gpus
     train_steps = _train_steps(train_tokens, train_samples, global_samples, seq or 1)
-    _price(gpu_hour_price)
+    price = _hour_price(gpu_hour_price, gpu.name)
     if base_batch is not None and base_batch_tokens is not None:
         raise UsageError("give --base-batch (samples) or --base-batch-tokens (tokens), not both")
     base: tuple[float, str] | None = None
@@ -424,8 +434,9 @@ def make_plan(
         base = (base_batch_tokens, "tokens")
     _check_inputs(micro_batch_size, per_gpu, base_lr, base[0] if base else None)
     critical = lr_options(base_lr, base_betas, base_eps, critical_batch, critical_batch_tokens)
+    measured, probe_note = bind(throughput_from, target_model, gpu, setup, seq)
     engine, engine_note = usable_engine(engine)
-    target = _Target(target_model, gpu, seq, per_gpu, headroom_bytes, engine)
+    target = _Target(target_model, gpu, seq, per_gpu, headroom_bytes, engine, measured)
     fit = _climb(target, setup, micro_batch_size)
     fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)
     micro = micro_batch_size or largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
@@ -449,6 +460,7 @@ def make_plan(
     warnings = [
         *lr_warnings,
         *([engine_note] if engine_note else []),
+        *([probe_note] if probe_note else []),
         *est.warnings,
         *fit_warnings,
         *_advice_warnings(target_model, gpu, fit.setup, micro, accum),
@@ -477,7 +489,9 @@ def make_plan(
         warnings=tuple(dict.fromkeys(warnings)),
         lora_targets=_lora_targets(target_model, fit.setup),
         train_steps=train_steps,
-        gpu_hour_price=gpu_hour_price,
+        gpu_hour_price=price.usd if price else None,
+        price_source=price.source if price else None,
+        throughput=measured.correction(est.setup, micro) if measured else None,
     )
 
 
@@ -523,7 +537,15 @@ def _timed(target: _Target, alt: Alternative) -> Alternative:
     tokens = None
     if seconds is not None and isinstance(target.model, ModelInfo):
         tokens = target.per_gpu * target.seq_len / seconds
-    return replace(alt, micro_batch_size=micro, step_seconds=seconds, tokens_per_s_per_gpu=tokens)
+    measured = target.measured
+    source = measured.correction(alt.setup, micro).source if measured and seconds else None
+    return replace(
+        alt,
+        micro_batch_size=micro,
+        step_seconds=seconds,
+        tokens_per_s_per_gpu=tokens,
+        throughput_source=source,
+    )
 
 
 def _train_steps(
@@ -540,9 +562,3 @@ def _train_steps(
     if samples is not None:
         return -(-samples // global_samples)
     return None
-
-
-def _price(price: float | None) -> float | None:
-    if price is not None and not (math.isfinite(price) and price > 0):
-        raise UsageError(f"--gpu-hour-price must be a positive number of dollars, got {price}")
-    return price

@@ -8,6 +8,7 @@ from typing import Any
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._ladder import Combo
 from batchfit.plan._lr_scaling import LrScaling, lr_json
+from batchfit.plan._throughput import Correction
 from batchfit.spec import TrainingSetup
 
 
@@ -26,6 +27,7 @@ class Alternative:
     micro_batch_size: int = 0
     step_seconds: float | None = None
     tokens_per_s_per_gpu: float | None = None
+    throughput_source: str | None = None  # --throughput-from: how the probe corrected it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -38,6 +40,7 @@ class Alternative:
             "micro_batch_size": self.micro_batch_size,
             "step_seconds": self.step_seconds,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "throughput_source": self.throughput_source,
         }
 
 
@@ -106,13 +109,24 @@ class Plan:
     # the training run's length (--train-tokens, or --epochs x --dataset-size) and price
     train_steps: int | None = None
     gpu_hour_price: float | None = None
+    price_source: str | None = None  # "--gpu-hour-price", or the price table's entry
+    # --throughput-from: the probe's correction of the step-time model (None: the model's)
+    throughput: Correction | None = None
     # --num-gpus auto: every count tried (this plan's among them) and why this one
     gpu_counts: tuple[GpuCount, ...] = ()
     gpu_count_rule: str | None = None
 
+    def speed_json(self) -> dict[str, Any]:
+        """The step's time (``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu``, ...): the
+        model's, corrected by the probe's measurements with ``--throughput-from``."""
+        if self.throughput is not None:
+            return self.throughput.speed_json(self.estimate, self.grad_accum_steps)
+        return self.estimate.speed_json(self.grad_accum_steps)
+
     @property
     def step_seconds(self) -> float | None:
-        return self.estimate.speed_json(self.grad_accum_steps)["step_seconds"]
+        step: float | None = self.speed_json()["step_seconds"]
+        return step
 
     @property
     def train_seconds(self) -> float | None:
@@ -138,6 +152,7 @@ class Plan:
                 "device_total_bytes": self.device_total_bytes,
                 "chosen": True,
                 **self._timed(self.step_seconds),
+                "throughput_source": self.throughput.source if self.throughput else None,
             }
         ]
         timed = [a for a in self.alternatives if a.max_micro_batch and a.micro_batch_size]
@@ -151,6 +166,7 @@ class Plan:
                     "device_total_bytes": a.device_total_bytes,
                     "chosen": False,
                     **self._timed(a.step_seconds),
+                    "throughput_source": a.throughput_source,
                 }
             )
         return rows
@@ -231,9 +247,12 @@ class Plan:
             "engine": est.engine,
             "setup": est.to_json()["setup"],
             "warnings": list(self.warnings),
-            **est.speed_json(self.grad_accum_steps),
+            **self.speed_json(),
+            "throughput_source": self.throughput.source if self.throughput else None,
             "train_steps": self.train_steps,
             "train_seconds": self.train_seconds,
+            "gpu_hour_price": self.gpu_hour_price,
+            "price_source": self.price_source,
             "cost_usd": self.cost_usd,
             "candidates": self.candidates(),
             "gpu_counts": [c.to_json() for c in self.gpu_counts],
