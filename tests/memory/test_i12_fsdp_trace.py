@@ -66,7 +66,8 @@ def test_fsdp_divides_the_model_states_and_keeps_the_activations(tiny: Path) -> 
     assert c4["other"] >= 8000 * 256 * 4
     moments1 = one.extras["moments"]  # type: ignore[attr-defined]
     moments4 = four.extras["moments"]  # type: ignore[attr-defined]
-    assert moments4.keys() == moments1.keys()
+    # the same moments (FSDP's 4 layers, traced whole, add the middle layer's backward)
+    assert moments1.keys() <= moments4.keys()
 
 
 def test_fsdp_amp_gathers_16_bit_parameters(tiny: Path) -> None:
@@ -77,16 +78,23 @@ def test_fsdp_amp_gathers_16_bit_parameters(tiny: Path) -> None:
     assert amp.components["other"] < 0.75 * fp32.components["other"]  # type: ignore[attr-defined]
 
 
-def test_fsdp_extrapolation_matches_the_whole_stack(tiny: Path) -> None:
-    """FSDP is traced at 2 and 3 layers (a 1-layer stack has nothing to prefetch)."""
+@pytest.mark.parametrize("grad_ckpt", [False, True])
+def test_fsdp_extrapolation_matches_the_whole_stack(tiny: Path, grad_ckpt: bool) -> None:
+    """FSDP is traced at 3 and 4 layers: a 1-layer stack has nothing to prefetch, a 2-layer
+    one no middle layer and a bottom layer whose moments overlap the root's reshard (with
+    checkpointing at micro-batch 1, 2 and 3 layers put 14.6 GiB too much on Llama-3.1-8B)."""
     model = resolve_model(str(tiny))
-    assert trace_depths(model, TrainingSetup(num_gpus=2, sharding="fsdp")) == (2, 3)
+    assert trace_depths(model, TrainingSetup(num_gpus=2, sharding="fsdp")) == (3, 4)
     assert trace_depths(model, TrainingSetup()) == (1, 2)
-    config = {**TINY_GPT2, "n_layer": 6}
+    config = {**TINY_GPT2, "n_layer": 8}
     tiny.write_text(json.dumps(config))
-    short = _trace(tiny, precision="fp32", num_gpus=2, sharding="fsdp")
-    whole = _trace(tiny, precision="fp32", num_gpus=2, sharding="fsdp", full_depth=True)
+    setup = {"precision": "fp32", "num_gpus": 2, "sharding": "fsdp", "grad_ckpt": grad_ckpt}
+    short = _trace(tiny, **setup)
+    whole = _trace(tiny, full_depth=True, **setup)
     assert short.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.005)  # type: ignore[attr-defined]
+    # every moment, not only the peak: a moment drawn off its line misleads the timeline
+    for key, value in whole.extras["moments"].items():  # type: ignore[attr-defined]
+        assert short.extras["moments"][key] == pytest.approx(value, rel=0.01), key  # type: ignore[attr-defined]
 
 
 def test_ddp_adds_a_bucket_copy_of_the_gradients(tiny: Path) -> None:
