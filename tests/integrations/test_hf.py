@@ -95,10 +95,10 @@ def test_plan_or_expected_not_both() -> None:
 
 def test_cpu_peak_off_linux_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchfit._memwatch import status_bytes
-    from batchfit.integrations import hf
+    from batchfit.integrations import _stepwatch
 
-    assert hf._status_bytes("VmRSS") > 0  # the shared reader, on Linux
+    assert _stepwatch._status_bytes("VmRSS") > 0  # the shared reader, on Linux
     with pytest.raises(OSError, match="NoSuchField"):
         status_bytes("NoSuchField")  # one failure behaviour: raise, naming the field
-    monkeypatch.setattr(hf, "PROC_STATUS", "/nonexistent/status")
-    assert hf._status_bytes("VmRSS") == 0  # the callback's choice without procfs
+    monkeypatch.setattr(_stepwatch, "PROC_STATUS", "/nonexistent/status")
+    assert _stepwatch._status_bytes("VmRSS") == 0  # the callbacks' choice without procfs

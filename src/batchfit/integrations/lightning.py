@@ -1,4 +1,5 @@
-"""Lightning: change the micro-batch at fit start without changing the global batch.
+"""Lightning: change the micro-batch at fit start without changing the global batch; log each
+optimizer step's peak memory and samples/s, against a plan.
 
 Lightning's automatic optimization scales each micro-batch's loss by
 ``1 / accumulate_grad_batches``: exact for per-sample mean losses over equal micro-batches
@@ -17,10 +18,19 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
 from batchfit.export import export
+from batchfit.integrations._stepwatch import StepMemory, StepWatch
 from batchfit.plan import Plan
 from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.train._checks import check_positive_int
 from batchfit.train.accumulate import Accumulator
+
+__all__ = [
+    "MicroBatchCallback",
+    "NoiseScaleCallback",
+    "PeakMemoryCallback",
+    "StepMemory",
+    "trainer_kwargs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +181,108 @@ class NoiseScaleCallback(pl.Callback):
         # batches and repeat it on the batches that do not step).
         for run_logger in trainer.loggers:
             run_logger.log_metrics({"noise_scale": value}, step=trainer.global_step)
+
+
+class PeakMemoryCallback(pl.Callback, StepWatch):
+    """Log each optimizer step's peak memory and samples/s; warn when the peak drifts.
+
+    A step runs from the first micro-batch of an optimizer step to the batch after which
+    ``trainer.global_step`` moved. On CUDA its peak is ``torch.cuda.max_memory_allocated``
+    since the step began, what a plan's ``peak_bytes`` predicts (DESIGN.md), beside
+    ``max_memory_reserved``; on a Linux CPU the step's peak resident set (``VmHWM``, reset each
+    step) above what the process held at train start besides the model: an approximation, for
+    runs without a GPU. ``peak_memory_gib``, ``reserved_memory_gib`` (CUDA) and
+    ``samples_per_s`` (the samples of the step's micro-batches on all devices, per second) go
+    through ``LightningModule.log`` to whatever loggers the trainer has (CSV, TensorBoard, W&B),
+    at its ``log_every_n_steps``. A step whose peak exceeds the expected peak by more than
+    ``tolerance`` is logged as a warning (once, then again only at a new high). With a plan,
+    the module is checked against the plan's model at ``setup`` (before a strategy shards it),
+    and a CUDA run appends its largest step peak beside the plan's to the calibration file
+    (``batchfit calibration``) when training ends, from global rank 0.
+
+    Args:
+        plan: Its ``estimate.peak_bytes`` is the expected peak.
+        expected_peak_bytes: The expected peak, when there is no plan.
+        tolerance: Allowed excess over the expected peak, as a fraction.
+        check_model: Refuse a plan whose model has another parameter count than the
+            module's (more than 5% apart).
+
+    Raises:
+        ValueError: the plan was made for another model (one line naming both).
+
+    Example:
+        >>> callback = PeakMemoryCallback(expected_peak_bytes=8 * 2**30)
+        >>> trainer = pl.Trainer(callbacks=[callback], logger=CSVLogger("logs"))  # doctest: +SKIP
+    """
+
+    calibration_source = "lightning-callback"
+
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        *,
+        expected_peak_bytes: int | None = None,
+        tolerance: float = 0.10,
+        check_model: bool = True,
+    ) -> None:
+        StepWatch.__init__(
+            self,
+            plan,
+            expected_peak_bytes=expected_peak_bytes,
+            tolerance=tolerance,
+            check_model=check_model,
+        )
+        self._step_at_start: int | None = None  # global_step when the open step began
+        self._samples: int | None = 0  # of the open step's micro-batches on this device
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.check_model_against_plan(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_run(pl_module.device, pl_module)
+        self._step_at_start = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_at_start is None:  # the first micro-batch of an optimizer step
+            self._step_at_start = trainer.global_step
+            self._samples = 0
+            self.begin_step()
+        if self._samples is not None:
+            self._samples = _add_batch_size(self._samples, batch)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._step_at_start is None or trainer.global_step == self._step_at_start:
+            return  # a micro-batch that did not end an optimizer step
+        samples = None if self._samples is None else self._samples * trainer.world_size
+        self.end_step(trainer.global_step, samples)
+        self._step_at_start = None
+        for name, value in self.metrics().items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:  # one record per run, not one per rank
+            self.record_calibration()
+
+
+def _add_batch_size(samples: int, batch: Any) -> int | None:
+    """``samples`` plus the batch's size as Lightning infers it; None where it cannot."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        return samples + extract_batch_size(batch)
+    except (MisconfigurationException, RecursionError, TypeError):
+        return None
 
 
 def trainer_kwargs(plan: Plan, **overrides: Any) -> dict[str, Any]:
