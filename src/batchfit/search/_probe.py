@@ -26,6 +26,7 @@ from batchfit._units import human_bytes
 from batchfit.errors import NoFitError, UsageError
 
 if TYPE_CHECKING:
+    from batchfit.calibration import Record
     from batchfit.models import ModelInfo
     from batchfit.search import SearchResult, Trial
     from batchfit.spec import TrainingSetup
@@ -203,14 +204,7 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
     rank, nproc = _ranks.world()
     device = torch.device(spec["device"])
     info = resolve_model(spec["model"], spec.get("task"))
-    asked = TrainingSetup(**spec["setup"])
-    setup = dataclasses.replace(
-        asked.resolved(
-            device="cpu" if device.type == "cpu" else "cuda",
-            bf16_supported=device.type == "cpu" or torch.cuda.is_bf16_supported(),
-        ),
-        attention=info.resolve_attention(asked.attention),  # what the model class runs
-    )
+    setup = run_setup(info, TrainingSetup(**spec["setup"]), device.type)
     budget = (spec.get("rank_budgets") or [spec.get("memory_budget")] * nproc)[rank]
     spec = {**spec, "memory_budget": budget}
     warm_up(info, setup)
@@ -237,11 +231,83 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
             why = f"the trace engine puts one step at micro-batch 1 at {human_bytes(need)}"
             raise NoFitError(f"{e}: {why}") from None
     notes = stand_ins(setup)
+    if device.type == "cuda" and nproc == 1:
+        notes += _record_calibration(result, info, setup, spec["seq_len"], device)
     if nproc > 1:
         notes.append(_ranks.note(setup, nproc, "gloo" if device.type == "cpu" else "nccl"))
     if notes:
         result = dataclasses.replace(result, notes=result.notes + tuple(notes))
     return result
+
+
+def run_setup(info: ModelInfo, asked: TrainingSetup, device_type: str) -> TrainingSetup:
+    """The setup the probe's steps run on ``device_type``: the defaults resolved for it, the
+    attention the model class runs."""
+    import torch
+
+    return dataclasses.replace(
+        asked.resolved(
+            device="cpu" if device_type == "cpu" else "cuda",
+            bf16_supported=device_type == "cpu" or torch.cuda.is_bf16_supported(),
+        ),
+        attention=info.resolve_attention(asked.attention),  # what the model class runs
+    )
+
+
+def calibration_record(
+    result: SearchResult, info: Any, setup: Any, seq: int, device_type: str, device_kind: str
+) -> Record | None:
+    """The largest measured peak of ``result`` beside the trace engine's estimate for the same
+    setup and micro-batch, as a calibration record; None when no size fitted.
+
+    The estimate is the one the probe's prediction makes (``device_type`` says which kernels
+    it emulates); on the CPU this builds the record all the same, for the tests: the probe
+    only keeps CUDA's (a CPU peak is resident memory, not comparable).
+    """
+    from batchfit import calibration
+    from batchfit.memory.estimate import estimate
+
+    measured = [t for t in result.trials if t.ok and t.peak_bytes is not None]
+    if not measured:
+        return None
+    largest = max(measured, key=lambda t: (t.micro_batch_size, t.peak_bytes or 0))
+    est = estimate(
+        info,
+        setup,
+        micro_batch_size=largest.micro_batch_size,
+        seq_len=seq,
+        device="cpu" if device_type == "cpu" else "cuda",
+        engine="trace",
+    )
+    return calibration.Record(
+        source="probe",
+        model=info.name,
+        setup=calibration.setup_key(est),
+        device=device_kind,
+        estimated_bytes=est.peak_bytes,
+        measured_bytes=int(largest.peak_bytes or 0),
+    )
+
+
+def _record_calibration(
+    result: SearchResult, info: Any, setup: Any, seq: int, device: Any
+) -> list[str]:
+    """A CUDA probe's measurement joins the calibration file (``batchfit calibration``);
+    the note that says so."""
+    import torch
+
+    from batchfit import calibration
+
+    kind = calibration.gpu_kind(
+        torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
+    )
+    record = calibration_record(result, info, setup, seq, "cuda", kind)
+    if record is None or not calibration.append(record):
+        return []
+    return [
+        f"the measured peak of the largest size beside the trace's estimate "
+        f"({record.error:+.1%}) is recorded for `batchfit calibration`"
+    ]
 
 
 def _start(
