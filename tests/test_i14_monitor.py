@@ -153,3 +153,29 @@ def test_sigint_reaches_the_command_and_leaves_no_orphan(tmp_path: Path) -> None
         not Path(f"/proc/{child}").exists()
         or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
     )
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ('{"micro_batch_size": 4, "trials": []}', "has no peak_bytes"),  # a probe's JSON
+        ('["peak_bytes"]', "has no peak_bytes"),
+        ('{"peak_bytes": null}', "has no peak_bytes"),
+        ('{"peak_bytes": true}', "peak_bytes is true, not a number of bytes"),
+        ('{"peak_bytes": -5}', "peak_bytes is -5, not a number of bytes"),
+        ('{"peak_bytes": 5, "device_total_bytes": "x"}', 'device_total_bytes is "x"'),
+        ('{"peak_bytes": 5, "headroom_wanted_bytes": 1.5}', "headroom_wanted_bytes is 1.5"),
+        ("\udcff", "not JSON"),
+    ],
+)
+def test_a_file_that_is_not_a_plan_is_refused_in_one_line(
+    tmp_path: Path, content: str, needle: str
+) -> None:
+    from batchfit.cli.measured import read_plan
+    from batchfit.errors import UsageError
+
+    path = tmp_path / "plan.json"
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))
+    with pytest.raises(UsageError, match=needle) as e:
+        read_plan(path)
+    assert "\n" not in str(e.value)

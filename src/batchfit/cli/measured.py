@@ -39,13 +39,14 @@ def read_plan(path: Path) -> PlanFile:
         raise UsageError(
             f"--plan {path} is not JSON: give the output of `batchfit plan ... --json`"
         ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("peak_bytes"), int):
+    peak = _byte_count(data, "peak_bytes", path) if isinstance(data, dict) else None
+    if peak is None:
         raise UsageError(
             f"--plan {path} has no peak_bytes: give the output of `batchfit plan ... --json` "
             "or `batchfit estimate ... --json`"
         )
-    gpu_figure = data.get("device_total_bytes") or data["peak_bytes"]
-    tolerance = data.get("headroom_wanted_bytes") or DEFAULT_TOLERANCE
+    gpu_figure = _byte_count(data, "device_total_bytes", path) or peak
+    tolerance = _byte_count(data, "headroom_wanted_bytes", path) or DEFAULT_TOLERANCE
     sizes = {k: data.get(k) for k in ("setup", "micro_batch_size", "seq_len", "grad_accum_steps")}
     return PlanFile(
         gpu_figure=int(gpu_figure),
@@ -54,6 +55,20 @@ def read_plan(path: Path) -> PlanFile:
         device=str(data.get("gpu") or ""),
         setup_key=json.dumps(sizes, sort_keys=True, separators=(",", ":"), default=str),
     )
+
+
+def _byte_count(data: dict[str, Any], key: str, path: Path) -> int | None:
+    """A plan's byte figure, checked where it is read: a whole number >= 0, or absent."""
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        shown = json.dumps(value)[:40]
+        raise UsageError(
+            f"--plan {path}: {key} is {shown}, not a number of bytes: give the output of "
+            "`batchfit plan ... --json`"
+        )
+    return value
 
 
 def record_calibration(result: Any, plan: PlanFile) -> bool:
