@@ -60,42 +60,6 @@ def setup_key(estimate: Any) -> str:
     return json.dumps(fields, sort_keys=True, default=str)
 
 
-def gpu_kind(device_name: str, total_bytes: int) -> str:
-    """The catalog name of the GPU that CUDA calls ``device_name`` (``torch.cuda.
-    get_device_name``) with ``total_bytes`` of memory, so that its records join those of plans
-    made for it; the device's own name, lower-cased, when no catalog GPU matches.
-
-    Example:
-        >>> gpu_kind("NVIDIA H100 80GB HBM3", 85_045_395_456)
-        'h100-80gb'
-        >>> gpu_kind("NVIDIA H100 PCIe", 85_045_395_456)
-        'h100-pcie'
-        >>> gpu_kind("Tesla T4", 15_828_320_256)
-        't4'
-        >>> gpu_kind("NVIDIA A10G", 23_836_098_560)
-        'a10g'
-        >>> gpu_kind("Some New GPU", 2**35)
-        'some new gpu'
-    """
-    from batchfit.hardware import all_gpus
-
-    words = device_name.lower().replace("-", " ").split()
-    best: tuple[int, str] | None = None
-    for gpu in all_gpus().values():
-        family, *variant = gpu.name.split("-")
-        # the family (h100, a100, rtx 4090) names the chip; memory within 5% tells the
-        # variants of one chip apart, as a form factor in the name does (pcie, nvl)
-        chip = [family, *variant[:1]] if family == "rtx" else [family]
-        if not any(words[i : i + len(chip)] == chip for i in range(len(words))):
-            continue
-        if abs(gpu.memory_bytes - total_bytes) > 0.05 * gpu.memory_bytes:
-            continue
-        score = sum(v in words for v in variant)  # "pcie", "nvl", "40gb" named in the device
-        if best is None or score > best[0]:
-            best = (score, gpu.name)
-    return best[1] if best is not None else device_name.lower()
-
-
 def path() -> Path:
     """Where the records live."""
     override = os.environ.get("BATCHFIT_DATA_DIR")

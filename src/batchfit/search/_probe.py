@@ -297,10 +297,12 @@ def _record_calibration(
     import torch
 
     from batchfit import calibration
+    from batchfit.plan._throughput import catalog_gpu
 
-    kind = calibration.gpu_kind(
-        torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
-    )
+    name = torch.cuda.get_device_name(device)
+    # the catalog's name joins the records of plans made for this GPU (plan --headroom auto)
+    kind = catalog_gpu(name, torch.cuda.get_device_properties(device).total_memory)
+    kind = kind or name.lower()
     record = calibration_record(result, info, setup, seq, "cuda", kind)
     if record is None or not calibration.append(record):
         return []
