@@ -4,7 +4,6 @@ browser loading it (issue #14, part 6)."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
-
-BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
+from tests._browser import BROWSER, NO_BROWSER, render
 
 
 def _plan_json() -> dict[str, object]:
@@ -97,7 +95,7 @@ def test_the_report_page_needs_no_network() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(BROWSER is None, reason="no chromium here (Debian: apt-get install chromium)")
+@pytest.mark.skipif(BROWSER is None, reason=NO_BROWSER)
 def test_a_real_browser_renders_the_report(tmp_path: Path) -> None:
     """Headless Chromium loads the page, dumps its DOM and takes a screenshot."""
     import base64
@@ -108,33 +106,10 @@ def test_a_real_browser_renders_the_report(tmp_path: Path) -> None:
     )
     page = tmp_path / "report.html"
     page.write_text(_html.report_page(_plan_json(), png))
-    common = [
-        BROWSER,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--enable-logging=stderr",
-        "--v=0",
-    ]
-    dom = subprocess.run(
-        [*common, "--dump-dom", page.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    assert "micro-batch 8 x accumulation 4" in dom.stdout
-    assert "net::ERR" not in dom.stderr
-    shot = tmp_path / "shot.png"
-    proc = subprocess.run(
-        [*common, f"--screenshot={shot}", "--window-size=1000,1200", page.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = render(page, tmp_path / "shot.png")
+    assert "micro-batch 8 x accumulation 4" in seen.dom
+    assert "net::ERR" not in seen.log
+    shot = seen.screenshot
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 10_000
 
 
