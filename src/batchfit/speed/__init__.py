@@ -169,8 +169,11 @@ def _matmul_params(model: ModelInfo) -> float:
     experts = kinds.get("experts", 0)
     if experts and arch.num_experts:
         dense += experts * arch.experts_per_token / arch.num_experts
-    if model.task in ("causal-lm", "masked-lm") and "head" not in kinds:
-        dense += arch.vocab_size * arch.hidden_size
+    # a tied head counts as embedding; a masked LM's head group (BERT's transform: a dense
+    # layer, a norm, the decoder's bias) holds no vocab-sized matrix either: its decoder is tied
+    vocab_matrix = arch.vocab_size * arch.hidden_size
+    if model.task in ("causal-lm", "masked-lm") and kinds.get("head", 0) < vocab_matrix:
+        dense += vocab_matrix
     return dense
 
 
