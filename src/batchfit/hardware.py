@@ -78,3 +78,86 @@ def get_gpu(name: str) -> GpuSpec:
         if key.startswith(prefix) and key[len(prefix) :] in gpus:
             return gpus[key[len(prefix) :]]
     raise UsageError(f"unknown GPU {name!r}{suggest(key, gpus)}; `batchfit gpus` lists the catalog")
+
+
+@dataclass(frozen=True)
+class CpuSpec:
+    """One CPU as PyTorch's kernels reach it with ``threads`` threads: the step-time model's
+    device when training runs on the CPU (``catalog/cpus.json``, measured by
+    ``scripts/measure_cpu_profile.py``)."""
+
+    name: str
+    full_name: str
+    cpu_model_name: str  # as /proc/cpuinfo's "model name" gives it
+    threads: int
+    fp32_gflops: float  # best dense fp32 matmul rate
+    bf16_gflops: float | None
+    bandwidth_gb_s: float  # STREAM-style triad
+
+
+@cache
+def all_cpus() -> dict[str, CpuSpec]:
+    """Every catalog CPU profile by name."""
+    return {
+        row["name"]: CpuSpec(
+            name=row["name"],
+            full_name=row["full_name"],
+            cpu_model_name=row["cpu_model_name"],
+            threads=int(row["threads"]),
+            fp32_gflops=float(row["fp32_gflops"]),
+            bf16_gflops=row.get("bf16_gflops"),
+            bandwidth_gb_s=float(row["bandwidth_gb_s"]),
+        )
+        for row in catalog.load("cpus")["cpus"]
+    }
+
+
+def get_cpu(name: str) -> CpuSpec:
+    """Look up a CPU profile by catalog name.
+
+    Raises:
+        UsageError: the name is unknown; the message suggests close matches.
+    """
+    cpus = all_cpus()
+    key = normalise(name)
+    if key in cpus:
+        return cpus[key]
+    raise UsageError(
+        f"unknown CPU profile {name!r}{suggest(key, cpus)}; scripts/measure_cpu_profile.py "
+        "measures this machine's"
+    )
+
+
+def cpu_model_name() -> str:
+    """This machine's CPU model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def host_threads() -> int:
+    """The CPUs this process may run on: PyTorch's default intra-op thread count."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@cache
+def host_cpu(threads: int | None = None) -> CpuSpec | None:
+    """The catalog profile of this machine's CPU on ``threads`` threads (default: all this
+    process may use, PyTorch's default), if one was measured."""
+    name, threads = cpu_model_name(), threads or host_threads()
+    for cpu in all_cpus().values():
+        if cpu.cpu_model_name == name and cpu.threads == threads:
+            return cpu
+    return None

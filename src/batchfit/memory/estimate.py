@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
-from batchfit.hardware import GpuSpec
+from batchfit.hardware import CpuSpec, GpuSpec, host_cpu
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
@@ -217,13 +217,14 @@ def estimate(
         from dataclasses import replace
 
         result = replace(result, warnings=(*warnings, *result.warnings))
-    return _with_step_time(result, model, gpu if device == "cuda" else None)
+    return _with_step_time(result, model, gpu if device == "cuda" else host_cpu())
 
 
 def _with_step_time(
-    result: MemoryEstimate, model: ModelInfo, gpu: GpuSpec | None
+    result: MemoryEstimate, model: ModelInfo, gpu: GpuSpec | CpuSpec | None
 ) -> MemoryEstimate:
-    """``result`` with the predicted step time (``batchfit.speed``) in its extras, on a GPU."""
+    """``result`` with the predicted step time (``batchfit.speed``) in its extras, on a GPU,
+    or on the CPU where this machine's CPU has a catalog profile."""
     if gpu is None:
         return result
     from dataclasses import asdict, replace

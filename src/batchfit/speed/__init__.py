@@ -1,6 +1,7 @@
 """Step time of a training step: FLOPs of the step, an achievable utilisation, the optimizer
 step as memory traffic, a per-layer launch overhead, and with several GPUs the communication
-compute cannot hide; CPU offload's transfers and CPU optimizer (issue #13).
+compute cannot hide; CPU offload's transfers and CPU optimizer (issue #13). Steps that run
+on the CPU itself: ``_cpu.py``, over a measured CPU profile.
 
 The model, per optimizer micro-step::
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchfit.hardware import GpuSpec
+from batchfit.hardware import CpuSpec, GpuSpec
 from batchfit.memory._deepspeed import is_deepspeed
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
@@ -180,14 +181,15 @@ def _matmul_params(model: ModelInfo) -> float:
 def step_time(
     model: ModelInfo,
     setup: TrainingSetup,
-    gpu: GpuSpec,
+    gpu: GpuSpec | CpuSpec,
     *,
     micro_batch_size: int,
     seq_len: int,
 ) -> StepTime | None:
     """The predicted time of one optimizer step on ``gpu`` (``setup`` resolved), per rank, or
     None where the model does not apply: image models, a GPU without a peak figure, several
-    GPUs on a GPU without a link figure.
+    GPUs on a GPU without a link figure. A catalog CPU profile (``CpuSpec``) in place of the
+    GPU times a step on that CPU (``batchfit.speed._cpu``: fp32 steps only).
 
     Example:
         >>> from batchfit.hardware import get_gpu
@@ -200,6 +202,10 @@ def step_time(
     arch = model.arch
     if arch.family == "vision":
         return None
+    if isinstance(gpu, CpuSpec):
+        from batchfit.speed._cpu import cpu_step_time
+
+        return cpu_step_time(model, setup, gpu, micro_batch_size=micro_batch_size, seq_len=seq_len)
     peak = _peak_flops(gpu, setup.precision)
     if peak is None or not gpu.bandwidth_gb_s:
         return None
@@ -207,25 +213,9 @@ def step_time(
     if setup.num_gpus > 1 and link is None:
         return None
     tokens = micro_batch_size * seq_len
-    mm_params = _matmul_params(model)
-    layers = arch.num_layers + (arch.num_decoder_layers if arch.family == "encoder-decoder" else 0)
-    attn_width = arch.num_heads * arch.head_dim
-    # QK^T and PV: 2 matmuls of 2 x seq x width FLOPs a token and layer; causal flash kernels
-    # skip the masked half (eager attention computes it all)
-    causal = arch.family == "decoder"
-    attn = (
-        4.0 * seq_len * attn_width * layers * (0.5 if causal and setup.attention != "eager" else 1)
-    )
-    forward = 2.0 * mm_params + attn
-    full = setup.method == "full"
-    # backward: input gradients (1 x forward) always; weight gradients (1 x) when trained;
-    # attention's backward is about twice its forward
-    backward = 2.0 * mm_params * (2 if full else 1) + 2 * attn
-    # checkpointed layers run their forward again in backward (the head and loss do not)
-    recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
-    recompute = (forward - 2.0 * _head_params(model)) * recompute_share
-    flops_per_token = forward + backward + recompute
-    model_flops_per_token = (6.0 if full else 4.0) * mm_params + 3 * attn
+    flops = step_flops(model, setup, seq_len)
+    layers, recompute_share = flops.layers, flops.recompute_share
+    flops_per_token, model_flops_per_token = flops.per_token, flops.model_per_token
     width = arch.hidden_size
     if setup.precision == "fp32":
         util = U_FP32
@@ -240,7 +230,7 @@ def step_time(
     compute = flops_per_token * tokens / (peak * util)
     if setup.compile:
         compute /= COMPILE_SPEEDUP
-    backward_share = (backward + recompute) / flops_per_token
+    backward_share = flops.backward_share
     trainable = model_trainable(model, setup)
     # sharded optimizers (ZeRO, FSDP) update this rank's partition only
     shard = setup.num_gpus if is_deepspeed(setup) or setup.sharding == "fsdp" else 1
@@ -268,6 +258,55 @@ def step_time(
         comm_micro_seconds=comm_micro,
         comm_step_seconds=comm_step,
         offload_seconds=offload,
+    )
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of a micro-step, per token: what the device computes (``per_token``: forward,
+    backward, recompute) and the model FLOPs MFU counts (``model_per_token``)."""
+
+    per_token: float
+    model_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
+    backward_share: float  # of per_token: backward and recompute
+    layers: int
+    recompute_share: float  # checkpointed layers over all layers
+
+
+def step_flops(model: ModelInfo, setup: TrainingSetup, seq_len: int) -> StepFlops:
+    """FLOPs per token of one training micro-step of ``model`` at ``seq_len`` under ``setup``.
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> f = step_flops(resolve_model("gpt2"), TrainingSetup(), 1024)
+        >>> round(f.model_per_token / 1e6)  # 6 x 124M matmul params + attention
+        798
+    """
+    arch = model.arch
+    mm_params = _matmul_params(model)
+    layers = arch.num_layers + (arch.num_decoder_layers if arch.family == "encoder-decoder" else 0)
+    attn_width = arch.num_heads * arch.head_dim
+    # QK^T and PV: 2 matmuls of 2 x seq x width FLOPs a token and layer; causal flash kernels
+    # skip the masked half (eager attention computes it all)
+    causal = arch.family == "decoder"
+    attn = (
+        4.0 * seq_len * attn_width * layers * (0.5 if causal and setup.attention != "eager" else 1)
+    )
+    forward = 2.0 * mm_params + attn
+    full = setup.method == "full"
+    # backward: input gradients (1 x forward) always; weight gradients (1 x) when trained;
+    # attention's backward is about twice its forward
+    backward = 2.0 * mm_params * (2 if full else 1) + 2 * attn
+    # checkpointed layers run their forward again in backward (the head and loss do not)
+    recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
+    recompute = (forward - 2.0 * _head_params(model)) * recompute_share
+    per_token = forward + backward + recompute
+    return StepFlops(
+        per_token=per_token,
+        model_per_token=(6.0 if full else 4.0) * mm_params + 3 * attn,
+        backward_share=(backward + recompute) / per_token,
+        layers=layers,
+        recompute_share=recompute_share,
     )
 
 
