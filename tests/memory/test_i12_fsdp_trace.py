@@ -179,3 +179,24 @@ def test_cpu_ranks_count_gloos_reduce_scatter_copy() -> None:
     # each layer reduce-scatters its 256 x 256 + 256 fp32 gradients (263 kB); the peak moves
     # by most of one copy (the peaks without and with it fall at different moments)
     assert peak(True) - peak(False) > 0.9 * (256 * 256 + 256) * 4
+
+
+def test_ddp_on_any_count_reads_the_one_gpu_dry_run(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DDP's step is traced as one process (the buckets are added after), so the record of
+    that dry run serves 1, 2 and 8 GPUs: ``plan --num-gpus auto`` traces it once."""
+    from batchfit.memory import _trace_estimate
+
+    monkeypatch.delenv("BATCHFIT_NO_CACHE")
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
+    runs: list[str] = []
+    monkeypatch.setattr(_trace_estimate, "on_dry_run", runs.append)
+    one = _trace(tiny, precision="fp32")
+    traced = len(runs)
+    two = _trace(tiny, precision="fp32", num_gpus=2, sharding="ddp")
+    eight = _trace(tiny, precision="fp32", num_gpus=8)
+    assert traced > 0 and len(runs) == traced  # no dry run after the first estimate
+    assert two.peak_bytes == eight.peak_bytes > one.peak_bytes  # type: ignore[attr-defined]
+    _trace(tiny, precision="fp32", num_gpus=2, sharding="fsdp")  # FSDP: a dry run of its own
+    assert len(runs) > traced

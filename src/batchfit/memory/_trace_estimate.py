@@ -168,6 +168,10 @@ def traced_result(
                 "nn.Linear layers, so bitsandbytes leaves them 16-bit "
                 "(bitsandbytes-foundation/bitsandbytes#1849)"
             )
+    if not is_fsdp(setup):
+        # one process without DDP (its buckets are added after): the dry run on 2 or 8 GPUs
+        # is the one on 1, and one record serves every count
+        setup = replace(setup, num_gpus=1, sharding="none")
     key = {
         "model": model.name,
         "config": model.config,
