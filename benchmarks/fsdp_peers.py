@@ -4,8 +4,8 @@ Both run one rank of N under the fake process group, on fake CPU tensors, on the
 (batchfit builds it: the setup applied, ``fully_shard`` per layer then the root) and the same
 loop (HF Trainer's: the loss outlives forward, ``zero_grad(set_to_none=True)``), two steps, the
 second measured. FSDPMemTracker (torch/distributed/_tools/fsdp2_mem_tracker.py) reports its
-peak of tracked storages per device; batchfit its peak of live storages at the traced depth.
-Models are traced whole here (no depth extrapolation), so only the accounting differs.
+peak of tracked storages per device over the whole model; batchfit's figure is its estimate
+(live storages traced at 3 and 4 layers, each moment extrapolated to the model's depth).
 
     python benchmarks/fsdp_peers.py [--no-write]
 """
@@ -96,7 +96,7 @@ def main() -> None:
     lines += [
         "",
         "Same model, same layout (`fully_shard` per layer, then the root), same loop, one rank "
-        "of N under the fake process group on fake CPU tensors; batchfit traced at 2 and 3 "
+        "of N under the fake process group on fake CPU tensors; batchfit traced at 3 and 4 "
         "layers and extrapolated, FSDPMemTracker over the whole model. Both count storages "
         "(both follow FSDP2's in-place `storage.resize_`), so they agree to the byte. Where "
         "they part: batchfit's CPU-rank figure adds gloo's copy of each reduce-scatter input "
