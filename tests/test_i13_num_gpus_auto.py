@@ -107,7 +107,8 @@ def test_cli_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["gpu_count_rule"]
     code, out, err = run_cli(args, capsys)
     assert code == 0, err
-    assert "GPU counts (--num-gpus auto)" in out and "s / step" in out
+    assert "GPU counts (--num-gpus auto)" in out and "tokens/s/GPU" in out
+    assert "1 GPU: " in out and "eff." in out
 
 
 @pytest.mark.parametrize(

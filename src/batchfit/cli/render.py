@@ -371,20 +371,19 @@ def _gpu_counts(p: Plan) -> None:
     run = any(c.train_seconds for c in p.gpu_counts)
     cost = any(c.cost_usd for c in p.gpu_counts)
     table = Table(title="GPU counts (--num-gpus auto)", title_justify="left")
-    for name in ("GPUs", "micro x accum", "techniques", "s / step", "tokens/s/GPU", "per GPU"):
-        table.add_column(name, justify="left" if name == "techniques" else "right")
+    for name in ("GPUs", "micro x accum", "s/step", "tokens/s/GPU", "eff."):
+        table.add_column(name, justify="right", no_wrap=True)
     if run:
-        table.add_column("run", justify="right")
+        table.add_column("run", justify="right", no_wrap=True)
     if cost:
-        table.add_column("cost", justify="right")
+        table.add_column("cost", justify="right", no_wrap=True)
     for c in p.gpu_counts:
         if not c.micro_batch_size:
-            table.add_row(str(c.num_gpus), "-", escape(c.note), *["-"] * (3 + run + cost))
+            table.add_row(str(c.num_gpus), *["-"] * (4 + run + cost))
             continue
         table.add_row(
             f"[bold]{c.num_gpus}[/] *" if c.chosen else str(c.num_gpus),
             f"{c.micro_batch_size} x {c.grad_accum_steps}" if c.fits else "[red]none fits[/]",
-            " + ".join(c.techniques) or "-",
             f"{c.step_seconds:.3g}" if c.step_seconds else "-",
             f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
             f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
@@ -392,7 +391,11 @@ def _gpu_counts(p: Plan) -> None:
             *([f"${c.cost_usd:,.0f}" if c.cost_usd else "-"] if cost else []),
         )
     out.print(table)
-    out.print(f"* {escape(p.gpu_count_rule or '')}")
+    # the techniques below the table, a line each: the figures above stay whole on any width
+    for c in p.gpu_counts:
+        what = c.note if not c.micro_batch_size else " + ".join(c.techniques) or "nothing extra"
+        out.print(f"  {c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}: {escape(what)}")
+    out.print(f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's")
 
 
 def _duration(seconds: float) -> str:
