@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv demo test lint bench catalog clean
+.PHONY: venv demo test lint bench catalog docs clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,10 @@ bench: venv
 
 catalog: venv
 	$(BIN)/python scripts/gen_catalog.py
+
+# the README's pictures (docs/img/*.png): a traced step, a monitored CPU run, a CPU probe (minutes)
+docs: venv
+	$(BIN)/python scripts/make_docs.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
