@@ -17,7 +17,7 @@ from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.models._arch import ATTENTION_FREE_TYPES
-from batchfit.plan import FitRow, Plan
+from batchfit.plan import Alternative, FitRow, Plan
 from batchfit.spec import TrainingSetup
 
 
@@ -282,6 +282,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
         out.print("  to fit: [red]no technique on the ladder is enough[/] (see the warning)")
     else:
         out.print("  to fit: nothing extra needed")
+    if p.num_gpus > 1 and p.setup.sharding in ("none", "ddp"):
+        out.print("  sharding: none (DDP: every GPU holds the whole model and optimizer)")
     time_line(p.speed_json(), "  ", p.throughput.source if p.throughput else None)
     if p.train_seconds is not None:
         cost = (
@@ -338,7 +340,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
         for alt in p.alternatives:
             kinds = {t.kind for t in alt.techniques}
             table.add_row(
-                " + ".join(t.name for t in alt.techniques)
+                _rung_name(alt, p.num_gpus)
                 + (" (analytic)" if traced and alt.engine == "analytic" else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
@@ -364,6 +366,15 @@ def plan(p: Plan, info: ModelInfo) -> None:
     if p.gpu_counts:
         _gpu_counts(p)
     _warn(p.warnings)
+
+
+def _rung_name(alt: Alternative, num_gpus: int) -> str:
+    """An alternative's techniques; on several GPUs without sharding, named DDP (else a row
+    of 'fused-loss' alone would not say how the GPUs share the work)."""
+    name = " + ".join(t.name for t in alt.techniques)
+    if num_gpus > 1 and alt.setup.sharding in ("none", "ddp"):
+        return f"ddp + {name}" if name else "ddp"
+    return name
 
 
 def _gpu_counts(p: Plan) -> None:
