@@ -210,6 +210,29 @@ def summary(name: str, runs: list[dict[str, Any]], results: dict[str, dict[str, 
     )
 
 
+def misses(
+    runs: list[dict[str, Any]], results: dict[str, dict[str, Any]], explained: dict[str, Any]
+) -> list[str]:
+    """One line per counted run whose |error| is above the median target, with the cause and
+    the evidence recorded in the data file's ``misses`` (read from the code and the source that
+    produced the figure); a miss with none recorded says so."""
+    lines = []
+    for run in runs:
+        pred = results[run["id"]]["predicted"]
+        if pred is None:
+            continue
+        error = pred / run["published_tokens_per_s_per_gpu"] - 1
+        if abs(error) <= TARGET_MEDIAN:
+            continue
+        why = explained.get(run["id"])
+        head = f"- **{run['id']}** ({run['split']}, {_pct(error)}):"
+        if why is None:
+            lines.append(f"{head} not explained yet.")
+            continue
+        lines.append(f"{head} {why['cause']}. Evidence: {why['evidence']}. Model: {why['model']}.")
+    return lines
+
+
 def report(doc: dict[str, Any], results: dict[str, dict[str, Any]], engine: str) -> str:
     runs = doc["runs"]
     comparable = [r for r in runs if r["comparable"]]
@@ -231,6 +254,18 @@ def report(doc: dict[str, Any], results: dict[str, dict[str, Any]], engine: str)
         members = [r for r in comparable if r["split"] == half]
         out += [f"### {half.capitalize()} half", "", summary(half, members, results), ""]
         out += [*table(members, results), ""]
+    missed = misses(comparable, results, doc.get("misses", {}))
+    if missed:
+        out += [
+            "### Misses explained",
+            "",
+            f"Every counted run with |error| above {TARGET_MEDIAN * 100:.0f}%, with what the "
+            "framework's code and the source say causes it (`misses` in the data file), and "
+            "whether batchfit's time model counts it.",
+            "",
+            *missed,
+            "",
+        ]
     if apart:
         out += [
             "### Not comparable (listed, never counted)",

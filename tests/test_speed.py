@@ -144,3 +144,35 @@ def test_estimate_and_plan_json_carry_the_time(capsys):
     from batchfit.hardware import host_cpu
 
     assert (cpu["step_seconds"] is None) == (host_cpu() is None)
+
+
+def test_the_optimizer_step_streams_what_its_implementation_reads():
+    # one GPU, pure bf16, full fine-tune: the update is memory traffic over the parameters
+    llama = resolve_model("llama-3.2-3b")
+    l40s = get_gpu("l40s")
+
+    def update_seconds(**fields: object) -> float:
+        setup = TrainingSetup(precision="bf16", **fields)  # type: ignore[arg-type]
+        t = step_time(llama, setup, l40s, micro_batch_size=4, seq_len=210)
+        assert t is not None
+        return t.optimizer_seconds
+
+    from batchfit.speed import BANDWIDTH_EFFICIENCY, optimizer_accesses
+
+    # torch's default on CUDA is foreach: eight kernels, 20 element accesses a parameter
+    # (torch/optim/adam.py _multi_tensor_adam), against the fused kernel's 7
+    foreach = update_seconds()
+    bandwidth = l40s.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY
+    assert foreach == pytest.approx(20 * 2 * llama.total_params / bandwidth)
+    assert update_seconds(optimizer_impl="foreach") == foreach
+    assert update_seconds(optimizer_impl="for-loop") == foreach  # the same operations
+    assert update_seconds(optimizer_impl="fused") == pytest.approx(foreach * 7 / 20)
+    # HF Trainer clips at max_grad_norm 1.0 every step: 3 more accesses of each gradient
+    hf = TrainingSetup(precision="bf16", framework="hf-trainer", optimizer_impl="fused")
+    assert optimizer_accesses(hf) == 7 + 3
+    # DeepSpeed's engine runs its fused Adam whatever --optimizer-impl says
+    ds = TrainingSetup(precision="bf16", num_gpus=8, sharding="zero2")
+    assert optimizer_accesses(ds) == 7
+    # other optimizers: SGD with momentum's foreach buf.mul_, add_, param add_ = 8
+    assert optimizer_accesses(TrainingSetup(optimizer="sgd-momentum")) == 8
+    assert optimizer_accesses(TrainingSetup(optimizer="adamw-8bit")) == 4

@@ -8,7 +8,10 @@ The model, per optimizer micro-step::
     seconds = layers x launch + FLOPs / (peak x utilisation(width)) + exposed communication
 
 and once per optimizer step the update (memory traffic over this rank's share of the
-parameters, or the CPU's under offload) and the communication nothing hides.
+parameters, or the CPU's under offload) and the communication nothing hides. The update's
+traffic is counted from the implementation's source, not fitted: a fused kernel's 7 element
+accesses a parameter for AdamW, PyTorch's foreach default 20, and gradient clipping's 3 where
+the framework clips (``optimizer_accesses``).
 
 Calibrated on three step-time sweeps on an H100 (``benchmarks/data/gpu_validate_h100.json``:
 llama-3.2-1b, qwen2.5-0.5b, gpt2 at several micro-batches) and checked on the 25 other cases
@@ -55,12 +58,16 @@ HALF_WIDTH_TOKENS = 16384
 # of the H100's 67 TFLOP/s non-tensor peak.
 U_FP32 = 0.54
 # The GPU waits on Python and kernel launches: seconds per layer per micro-step, from the
-# sweeps' intercepts after the optimizer step (llama-3.2-1b 2.7 ms, qwen2.5-0.5b 3.6 ms under
-# autocast; gpt2 fp32 1.5 ms; casts add kernels).
-LAUNCH_S_PER_LAYER = {"amp": 3.0e-3, "plain": 1.5e-3}
-# The optimizer step streams its tensors once (memory-bound): AdamW reads weights, gradients
-# and two moments and writes three of them back; PyTorch's foreach variant also writes and
-# reads a square-root temporary. Bytes per trainable parameter at 4-byte elements.
+# sweeps' intercepts (a line through the points without checkpointing) less the optimizer step
+# at its foreach count (the sweeps ran torch's default AdamW): llama-3.2-1b 1.6 ms,
+# qwen2.5-0.5b 3.4 ms under autocast, 2.6 ms the least-squares value (log error) over the
+# sweeps' eight autocast points; gpt2 fp32 1.3 ms. Casts add kernels. (With AdamW taken as a
+# fused kernel's 7 accesses the same intercepts give 3.1, 3.8 and 1.5 ms; then 3.0 and 1.5.)
+LAUNCH_S_PER_LAYER = {"amp": 2.6e-3, "plain": 1.3e-3}
+# The optimizer step is memory-bound: elements it streams per trainable parameter, at the
+# state's element size. A fused kernel (torch's fused=True, DeepSpeed's FusedAdam, the 8-bit
+# kernels) reads each tensor once and writes the updated ones back: AdamW reads weights,
+# gradients and two moments and writes three of them = 7.
 OPTIMIZER_ACCESSES = {
     "adamw": 7,
     "adam": 7,
@@ -71,6 +78,22 @@ OPTIMIZER_ACCESSES = {
     "adamw-8bit": 4,
     "paged-adamw-8bit": 4,
 }
+# PyTorch's foreach implementation (its default for CUDA tensors, torch/optim/optimizer.py
+# _default_to_fused_or_foreach) and its per-parameter loop run one kernel per operation, each
+# streaming its tensors: AdamW in torch/optim/adam.py _multi_tensor_adam (torch 2.13, decoupled
+# weight decay on, capturable off): _foreach_mul_(params) 2, _foreach_lerp_(exp_avgs, grads) 3,
+# _foreach_mul_(exp_avg_sqs) 2, _foreach_addcmul_(exp_avg_sqs, grads, grads) 3,
+# _foreach_sqrt 2, _foreach_div_ 2, _foreach_add_(eps) 2, _foreach_addcdiv_(params) 4 = 20;
+# Adam without weight decay 18; SGD _foreach_add_ 3, with momentum _foreach_mul_ 2 + add_ 3 +
+# add_ 3 = 8. _single_tensor_adam runs the same operations tensor by tensor (speed/_cpu.py).
+UNFUSED_OPTIMIZER_ACCESSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd-momentum": 8}
+# Gradient clipping by norm before the update: torch's clip_grad_norm_ (torch/nn/utils/
+# clip_grad.py) reads every gradient for _foreach_norm, then scales each in place with
+# _foreach_mul_ whether or not the norm exceeds the limit: 3 accesses a trainable parameter.
+CLIP_ACCESSES = 3
+# Loops that clip by default: HF Trainer (transformers 5.24.0 training_args.py:866
+# max_grad_norm default 1.0; trainer.py:2787 accelerator.clip_grad_norm_ every step).
+CLIPPING_FRAMEWORKS = frozenset({"hf-trainer"})
 BANDWIDTH_EFFICIENCY = 0.8  # of the catalog's peak bandwidth, for long streaming kernels
 # torch.compile's fused kernels: +16-23% throughput on published FSDP runs (DESIGN.md;
 # torchtitan's Llama 3.1 8B on H100s +16%, IBM fms-fsdp's 7B on A100s +21%)
@@ -235,7 +258,7 @@ def step_time(
     # sharded optimizers (ZeRO, FSDP) update this rank's partition only
     shard = setup.num_gpus if is_deepspeed(setup) or setup.sharding == "fsdp" else 1
     element = 2 if setup.precision in ("bf16", "fp16") else 4
-    opt_bytes = OPTIMIZER_ACCESSES.get(setup.optimizer, 7) * element * trainable / shard
+    opt_bytes = optimizer_accesses(setup) * element * trainable / shard
     update = opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     comm_micro = comm_step = 0.0
     if link is not None:
@@ -320,6 +343,29 @@ def collective_gb_s(gpu: GpuSpec, num_gpus: int) -> float | None:
     if num_gpus <= GPUS_PER_NODE:
         return gpu.link_gb_s
     return min(gpu.link_gb_s, NETWORK_GB_S.get(gpu.architecture, DEFAULT_NETWORK_GB_S))
+
+
+def optimizer_accesses(setup: TrainingSetup) -> int:
+    """Elements the optimizer step streams per trainable parameter on a GPU: the fused kernel's
+    count under ``--optimizer-impl fused`` (and DeepSpeed, whose engine runs its FusedAdam),
+    PyTorch's foreach count otherwise (``auto`` is foreach for CUDA tensors; the per-parameter
+    loop streams the same); and gradient clipping's where the framework clips by default.
+
+    Example:
+        >>> optimizer_accesses(TrainingSetup(optimizer="adamw"))  # torch's foreach AdamW
+        20
+        >>> optimizer_accesses(TrainingSetup(optimizer="adamw", optimizer_impl="fused"))
+        7
+        >>> optimizer_accesses(  # HF Trainer: fused AdamW, clipped at max_grad_norm 1.0
+        ...     TrainingSetup(framework="hf-trainer", optimizer_impl="fused"))
+        10
+    """
+    fused = setup.optimizer_impl == "fused" or is_deepspeed(setup)
+    if not fused and setup.optimizer in UNFUSED_OPTIMIZER_ACCESSES:
+        update = UNFUSED_OPTIMIZER_ACCESSES[setup.optimizer]
+    else:
+        update = OPTIMIZER_ACCESSES.get(setup.optimizer, 7)
+    return update + (CLIP_ACCESSES if setup.framework in CLIPPING_FRAMEWORKS else 0)
 
 
 def _exposed(comm_seconds: float, beside_seconds: float) -> float:

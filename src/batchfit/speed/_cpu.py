@@ -25,7 +25,7 @@ from __future__ import annotations
 from batchfit.hardware import CpuSpec
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
-from batchfit.speed import StepTime, model_trainable, step_flops
+from batchfit.speed import UNFUSED_OPTIMIZER_ACCESSES, StepTime, model_trainable, step_flops
 
 # Fitted on the calibration half of benchmarks/cpu_step_time.py (see the module docstring;
 # 20 steps, median |error| 8%, worst -16%). A per-layer launch term, as on a GPU, came out
@@ -37,8 +37,9 @@ ELEMENTWISE_PASSES = 30.0  # 4-byte passes over each layer's width and the logit
 # default) streams 4-byte elements: mul_ (decoupled weight decay) 2, exp_avg.lerp_ 3,
 # exp_avg_sq.mul_ 2 and addcmul_ 3, sqrt 2, division 2, add_(eps) 2, param.addcdiv_ 4 = 20
 # accesses per parameter; Adam without weight decay 18. SGD: add_ 3; with momentum
-# buf.mul_().add_() 5 and add_ 3. Others: AdamW's count (unmeasured).
-OPTIMIZER_ACCESSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd-momentum": 8}
+# buf.mul_().add_() 5 and add_ 3. Others: AdamW's count (unmeasured). The foreach variant on a
+# GPU runs the same operations (batchfit.speed.UNFUSED_OPTIMIZER_ACCESSES, this table).
+OPTIMIZER_ACCESSES = UNFUSED_OPTIMIZER_ACCESSES
 # the fitted terms, in the order benchmarks/cpu_step_time.py fits them
 FEATURES = ("compute_at_peak_seconds", "compute_per_row_seconds", "elementwise_seconds")
 
