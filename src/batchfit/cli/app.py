@@ -438,8 +438,11 @@ def plan(
         typer.Option("--out", help="The one file --export writes (default: print it)."),
     ] = None,
     train_tokens: Annotated[
-        int | None,
-        typer.Option("--train-tokens", help="Tokens of the whole run: adds its time (and cost)."),
+        str | None,
+        typer.Option(
+            "--train-tokens",
+            help="Tokens of the whole run (20B, 2e10 or 20000000000): adds its time (and cost).",
+        ),
     ] = None,
     epochs: Annotated[
         float | None,
@@ -504,6 +507,14 @@ def plan(
         _check_output(out, "--out")
     if report is not None:
         _check_output(report, "--report")
+    from batchfit.cli.batch_laws import parse_tokens
+
+    run_tokens = None if train_tokens is None else parse_tokens(train_tokens)
+    if gpu_hour_price and gpu_hour_price > 0 and run_tokens is None and epochs is None:
+        raise UsageError(
+            "--gpu-hour-price prices the run: give its length too (--train-tokens N, or "
+            "--epochs E --dataset-size N)"
+        )
     if (epochs is None) != (dataset_size is None):
         raise UsageError("--epochs and --dataset-size go together (the run's length in samples)")
     if epochs is not None and not epochs > 0:
@@ -567,7 +578,7 @@ def plan(
             base_eps=base_eps,
             critical_batch=critical_batch,
             critical_batch_tokens=critical_batch_tokens,
-            train_tokens=train_tokens,
+            train_tokens=run_tokens,
             train_samples=train_samples,
             gpu_hour_price=gpu_hour_price,
             throughput_from=probe_file,

@@ -26,4 +26,11 @@ def advice(setup: TrainingSetup, device: Device, gpu: GpuSpec | None) -> list[st
             "--sharding fsdp with --num-gpus 1: nothing to shard (one rank holds every shard); "
             "add --num-gpus N"
         )
+    elif setup.num_gpus == 1 and setup.offload == "none" and setup.sharding != "none":
+        # ZeRO on one GPU earns its keep only by offloading (ZeRO-Offload)
+        what = "nothing to synchronise" if setup.sharding == "ddp" else "nothing to shard"
+        warnings.append(
+            f"--sharding {setup.sharding} with --num-gpus 1: {what} (one rank holds it all); "
+            "add --num-gpus N, or --offload with ZeRO"
+        )
     return warnings

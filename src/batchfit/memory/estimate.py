@@ -217,11 +217,14 @@ def estimate(
         from dataclasses import replace
 
         result = replace(result, warnings=(*warnings, *result.warnings))
-    return _with_step_time(result, model, gpu if device == "cuda" else host_cpu())
+    return _with_step_time(result, model, gpu if device == "cuda" else host_cpu(), grad_accum_steps)
 
 
 def _with_step_time(
-    result: MemoryEstimate, model: ModelInfo, gpu: GpuSpec | CpuSpec | None
+    result: MemoryEstimate,
+    model: ModelInfo,
+    gpu: GpuSpec | CpuSpec | None,
+    grad_accum_steps: int = 1,
 ) -> MemoryEstimate:
     """``result`` with the predicted step time (``batchfit.speed``) in its extras, on a GPU,
     or on the CPU where this machine's CPU has a catalog profile."""
@@ -236,4 +239,6 @@ def _with_step_time(
     )
     if predicted is None:
         return result
-    return replace(result, extras={**result.extras, "speed": asdict(predicted)})
+    # the optimizer step's time counts every micro-step of it (--grad-accum)
+    speed = {"speed": asdict(predicted), "grad_accum_steps": max(1, grad_accum_steps)}
+    return replace(result, extras={**result.extras, **speed})

@@ -99,8 +99,10 @@ class MemoryEstimate:
 
         return estimate_html(self.to_json())
 
-    def speed_json(self, grad_accum_steps: int = 1) -> dict[str, float | None]:
-        """``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu`` (None where not predicted)."""
+    def speed_json(self, grad_accum_steps: int | None = None) -> dict[str, float | None]:
+        """``step_seconds`` (one optimizer step: ``grad_accum_steps`` micro-steps, by default
+        the accumulation the estimate was made for), ``tokens_per_s_per_gpu``, ``mfu`` (None
+        where not predicted)."""
         speed = self.extras.get("speed")
         if not speed:
             return dict.fromkeys(
@@ -108,4 +110,6 @@ class MemoryEstimate:
             )
         from batchfit.speed import StepTime
 
+        if grad_accum_steps is None:
+            grad_accum_steps = int(self.extras.get("grad_accum_steps", 1))
         return dict(StepTime(**speed).to_json(grad_accum_steps))

@@ -164,7 +164,9 @@ class _Target:
         return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro, 1))
 
     def fits(self, setup: TrainingSetup, micro: int) -> tuple[bool, MemoryEstimate]:
-        accum = max(self.per_gpu // micro, 1)
+        # a size that does not divide the per-GPU batch still accumulates (memory is the
+        # same for any count from 2 up): 35 of 64 is estimated at 2, never at 1
+        accum = 1 if micro >= self.per_gpu else max(2, self.per_gpu // micro)
         return fits(
             self.model, setup, self.gpu, micro, self.seq_len, accum, self.headroom, self.engine
         )
@@ -251,8 +253,8 @@ def _widest(
     lean loss and checkpointing) that finishes an optimizer step soonest by the time model
     (``batchfit.speed``: compute at the largest micro-batch the per-GPU batch allows,
     recompute under checkpointing, the communication compute does not hide); where the time
-    model does not apply, the largest micro-batch, then no recompute, then the least
-    communication (``speed/_comm.py``), then the fewest techniques. Offload (a CPU step) and
+    model does not apply, the largest micro-batch, then no recompute, then the fewest
+    techniques, then the least communication (``speed/_comm.py``). Offload (a CPU step) and
     rungs that change training only when none of these fits (None then)."""
     options = [base, *alternatives]
     eligible = {
@@ -266,9 +268,11 @@ def _widest(
 
     def tiebreak(i: int) -> tuple[int, bool, int, int, int]:
         # at one size, recomputing costs more than any collective (full checkpointing takes
-        # 21-23% of throughput, DESIGN.md); then the least sent, then the fewest techniques
+        # 21-23% of throughput, DESIGN.md); then the fewest techniques (the time model already
+        # counts what each sends, and plain DDP beats ZeRO-1 + a chunked loss by simplicity
+        # when both take the same time), then the least sent
         alt = options[i]
-        return (-usable(i), alt.setup.grad_ckpt, alt.comm_bytes_per_step, len(alt.techniques), i)
+        return (-usable(i), alt.setup.grad_ckpt, len(alt.techniques), alt.comm_bytes_per_step, i)
 
     checked: set[int] = {0}  # the base's size is searched and confirmed already
     while eligible:
@@ -439,6 +443,11 @@ def make_plan(
     target = _Target(target_model, gpu, seq, per_gpu, headroom_bytes, engine, measured)
     fit = _climb(target, setup, micro_batch_size)
     fit_warnings = _fit_warnings(gpu, micro_batch_size, fit)
+    if setup.sharding != "none" and fit.setup.sharding != setup.sharding:
+        fit_warnings.append(
+            f"--sharding {setup.sharding} was replaced by {fit.setup.sharding}: the plan "
+            f"found {setup.sharding} does not fit or is slower (the alternatives show both)"
+        )
     micro = micro_batch_size or largest_divisor_at_most(per_gpu, max(fit.max_micro_batch, 1))
     accum = per_gpu // micro
     _, est = target.fits(fit.setup, micro)

@@ -131,6 +131,7 @@ def lean_loss(model: ModelInfo | None, setup: TrainingSetup) -> Technique | None
 
 ZeroStage = Literal["zero1", "zero2", "zero3"]
 _ZERO_STAGES: tuple[ZeroStage, ...] = ("zero1", "zero2", "zero3")
+_SHARDINGS = frozenset({*_ZERO_STAGES, "fsdp"})  # the rungs that shard, without offload
 
 
 def zero(stage: ZeroStage, why: str) -> Technique:
@@ -286,7 +287,12 @@ def ladder(
         # every parameter; fused costs no time, so it is tried first, alone (later rungs
         # change where the peak is, and DeepSpeed's bring their own fused optimizer)
         first.insert(0, (FUSED_ADAMW,))
+    sharded: list[Combo] = []
     if checkpointing and not setup.grad_ckpt:
+        if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+            # sharding alone, before sharding with recompute: on 8 GPUs ZeRO-3 or FSDP2 often
+            # fits a few samples without checkpointing, faster than any checkpointed option
+            sharded = [r for r in _exact_rungs(setup, base) if r[-1].name in _SHARDINGS]
         base = (*base, GRAD_CKPT)
         first.append(base)
-    return (*first, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))
+    return (*first, *sharded, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))
