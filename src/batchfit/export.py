@@ -68,6 +68,12 @@ def _peft_settings(plan: Plan) -> dict[str, Any]:
         out["from_pretrained_kwargs"] = {
             "torch_dtype": "float16" if setup.precision.endswith("fp16") else "bfloat16"
         }
+    if setup.method == "qlora" and setup.sharding == "fsdp":
+        # FSDP flattens a module's parameters into one tensor of one float dtype: the 4-bit codes
+        # must be stored in the dtype the rest of the model loads in, not uint8 (bitsandbytes
+        # docs, "FSDP-QLoRA": quant_storage = torch_dtype; PEFT's fsdp-qlora recipe does the same)
+        loaded = out.get("from_pretrained_kwargs", {}).get("torch_dtype", "float32")
+        out["bnb_config"]["bnb_4bit_quant_storage"] = loaded
     return out
 
 
@@ -193,30 +199,46 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
 def launch_command(plan: Plan, kind: str | None = None, config_path: str | None = None) -> str:
     """The command line that runs the plan's setup on its GPUs (``train.py`` is your script).
 
-    DeepSpeed's ZeRO plans launch with ``deepspeed`` and the DeepSpeed config, FSDP2 plans with
-    ``accelerate launch`` and its config, DDP with ``torchrun``; ``config_path`` names the
-    exported file (``kind``) where it is the one the launcher reads.
+    The launcher follows the export (``kind``), and names a config file only where one was
+    exported for it to read (``config_path``, or the file's default name):
+
+    - ``accelerate``: ``accelerate launch --config_file FILE``; the YAML carries DeepSpeed or FSDP.
+    - ``deepspeed``: ``deepspeed --num_gpus N train.py --deepspeed FILE``; the JSON is the config.
+    - ``hf``: ``torchrun --nproc-per-node N`` (``python`` on one GPU without DeepSpeed or FSDP):
+      the DeepSpeed dict or the FSDP settings ride inside ``TrainingArguments``, which the
+      Trainer reads in every process, so no launcher needs a file.
+    - ``lightning``: ``python train.py``: the Trainer's strategy (``ddp``, ``fsdp``,
+      ``deepspeed_stage_N``) starts its ``devices`` processes itself.
+    - none: the launcher of the plan's own setup (ZeRO: ``deepspeed`` with ``ds_config.json``,
+      FSDP2: ``accelerate launch`` with ``accelerate.yaml``, DDP: ``torchrun``), for the file
+      ``--export deepspeed|accelerate`` would write.
 
     Example:
         >>> from batchfit.models import resolve_model
         >>> from batchfit.hardware import get_gpu
         >>> from batchfit.plan import make_plan
         >>> p = make_plan(resolve_model("gpt2"), get_gpu("a100-40gb"),
-        ...               TrainingSetup(num_gpus=4), seq_len=1024, global_batch=64,
-        ...               engine="analytic")
+        ...               TrainingSetup(num_gpus=4, sharding="zero2"), seq_len=1024,
+        ...               global_batch=64, engine="analytic")
         >>> launch_command(p)
+        'deepspeed --num_gpus 4 train.py --deepspeed ds_config.json'
+        >>> launch_command(p, "hf")
         'torchrun --nproc-per-node 4 train.py'
+        >>> launch_command(p, "lightning")
+        'python train.py'
     """
     setup, n = plan.setup, plan.num_gpus
-    if kind == "accelerate":  # accelerate's config carries DeepSpeed or FSDP: it launches
-        acc = config_path or "accelerate.yaml"
-        return f"accelerate launch --config_file {acc} train.py"
-    if is_deepspeed(setup):
-        if kind == "hf":  # the DeepSpeed config rides inside TrainingArguments(deepspeed=...)
-            return f"deepspeed --num_gpus {n} train.py"
+    if kind == "lightning":
+        return "python train.py"
+    if kind == "hf":
+        distributed = "deepspeed" in hf_training_arguments(plan) or setup.sharding == "fsdp"
+        return (
+            f"torchrun --nproc-per-node {n} train.py" if n > 1 or distributed else "python train.py"
+        )
+    if kind == "deepspeed" or (kind is None and is_deepspeed(setup)):
         ds = config_path if kind == "deepspeed" and config_path else "ds_config.json"
         return f"deepspeed --num_gpus {n} train.py --deepspeed {ds}"
-    if setup.sharding == "fsdp":
+    if kind == "accelerate" or setup.sharding == "fsdp":
         acc = config_path if kind == "accelerate" and config_path else "accelerate.yaml"
         return f"accelerate launch --config_file {acc} train.py"
     if n > 1:

@@ -295,7 +295,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
             else f" (no list price for {p.gpu} in the table: --gpu-hour-price USD adds the cost)"
         )
         out.print(
-            f"  the run: {p.train_steps:,} optimizer steps, ~{_duration(p.train_seconds)} on "
+            f"  the run: {p.train_steps:,} optimizer step{'s' if p.train_steps != 1 else ''}, "
+            f"~{_duration(p.train_seconds)} on "
             f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
         )
         if p.setup.method == "full" and p.task == "causal-lm" and p.tokens_per_step:

@@ -42,6 +42,11 @@ _NOT_COMPARED = frozenset(
 )
 
 
+# How far measured/predicted may stray before the plan says so: a step 5x off the step-time
+# model (or faster than the GPU's peak) is likelier an edited file or another workload than
+# the model's own error. A judgement, not a fit.
+_FACTOR_LIMIT = 5.0
+
 # setup fields whose option is not the field's name with dashes
 _FLAGS = {"loss_chunks": "--loss chunks", "loss_chunk_tokens": "--loss chunk tokens"}
 
@@ -266,8 +271,9 @@ def bind(
     seq_len: int,
 ) -> tuple[Measured | None, str | None]:
     """``probe`` checked against the plan (model, setup, sequence length, GPU) and its factors
-    computed; (None, why) where the model has no prediction to correct; (None, None) without
-    a probe.
+    computed, with a one-line warning where its steps are implausible (faster than the GPU's
+    peak, or over 5x off the model) or None; (None, why) where the model has no prediction to
+    correct; (None, None) without a probe.
 
     Raises:
         UsageError: the probe measured something else (the message names what differs), or
@@ -316,7 +322,7 @@ def bind(
             for k in differ
         )
         raise UsageError(f"{name} measured another setup: {said}; probe the plan's setup")
-    factors = {}
+    factors, mfus = {}, {}
     for n, seconds in sorted(probe.step_seconds.items()):
         t = step_time(model, theirs, gpu, micro_batch_size=n, seq_len=seq_len)
         if t is None or _compute_seconds(t) <= 0:
@@ -325,7 +331,22 @@ def bind(
                 f"{gpu.name} to correct (image models, GPUs without peak figures)"
             )
         factors[n] = seconds / _compute_seconds(t)
-    return Measured(probe, model, gpu, seq_len, theirs, factors), None
+        mfus[n] = t.model_flops_per_token * t.tokens_per_micro_step / (seconds * t.peak_flops)
+    return Measured(probe, model, gpu, seq_len, theirs, factors), _implausible(name, factors, mfus)
+
+
+def _implausible(name: str, factors: dict[int, float], mfus: dict[int, float]) -> str | None:
+    """One line when a probe's steps cannot be this model's on this GPU: faster than the GPU's
+    peak (MFU over 100%), or more than ``_FACTOR_LIMIT`` times off the step-time model."""
+    n = max(factors, key=lambda k: (mfus[k] > 1, abs(math.log(factors[k]))))
+    f, mfu = factors[n], mfus[n]
+    if mfu <= 1 and 1 / _FACTOR_LIMIT <= f <= _FACTOR_LIMIT:
+        return None
+    return (
+        f"{name}: micro-batch {n} measured {f:.3g} x the model's predicted time (implied MFU "
+        f"{mfu:.0%}); a real step is rarely that far off: was the probe file edited, or did it "
+        "measure something else (another model, GPU or setup)?"
+    )
 
 
 def _shown(value: Any) -> str:
