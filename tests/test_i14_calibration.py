@@ -115,3 +115,28 @@ def test_monitor_with_a_plan_records_a_gpu_run(
     assert record.device == "t4" and record.estimated_bytes == 150 * 2**20
     assert record.measured_bytes >= 120 * 2**20
     assert "recorded" in err
+
+
+def test_a_file_that_is_not_utf8_is_set_aside_with_one_line(data_dir: Path) -> None:
+    import os
+    import subprocess
+
+    data_dir.mkdir(parents=True)
+    calibration.path().write_bytes(b"garbage\x00\xff{not json\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchfit", "calibration"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("batchfit: warning: ")
+    assert "set aside" in proc.stderr
+    assert not calibration.path().exists()
+    assert list(data_dir.glob("calibration.jsonl.corrupt-*"))
+    calibration.path().write_bytes(b"\xff\n")  # the library warns, as it always did
+    with pytest.warns(UserWarning, match="set aside"):
+        assert calibration.load() == []

@@ -179,3 +179,118 @@ def test_a_file_that_is_not_a_plan_is_refused_in_one_line(
     with pytest.raises(UsageError, match=needle) as e:
         read_plan(path)
     assert "\n" not in str(e.value)
+
+
+def _group_alive(pgid: int) -> list[str]:
+    """Command lines of the live processes (zombies are dead) in process group ``pgid``."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            alive.append(monitor.command_line(int(entry.name)))
+    return alive
+
+
+def _wait_for(path: Path) -> str:
+    deadline = time.monotonic() + 30
+    while not path.exists() or not path.read_text().endswith("\n"):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_reaches_the_whole_group_and_leaves_nothing(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    # bash passes neither signal on to the python it runs: only a signal to the group reaches it
+    pgfile = tmp_path / "pgid"
+    code = (
+        f"import os, time; open({str(pgfile)!r}, 'w').write(f'{{os.getpgrp()}}\\n'); time.sleep(60)"
+    )
+    script = f'{PY} -c "{code}" ; echo done'
+    proc = subprocess.Popen(
+        [PY, "-m", "batchfit", "monitor", "--interval", "0.1", "--", "bash", "-c", script],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        pgid = int(_wait_for(pgfile))
+        assert pgid != os.getpgrp()  # a group of its own
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=20) == 128 + signum
+        assert time.monotonic() - sent < 10
+        assert _group_alive(pgid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_what_the_command_leaves_running_is_ended_even_if_it_ignores_sigterm(
+    tmp_path: Path,
+) -> None:
+    pidfile = tmp_path / "pid"
+    stubborn = (
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(60)"
+    )
+    script = f'{PY} -c "{stubborn}" & while [ ! -s {pidfile} ]; do sleep 0.05; done; exit 4'
+    started = time.monotonic()
+    result = monitor.run(["bash", "-c", script], interval=0.05, gpu=False)
+    assert result.exit_code == 4
+    assert time.monotonic() - started < monitor.GRACE_SECONDS + 20
+    pid = int(pidfile.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_json_stdout_is_the_object_alone(tmp_path: Path) -> None:
+    code = "print('step 1 loss 2.5', flush=True)"
+    proc = _cli("--interval", "0.05", "--json", "--", PY, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["exit_code"] == 0
+    assert "step 1 loss 2.5" in proc.stderr
+
+
+@pytest.mark.parametrize("option", ["--log", "--plot"])
+def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path: Path, option: str) -> None:
+    marker = tmp_path / "ran"
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    run_marker = ("--", PY, "-c", f"open({str(marker)!r}, 'w')")
+    targets = [str(fifo), "/dev/full"]
+    if Path("/sys").is_dir():  # sysfs takes no new file, not even from root
+        targets.append("/sys/batchfit-monitor.png")
+    for target in targets:
+        proc = _cli(option, target, *run_marker, timeout=30)
+        assert proc.returncode == 2, (target, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and option in proc.stderr, proc.stderr
+        assert not marker.exists(), target
+
+
+def test_a_symlinked_output_is_written_through(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    (tmp_path / "real").mkdir()
+    png, log = tmp_path / "run.png", tmp_path / "run.jsonl"
+    png.symlink_to(tmp_path / "real" / "run.png")
+    log.symlink_to(tmp_path / "real" / "run.jsonl")
+    proc = _cli("--interval", "0.05", "--plot", str(png), "--log", str(log), "--", PY, "-c", "")
+    assert proc.returncode == 0, proc.stderr
+    assert png.is_symlink() and log.is_symlink()
+    assert (tmp_path / "real" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "real" / "run.jsonl").read_text()
+
+
+def test_no_command_and_a_zero_interval_say_what_to_do() -> None:
+    proc = _cli()
+    assert proc.returncode == 2 and "give the command after --" in proc.stderr
+    proc = _cli("--interval", "0", "--", PY, "-c", "")
+    assert proc.returncode == 2 and "must be greater than 0" in proc.stderr

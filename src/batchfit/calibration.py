@@ -16,7 +16,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -98,31 +98,32 @@ def _torch_version() -> str:
         return ""
 
 
-def load() -> list[Record]:
-    """Every record; a file that does not parse is set aside and an empty list returned."""
+def load(warn: Callable[[str], None] | None = None) -> list[Record]:
+    """Every record; a file that does not parse (not JSON lines, not UTF-8, not records) is
+    set aside and an empty list returned, with one warning: ``warn(message)`` when given (the
+    CLI prints it as one line), else a ``UserWarning``."""
     target = path()
     try:
-        text = target.read_text()
-    except FileNotFoundError:
-        return []
-    except OSError:
+        data = target.read_bytes()
+    except OSError:  # none yet, or unreadable: no records, and nothing to set aside
         return []
     records = []
     try:
-        for line in text.splitlines():
+        for line in data.decode("utf-8").splitlines():
             if line.strip():
                 records.append(_record(json.loads(line)))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError):  # UnicodeDecodeError is a ValueError
         aside = target.with_name(f"{target.name}.corrupt-{int(time.time())}")
         try:
             target.rename(aside)
             where = f"set aside as {aside}"
         except OSError:
             where = "left in place"
-        warnings.warn(
-            f"the calibration file {target} could not be read; {where}, a new one is started",
-            stacklevel=2,
-        )
+        message = f"the calibration file {target} could not be read; {where}, a new one is started"
+        if warn is not None:
+            warn(message)
+        else:
+            warnings.warn(message, stacklevel=2)
         return []
     return records
 

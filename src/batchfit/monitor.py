@@ -1,8 +1,11 @@
 """``batchfit monitor -- CMD ...``: run a training command and watch its memory against a plan.
 
-The command runs as a child (stdin, stdout and stderr its own), dies with this process, and gets
-the signals this process gets (SIGINT, SIGTERM, SIGHUP). Every ``interval`` seconds the
-memory of its whole process tree is sampled: per-process GPU memory through NVML when
+The command runs as a child in its own process group (stdin, stdout and stderr its own, or its
+stdout sent elsewhere), and the whole group gets the signals this process gets (SIGINT, SIGTERM,
+SIGHUP): ``monitor -- bash train.sh`` reaches the python that the script starts. When the
+command ends, or this process does, what is left of the group gets SIGTERM, then SIGKILL after
+``GRACE_SECONDS``; the command also dies if this process is SIGKILLed. Every ``interval``
+seconds the memory of its whole process tree is sampled: per-process GPU memory through NVML when
 ``nvidia-ml-py`` is installed and a GPU is there (what nvidia-smi shows per process), else
 the resident set (RSS) from ``/proc``. Each sample can go to a JSONL log as it is taken; the
 result (``MonitorResult``) says the peak, per process too, and the command's exit code, which
@@ -30,6 +33,7 @@ from typing import IO, Any
 from batchfit._units import BYTES_IN_KIB
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL for what is left of the command's group
 
 
 @dataclass(frozen=True)
@@ -175,16 +179,61 @@ def _gpu_reader() -> _Nvml | None:
         return None
 
 
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Send ``signum`` to every process of group ``pgid``; False when none is left."""
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member changed its user (setuid): it is its own now
+        return True
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies, awaiting their reaper,
+    are not)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the command name: state, ppid, pgrp (proc(5))
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def end_group(pgid: int, grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM what is left of group ``pgid``; SIGKILL it when it outlives ``grace`` seconds."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    try:
+        _wait_group(pgid, grace)
+    finally:  # also when a second Ctrl-C cuts the grace short
+        if _signal_group(pgid, signal.SIGKILL):
+            _wait_group(pgid, 1.0)  # SIGKILL is delivered, not awaited: see it land
+
+
+def _wait_group(pgid: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
-    """Send SIGINT, SIGTERM and SIGHUP on to the child while it runs (main thread only)."""
+    """Send SIGINT, SIGTERM and SIGHUP on to the child's whole process group while it runs
+    (main thread only): a shell that runs python does not pass them on itself."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def forward(signum: int, _frame: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
+        _signal_group(proc.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
@@ -205,6 +254,9 @@ def _child_setup() -> None:
         signal.signal(signum, signal.SIG_DFL)
     libc = _libc()
     if libc is not None:
+        # Only the direct child: PDEATHSIG is per process and not inherited across fork, so
+        # when this process is SIGKILLed (no ``finally`` runs) the command dies but processes
+        # it started may outlive it; every other way out ends the whole group (end_group).
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
@@ -218,15 +270,18 @@ def run(
     on_drift: Callable[[Sample], None] | None = None,
     gpu: bool | None = None,
     compare: Callable[[Sample], int] | None = None,
+    stdout: int | None = None,
 ) -> MonitorResult:
     """Run ``command``, sample its process tree every ``interval`` seconds until it exits.
 
     ``limit_bytes``: ``on_drift`` is called once, the first time a sample passes it (the
     sample's total, or what ``compare`` takes of it: a per-GPU plan is compared with the
     largest process, one rank per GPU). ``gpu``:
-    None samples GPU memory when NVML answers, else RSS; False always RSS. A command that cannot
-    start gives exit code 127 (126 when it is not executable), as a shell would, and no
-    samples.
+    None samples GPU memory when NVML answers, else RSS; False always RSS. ``stdout``: a file
+    descriptor for the command's standard output (``2``: this process's stderr), None its
+    own. A command that cannot start gives exit code 127 (126 when it is not executable), as
+    a shell would, and no samples. The command runs in a process group of its own; what is
+    left of it when the command ends (or this function raises) is ended with ``end_group``.
 
     Example:
         >>> r = run([sys.executable, "-c", "import time; time.sleep(0.3)"], interval=0.05,
@@ -239,7 +294,13 @@ def run(
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            command, preexec_fn=_child_setup if sys.platform == "linux" else None
+            command,
+            stdout=stdout,
+            # a group of its own, for the signals and the clean-up; a session of its own, so
+            # that the group is not stopped (SIGTTIN/SIGTTOU) for using the terminal from the
+            # background
+            start_new_session=True,
+            preexec_fn=_child_setup if sys.platform == "linux" else None,
         )
     except FileNotFoundError:
         result.exit_code = 127
@@ -273,8 +334,9 @@ def run(
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=interval)
     finally:
-        if proc.poll() is None:  # this process is ending (an exception): the child too
-            proc.kill()
+        # the command has ended, or this process is ending (an exception): the processes the
+        # command started go too (background jobs, a script's python)
+        end_group(proc.pid)
         proc.wait()
         if reader is not None:
             reader.close()

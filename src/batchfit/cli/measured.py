@@ -4,7 +4,9 @@ and `batchfit calibration` (how far measurements came from their estimates)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -91,15 +93,12 @@ def record_calibration(result: Any, plan: PlanFile) -> bool:
     )
 
 
-@app.command(
-    context_settings={"allow_interspersed_args": False},
-    no_args_is_help=True,
-)
+@app.command(context_settings={"allow_interspersed_args": False})
 def monitor(
     command: Annotated[
-        list[str],
+        list[str] | None,
         typer.Argument(help="The training command, after --: batchfit monitor -- python train.py"),
-    ],
+    ] = None,
     plan: Annotated[
         Path | None,
         typer.Option(
@@ -119,19 +118,24 @@ def monitor(
 ) -> None:
     """Run a training command and watch its memory (GPU per process through NVML, else RSS).
 
-    Exits with the command's exit code. Signals (Ctrl-C, SIGTERM) reach the command; it dies
-    with batchfit. With --plan, a warning the moment the run passes the plan's figure.
+    Exits with the command's exit code. Signals (Ctrl-C, SIGTERM) reach the command and every
+    process it started; they end with batchfit. With --plan, a warning the moment the run
+    passes the plan's figure. With --json, the command's stdout goes to stderr, so that stdout
+    holds the one JSON object.
     """
     from batchfit import _plots
     from batchfit import monitor as mon
 
     if not command:
-        raise UsageError("monitor needs a command: batchfit monitor [options] -- CMD ...")
-    if not interval > 0 or interval != interval or interval > 3600:
-        raise UsageError(f"--interval must be between 0 and 3600 seconds, got {interval}")
-    for path, option in ((log, "--log"), (plot, "--plot")):
-        if path is not None:
-            _check_output(path, option)
+        raise UsageError("give the command after --: batchfit monitor [options] -- CMD ...")
+    if not interval > 0:  # NaN too
+        raise UsageError(f"--interval must be greater than 0 seconds, got {interval}")
+    if interval > 3600:
+        raise UsageError(f"--interval must be at most 3600 seconds, got {interval}")
+    if log is not None:
+        log = _check_target(log, "--log")
+    if plot is not None:
+        plot = _check_target(plot, "--plot")
     if plot is not None:
         _plots.require()
     planned = limit = None
@@ -162,6 +166,7 @@ def monitor(
             on_sample=lambda s, _r: live.show(s),
             on_drift=drift,
             compare=_compared,
+            stdout=2 if as_json else None,  # stdout is the JSON object's alone
         )
     finally:
         live.clear()
@@ -183,6 +188,28 @@ def monitor(
             err=True,
         )
     raise typer.Exit(result.exit_code)
+
+
+def _check_target(path: Path, option: str) -> Path:
+    """Refuse an output that cannot be written, before the command runs: the folder must take
+    a new file (one is created and removed there) and an existing target must be a regular
+    file (not a device or a pipe). A symlink is written through: its target is returned."""
+    try:
+        target = path.resolve() if path.is_symlink() else path
+    except (OSError, RuntimeError):  # a symlink loop
+        raise UsageError(f"{option} {path}: a symlink that leads nowhere: name a file") from None
+    _check_output(target, option)
+    if target.exists() and not target.is_file():
+        raise UsageError(f"{option} {path} is not a regular file (a device or a pipe): name a file")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=target.parent)
+        os.close(fd)
+        os.unlink(probe)
+        if target.exists():  # opened without truncating: its content stays until the run
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+    except OSError as e:
+        raise UsageError(f"{option} {path}: cannot write there: {e.strerror}") from None
+    return target
 
 
 def _compared(sample: Any) -> int:
@@ -225,7 +252,7 @@ def calibration(as_json: JsonO = False) -> None:
     from batchfit import calibration as cal
     from batchfit.cli.render import out
 
-    records = cal.load()
+    records = cal.load(warn=lambda message: typer.echo(f"batchfit: warning: {message}", err=True))
     rows = cal.summary(records)
     headroom = cal.auto_headroom(records)
     if as_json:
