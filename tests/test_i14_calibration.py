@@ -140,3 +140,17 @@ def test_a_file_that_is_not_utf8_is_set_aside_with_one_line(data_dir: Path) -> N
     calibration.path().write_bytes(b"\xff\n")  # the library warns, as it always did
     with pytest.warns(UserWarning, match="set aside"):
         assert calibration.load() == []
+
+
+def test_plan_headroom_auto_on_a_corrupt_file_warns_in_one_line(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    calibration.path().write_text("{broken\n")
+    args = ["plan", "gpt2", "--gpu", "t4", "-s", "128", "--global-batch", "8"]
+    code, _, err = run_cli([*args, "--headroom", "auto", "--engine", "analytic"], capsys)
+    assert code == 0
+    lines = [line for line in err.splitlines() if "set aside" in line]
+    assert len(lines) == 1 and lines[0].startswith("batchfit: warning:")
+    assert "UserWarning" not in err and "Traceback" not in err
+    assert list(data_dir.glob("calibration.jsonl.corrupt-*"))

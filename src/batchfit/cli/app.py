@@ -528,7 +528,10 @@ def plan(
     if headroom.strip().lower() == "auto":
         from batchfit import calibration
 
-        auto = calibration.auto_headroom(calibration.load(), gpu_spec.name)
+        records = calibration.load(
+            warn=lambda message: typer.echo(f"batchfit: warning: {message}", err=True)
+        )
+        auto = calibration.auto_headroom(records, gpu_spec.name)
         headroom_bytes = int(auto.fraction * gpu_spec.memory_bytes)
         headroom_note = (
             f"--headroom auto: {auto.fraction:.1%} of {gib(gpu_spec.memory_bytes)} = "
