@@ -161,14 +161,17 @@ class Headroom:
 def auto_headroom(records: Iterable[Record], device: str | None = None) -> Headroom:
     """The 99th percentile of how far measurements came above their estimates (for
     ``device`` when it has enough records of its own), at least ``HEADROOM_FLOOR_FRACTION``;
-    the default when there are fewer than ``MIN_RECORDS``.
+    the default when there are fewer than ``MIN_RECORDS``. CPU records count only for
+    ``device="cpu"``, and GPU records only for a GPU.
 
     Example:
         >>> r = [Record("monitor", "m", "s", "t4", 100, 103) for _ in range(5)]
         >>> auto_headroom(r).fraction
         0.03
     """
-    every = list(records)
+    # a CPU record (RSS against an estimate plus the Python runtime) says nothing of a GPU's
+    # allocator: it counts only for the CPU
+    every = [r for r in records if (r.device == "cpu") == (device == "cpu")]
     mine = [r for r in every if device is not None and r.device == device]
     chosen = mine if len(mine) >= MIN_RECORDS else every
     if len(chosen) < MIN_RECORDS:

@@ -7,9 +7,10 @@ command ends, or this process does, what is left of the group gets SIGTERM, then
 ``GRACE_SECONDS``; the command also dies if this process is SIGKILLed. Every ``interval``
 seconds the memory of its whole process tree is sampled: per-process GPU memory through NVML when
 ``nvidia-ml-py`` is installed and a GPU is there (what nvidia-smi shows per process), else
-the resident set (RSS) from ``/proc``. Each sample can go to a JSONL log as it is taken; the
-result (``MonitorResult``) says the peak, per process too, and the command's exit code, which
-the CLI exits with.
+the resident set (RSS) from ``/proc``, with each process's high-water mark (VmHWM) and, for
+a tree of several processes, pages they share counted once (PSS). Each sample can go to a
+JSONL log as it is taken; the result (``MonitorResult``) says the peak, per process too, and
+the command's exit code, which the CLI exits with.
 
 Seed 003 asks for "nvidia-smi to verify memory usage matches predictions" and a
 ``watch -n 1 nvidia-smi`` loop; this is that loop, with the prediction beside it.
@@ -38,13 +39,22 @@ GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL for what is left of the comma
 
 @dataclass(frozen=True)
 class Sample:
-    """One look at the process tree: seconds since start, bytes per process (pid -> bytes)."""
+    """One look at the process tree: seconds since start, bytes per process (pid -> bytes).
+
+    ``shared_once``: the tree's total with pages that several processes share counted once
+    (the sum of their PSS, /proc/PID/smaps_rollup), where the tree has more than one process
+    on the CPU; a forked DataLoader worker shares the parent's libraries and tensors, and the
+    sum of RSS counts them in every process. None: the plain sum.
+    """
 
     seconds: float
     processes: dict[int, int]
+    shared_once: int | None = None
 
     @property
     def total_bytes(self) -> int:
+        if self.shared_once is not None:
+            return self.shared_once
         return sum(self.processes.values())
 
     def to_json(self) -> dict[str, Any]:
@@ -65,13 +75,17 @@ class MonitorResult:
     samples: list[Sample] = field(default_factory=list)
     commands: dict[int, str] = field(default_factory=dict)  # pid -> command line
     drifted_at: float | None = None  # seconds into the run when memory first passed the limit
+    # pid -> the kernel's resident high-water mark (VmHWM) last read: on the CPU a process's
+    # peak between two samples is not missed
+    high_water: dict[int, int] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
-        return max((s.total_bytes for s in self.samples), default=0)
+        sampled = max((s.total_bytes for s in self.samples), default=0)
+        return max(sampled, max(self.high_water.values(), default=0))
 
     def process_peaks(self) -> dict[int, int]:
-        peaks: dict[int, int] = {}
+        peaks: dict[int, int] = dict(self.high_water)
         for s in self.samples:
             for pid, b in s.processes.items():
                 peaks[pid] = max(peaks.get(pid, 0), b)
@@ -126,16 +140,29 @@ def process_tree(root: int) -> list[int]:
     return found
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` (0 once it is gone)."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of ``pid`` (0 once it is gone); ``field="VmHWM"``: its high-water mark."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * BYTES_IN_KIB
     except OSError:
         pass
     return 0
+
+
+def pss_bytes(pid: int) -> int | None:
+    """Proportional resident memory of ``pid`` (a page shared by N processes counts 1/N);
+    None where the kernel does not say (no smaps_rollup: Linux before 4.14, or gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * BYTES_IN_KIB
+    except OSError:
+        pass
+    return None
 
 
 def command_line(pid: int) -> str:
@@ -311,7 +338,7 @@ def run(
     try:
         with _forward_signals(proc):
             while True:
-                done = proc.poll() is not None
+                done = _reap(proc, result)
                 sample = _sample(proc.pid, reader, time.monotonic() - start, result)
                 if sample is not None:
                     result.samples.append(sample)
@@ -331,8 +358,7 @@ def run(
                             on_drift(sample)
                 if done:
                     break
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=interval)
+                _wait(proc, result, interval)
     finally:
         # the command has ended, or this process is ending (an exception): the processes the
         # command started go too (background jobs, a script's python)
@@ -345,6 +371,39 @@ def run(
     return result
 
 
+def _reap(proc: subprocess.Popen[bytes], result: MonitorResult) -> bool:
+    """Whether the command has ended; when it has, reaped here (``os.wait4``) so that its own
+    resident high-water mark (``ru_maxrss``, the kernel's) is kept: the growth after the last
+    sample is not missed."""
+    if proc.returncode is not None:
+        return True
+    if sys.platform != "linux":
+        return proc.poll() is not None
+    try:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped elsewhere
+        return proc.poll() is not None
+    if pid == 0:
+        return False
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if result.source == "rss":  # GPU bytes are not RSS
+        peak = usage.ru_maxrss * BYTES_IN_KIB  # KiB on Linux
+        result.high_water[proc.pid] = max(result.high_water.get(proc.pid, 0), peak)
+    return True
+
+
+def _wait(proc: subprocess.Popen[bytes], result: MonitorResult, seconds: float) -> None:
+    """Sleep ``seconds``, or less when the command ends first."""
+    end = time.monotonic() + seconds
+    pause = 0.0005
+    while not _reap(proc, result):
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+
+
 def _sample(
     root: int, reader: _Nvml | None, seconds: float, result: MonitorResult
 ) -> Sample | None:
@@ -354,12 +413,20 @@ def _sample(
         usage = {pid: used[pid] for pid in pids if pid in used}
     else:
         usage = {pid: b for pid in pids if (b := rss_bytes(pid)) > 0}
+        for pid in usage:
+            if (hwm := rss_bytes(pid, "VmHWM")) > 0:
+                result.high_water[pid] = hwm
     for pid in usage:
         if pid not in result.commands:
             result.commands[pid] = command_line(pid)
     if not usage and reader is None:
         return None  # the tree is gone
-    return Sample(seconds, usage)
+    shared_once = None
+    if reader is None and len(usage) > 1:
+        pss = [pss_bytes(pid) for pid in usage]
+        if all(p is not None for p in pss):
+            shared_once = sum(p for p in pss if p is not None)
+    return Sample(seconds, usage, shared_once)
 
 
 def write_log_path(path: Path) -> IO[str]:
@@ -396,3 +463,40 @@ def plot(result: MonitorResult, path: Path, limit_bytes: int | None, planned: in
     )
     ax.legend(loc="lower right")
     _plots.save(fig, path)
+
+
+# What a Python training process holds before it makes a tensor: the interpreter, torch and
+# transformers (their code, and the allocator's and the libraries' own pages)
+_RUNTIME_PROBE = (
+    "import torch\n"
+    "try:\n    import transformers, transformers.modeling_utils\n"
+    "except ImportError:\n    pass\n"
+    "torch.zeros(1).sum()\n"
+    "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])\n"
+)
+
+
+def python_of(command: list[str]) -> str:
+    """The interpreter ``command`` runs: its first word when that is a python, else this one."""
+    import shutil
+
+    first = Path(command[0]).name if command else ""
+    if first.startswith("python"):
+        return shutil.which(command[0]) or sys.executable
+    return sys.executable
+
+
+def runtime_bytes(python: str, timeout: float = 120.0) -> int | None:
+    """The resident high-water mark of ``python`` after importing torch and transformers and
+    running one op (what a CPU run holds besides its tensors); None where that fails."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _RUNTIME_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        return int(done.stdout.strip().splitlines()[-1]) * BYTES_IN_KIB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None

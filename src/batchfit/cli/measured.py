@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -73,21 +74,48 @@ def _byte_count(data: dict[str, Any], key: str, path: Path) -> int | None:
     return value
 
 
-def record_calibration(result: Any, plan: PlanFile) -> bool:
-    """A GPU run measured beside its plan becomes a calibration record (the largest process
-    against the plan's per-GPU figure); RSS is not comparable with a GPU figure: nothing."""
+def record_calibration(
+    result: Any, plan: PlanFile, command: list[str], note: Callable[[str], None]
+) -> bool:
+    """A run measured beside its plan becomes a calibration record: on a GPU, the largest
+    process against the plan's per-GPU figure; on the CPU (a CPU estimate, ``estimate
+    --device cpu --json``), the largest process's resident peak against the estimate plus
+    what the same Python holds before its first tensor (``monitor.runtime_bytes``: the
+    interpreter, torch, transformers), since RSS counts both. A GPU plan measured as RSS is
+    not comparable: no record, and ``note`` says why."""
     from batchfit import calibration
+    from batchfit import monitor as mon
 
-    if result.source != "nvml" or not result.samples or not plan.device:
+    if not result.samples:
         return False
-    measured = max((max(s.processes.values(), default=0) for s in result.samples), default=0)
+    if result.source == "nvml":
+        if not plan.device:
+            note("no calibration record: the plan is a CPU estimate, the run used a GPU")
+            return False
+        measured = max((max(s.processes.values(), default=0) for s in result.samples), default=0)
+        device, estimated = plan.device, plan.gpu_figure
+    else:
+        if plan.device:
+            note(
+                f"no calibration record: the plan is for a GPU ({plan.device}) and this run "
+                "was measured on the CPU (RSS); give it an `estimate --device cpu --json`"
+            )
+            return False
+        python = mon.python_of(command)
+        note(f"measuring what {Path(python).name} holds before its tensors, for the record")
+        runtime = mon.runtime_bytes(python)
+        if runtime is None:
+            note(f"no calibration record: {python} could not import torch to measure its runtime")
+            return False
+        measured = max(result.process_peaks().values(), default=0)
+        device, estimated = "cpu", plan.gpu_figure + runtime
     return calibration.append(
         calibration.Record(
             source="monitor",
             model=plan.model,
             setup=plan.setup_key,
-            device=plan.device,
-            estimated_bytes=plan.gpu_figure,
+            device=device,
+            estimated_bytes=int(estimated),
             measured_bytes=int(measured),
         )
     )
@@ -176,7 +204,9 @@ def monitor(
         typer.echo(f"batchfit monitor: {command[0]}: command not found", err=True)
     if plot is not None:
         mon.plot(result, plot, limit, planned)
-    if plan_file is not None and record_calibration(result, plan_file):
+    if plan_file is not None and record_calibration(
+        result, plan_file, command, lambda m: typer.echo(f"batchfit monitor: {m}", err=True)
+    ):
         typer.echo("batchfit monitor: recorded for `batchfit calibration`", err=True)
     if as_json:
         _emit_json(result.to_json())
@@ -244,8 +274,10 @@ class _LiveLine:
 def calibration(as_json: JsonO = False) -> None:
     """How far measured peaks came from their estimates, by GPU and torch version.
 
-    Records come from `monitor --plan` on a GPU (and the probe, the training callbacks with a
-    plan); `plan --headroom auto` uses their 99th percentile.
+    Records come from `monitor --plan` (on a GPU against a plan; on the CPU against an
+    `estimate --device cpu --json`, RSS with the Python runtime added), the probe and the
+    training callbacks with a plan; `plan --headroom auto` uses their 99th percentile for
+    the plan's GPU (CPU records never count for a GPU).
     """
     from rich.table import Table
 

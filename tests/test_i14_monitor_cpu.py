@@ -1,0 +1,143 @@
+"""`batchfit monitor` on the CPU: the kernel's high-water mark, shared pages counted once across
+a process tree, and a calibration record against a CPU estimate (issue #14, Done when)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchfit import calibration, monitor
+from tests._cli import run_cli
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="monitor reads /proc")
+MIB = 2**20
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt2.py"
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def test_a_peak_between_two_samples_is_not_missed() -> None:
+    # 300 MiB held for 50 ms, then freed, between samples 1 s apart: VmHWM keeps it
+    spike = (
+        "import time; time.sleep(0.2); b = b'x' * (300 * 2**20); time.sleep(0.05); del b; "
+        "time.sleep(0.3)"
+    )
+    result = monitor.run([sys.executable, "-c", spike], interval=1.0, gpu=False)
+    assert result.exit_code == 0
+    assert max(s.total_bytes for s in result.samples) < 200 * MIB  # the samples missed it
+    assert result.peak_bytes >= 300 * MIB
+    assert max(result.process_peaks().values()) >= 300 * MIB
+
+
+def test_pages_a_forked_worker_shares_count_once() -> None:
+    # a parent touches 200 MiB, then forks: each process's RSS holds the 200 MiB, PSS half
+    fork = (
+        "import os, time; b = b'x' * (200 * 2**20); pid = os.fork(); time.sleep(1.2)\n"
+        "if pid: os.waitpid(pid, 0)\n"
+    )
+    result = monitor.run([sys.executable, "-c", fork], interval=0.2, gpu=False)
+    assert result.exit_code == 0
+    both = [s for s in result.samples if len(s.processes) == 2]
+    assert both, "the sampler never saw the forked worker"
+    rss_sum = max(sum(s.processes.values()) for s in both)
+    counted = max(s.total_bytes for s in both)
+    assert rss_sum > 400 * MIB
+    assert 200 * MIB < counted < 280 * MIB  # the shared 200 MiB once, two small runtimes
+
+
+def _cpu_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    # the step examples/train_tiny_gpt2.py runs: its config, micro-batch 16 of 32 tokens
+    namespace: dict[str, object] = {}
+    source = EXAMPLE.read_text().split("SEQ_LEN = ")[0].split("CONFIG = ", 1)[1]
+    exec("CONFIG = " + source, namespace)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(namespace["CONFIG"]))
+    code, out, err = run_cli(
+        ["estimate", str(config), "--device", "cpu", "-b", "16", "-s", "32", "--json"], capsys
+    )
+    assert code == 0, err
+    plan = tmp_path / "estimate.json"
+    plan.write_text(out)
+    return plan
+
+
+@pytest.mark.slow
+def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = _cpu_estimate(tmp_path, capsys)
+    own = tmp_path / "maxrss"
+    # the run reports its own resident peak (getrusage: the kernel's, not the monitor's)
+    wrapper = (
+        "import resource, runpy, sys\n"
+        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '2']\n"
+        "try:\n"
+        f"    runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+        "finally:\n"
+        "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"    open({str(own)!r}, 'w').write(str(peak))\n"
+    )
+    code, out, err = run_cli(
+        [
+            "monitor",
+            "--json",
+            "--interval",
+            "0.5",
+            "--plan",
+            str(plan),
+            "--",
+            sys.executable,
+            "-c",
+            wrapper,
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    summary = json.loads(out)
+    independent = int(own.read_text()) * 1024  # KiB on Linux
+    assert summary["peak_bytes"] == pytest.approx(independent, rel=0.03)
+    (record,) = calibration.load()
+    assert record.device == "cpu" and record.source == "monitor"
+    estimate = json.loads(plan.read_text())["device_total_bytes"]
+    assert record.estimated_bytes > estimate + 100 * MIB  # the estimate plus torch's runtime
+    assert record.measured_bytes == pytest.approx(independent, rel=0.03)
+    assert "recorded for `batchfit calibration`" in err
+
+
+def test_a_gpu_plan_measured_as_rss_says_why_there_is_no_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "gpt2", "gpu": "t4", "peak_bytes": 2**30}))
+    code, _, err = run_cli(
+        [
+            "monitor",
+            "--interval",
+            "0.05",
+            "--plan",
+            str(plan),
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.2)",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert "no calibration record: the plan is for a GPU (t4)" in err
+    assert calibration.load() == []
+
+
+def test_cpu_records_never_set_a_gpu_headroom() -> None:
+    cpu = [calibration.Record("monitor", "m", "s", "cpu", 100, 150) for _ in range(6)]
+    gpu = [calibration.Record("monitor", "m", "s", "t4", 100, 104) for _ in range(6)]
+    assert calibration.auto_headroom(cpu + gpu, "a100-80gb").fraction == pytest.approx(0.04)
+    assert calibration.auto_headroom(cpu, "t4").records == 0
+    assert calibration.auto_headroom(cpu + gpu, "cpu").fraction == pytest.approx(0.5)
