@@ -311,4 +311,4 @@ def calibration(as_json: JsonO = False) -> None:
                 *(f"{r[k]:+.1%}" for k in ("median", "p90", "p99", "worst")),
             )
         out.print(table)
-    out.print(f"plan --headroom auto: {headroom.fraction:.1%} ({headroom.why})")
+    out.print(f"plan --headroom auto (GPU records): {headroom.fraction:.1%} ({headroom.why})")
