@@ -6,6 +6,7 @@ with a plan leaves at its end (issue #14, parts 3 and 4)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from batchfit._memwatch import PROC_STATUS, status_bytes
 from batchfit._units import BYTES_IN_GIB, human_count
+from batchfit.integrations._plan_file import PlanFigures, plan_figures
 from batchfit.plan import Plan
 
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -46,17 +48,21 @@ class StepWatch:
     model: an approximation, for runs without a GPU.
 
     Args:
-        plan: Its ``estimate.peak_bytes`` is the expected peak.
+        plan: A ``Plan``, or the path of the file ``batchfit plan ... --json`` wrote; its
+            ``peak_bytes`` is the expected peak.
         expected_peak_bytes: The expected peak, when there is no plan.
         tolerance: Allowed excess over the expected peak, as a fraction.
         check_model: Refuse a plan made for another model (see :func:`check_plan_model`).
+
+    Raises:
+        ValueError: ``plan`` is a path that is not a plan's JSON (one line naming it).
     """
 
     calibration_source = ""  # the callback's name in calibration records
 
     def __init__(
         self,
-        plan: Plan | None = None,
+        plan: Plan | str | os.PathLike[str] | None = None,
         *,
         expected_peak_bytes: int | None = None,
         tolerance: float = 0.10,
@@ -66,10 +72,11 @@ class StepWatch:
             raise ValueError("give a plan or expected_peak_bytes, not both")
         if not tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
-        self.expected_peak_bytes = (
-            plan.estimate.peak_bytes if plan is not None else expected_peak_bytes
-        )
         self.plan = plan
+        self.planned: PlanFigures | None = None if plan is None else plan_figures(plan)
+        self.expected_peak_bytes = (
+            self.planned.peak_bytes if self.planned is not None else expected_peak_bytes
+        )
         self.tolerance = tolerance
         self.check_model = check_model
         self.history: list[StepMemory] = []
@@ -79,20 +86,28 @@ class StepWatch:
         self._cpu_baseline = 0
         self._start = 0.0
         self._warned_at = 0
+        self._measured_gpu: str | None = None  # the CUDA device's catalog name (or its own)
         # the framework module's logger (batchfit.integrations.hf, .lightning)
         self._logger = logging.getLogger(type(self).__module__)
 
     def check_model_against_plan(self, model: object) -> None:
         """Refuse ``model`` when the plan was made for another (unless ``check_model`` is off)."""
-        if self.plan is not None and self.check_model and isinstance(model, torch.nn.Module):
-            check_plan_model(self.plan, model, type(self).__name__)
+        planned = self.planned
+        if planned is not None and self.check_model and isinstance(model, torch.nn.Module):
+            check_plan_model(planned, model, type(self).__name__, self._logger)
 
     def start_run(self, device: torch.device, model: object) -> None:
         """Before the first step: the device, and on the CPU what the process holds besides
         the model (the model's bytes count in every step's peak, as in an estimate's)."""
         self._device = device
         self._cuda = device.type == "cuda"
-        if not self._cuda:
+        if self._cuda:
+            from batchfit.plan._throughput import catalog_gpu
+
+            name = torch.cuda.get_device_name(device)
+            total = torch.cuda.get_device_properties(device).total_memory
+            self._measured_gpu = catalog_gpu(name, total) or name
+        else:
             model_bytes = 0
             if isinstance(model, torch.nn.Module):
                 tensors = [*model.parameters(), *model.buffers()]
@@ -160,22 +175,36 @@ class StepWatch:
 
     def record_calibration(self) -> bool:
         """A CUDA run with a plan: its largest step peak beside the plan's, one calibration
-        record (``batchfit calibration``; CPU runs measure RSS, not comparable: nothing)."""
-        plan = self.plan
-        if plan is None or not self._cuda or not self.history:
+        record (``batchfit calibration``; CPU runs measure RSS, not comparable: nothing).
+
+        A run on another GPU than the plan's leaves no record, and says so in one log line:
+        the plan's figures are for its GPU (attention kernels and workspaces follow the
+        device), so the gap would measure the GPUs' difference, not the estimate's error,
+        and ``plan --headroom auto`` would learn it for the wrong card.
+        """
+        planned = self.planned
+        if planned is None or not self._cuda or not self.history:
+            return False
+        measured_gpu = self._measured_gpu
+        if measured_gpu is not None and measured_gpu != planned.gpu:
+            self._logger.info(
+                "no calibration record: the plan is for %s but the run is on %s (a plan for "
+                "this GPU would calibrate it)",
+                planned.gpu,
+                measured_gpu,
+            )
             return False
         from batchfit import calibration
 
         largest = max(self.history, key=lambda r: r.peak_bytes)
         reserved = [r.reserved_bytes for r in self.history if r.reserved_bytes is not None]
-        est = plan.estimate
         recorded = calibration.append(
             calibration.Record(
                 source=self.calibration_source,
-                model=plan.model,
-                setup=calibration.setup_key(est),
-                device=plan.gpu,
-                estimated_bytes=est.peak_bytes,
+                model=planned.model,
+                setup=planned.setup_key,
+                device=planned.gpu,
+                estimated_bytes=planned.peak_bytes,
                 measured_bytes=largest.peak_bytes,
                 reserved_bytes=max(reserved) if reserved else None,
             )
@@ -207,16 +236,31 @@ def parameter_count(model: torch.nn.Module) -> int:
     return total
 
 
-def check_plan_model(plan: Plan, model: torch.nn.Module, who: str) -> None:
+def check_plan_model(
+    plan: Plan | PlanFigures,
+    model: torch.nn.Module,
+    who: str,
+    logger: logging.Logger | None = None,
+) -> None:
     """Refuse a plan made for another model: the parameter counts must agree to within
     ``MODEL_MISMATCH_FRACTION``. A model without parameters yet (built later, on a meta
-    device) is not checked.
+    device) is not checked, nor is a plan file whose model does not resolve here and that
+    gives no parameter count (``logger`` says so).
 
     Raises:
         ValueError: one line naming the plan's model and the trained one, with both counts.
     """
+    figures = plan_figures(plan) if isinstance(plan, Plan) else plan
     actual = parameter_count(model)
-    planned = plan.estimate.total_params
+    planned = figures.total_params
+    if planned is None:
+        (logger or logging.getLogger(__name__)).info(
+            "%s: the model is not checked against the plan: the plan file gives no parameter "
+            "count and its model %s does not resolve here",
+            who,
+            figures.model,
+        )
+        return
     if actual == 0 or planned <= 0:
         return
     if abs(actual - planned) <= MODEL_MISMATCH_FRACTION * planned:
@@ -225,7 +269,7 @@ def check_plan_model(plan: Plan, model: torch.nn.Module, who: str) -> None:
     name = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
     trained = type(model).__name__ + (f" ({name})" if isinstance(name, str) and name else "")
     raise ValueError(
-        f"{who}: the plan is for {plan.model} ({human_count(planned)} parameters) but the "
+        f"{who}: the plan is for {figures.model} ({human_count(planned)} parameters) but the "
         f"model being trained is {trained} with {human_count(actual)}: plan this model "
         "(`batchfit plan` with its config.json), or pass check_model=False if it is the same"
     )

@@ -5,6 +5,7 @@ scale of a batchfit ``Accumulator``."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -49,17 +50,20 @@ class PeakMemoryCallback(TrainerCallback, StepWatch):
     ``tolerance`` is logged as a warning (once, then again only at a new high). With a plan,
     the model is checked against the plan's when the Trainer is built (or, for a callback
     added later, when training begins), and a CUDA run appends its largest step peak beside
-    the plan's to the calibration file (``batchfit calibration``) when training ends.
+    the plan's to the calibration file (``batchfit calibration``) when training ends. A run
+    on another GPU than the plan's leaves no record (one log line says why).
 
     Args:
-        plan: Its ``estimate.peak_bytes`` is the expected peak.
+        plan: A ``Plan``, or the path (``str`` or ``os.PathLike``) of the file ``batchfit
+            plan ... --json`` wrote; its ``peak_bytes`` is the expected peak.
         expected_peak_bytes: The expected peak, when there is no plan.
         tolerance: Allowed excess over the expected peak, as a fraction.
         check_model: Refuse a plan whose model has another parameter count than the
             trained one (more than 5% apart).
 
     Raises:
-        ValueError: the plan was made for another model (one line naming both).
+        ValueError: the plan was made for another model (one line naming both), or ``plan``
+            is a path that is not a plan's JSON (one line naming it).
 
     Example:
         >>> callback = PeakMemoryCallback(expected_peak_bytes=8 * 2**30)
@@ -70,7 +74,7 @@ class PeakMemoryCallback(TrainerCallback, StepWatch):
 
     def __init__(
         self,
-        plan: Plan | None = None,
+        plan: Plan | str | os.PathLike[str] | None = None,
         *,
         expected_peak_bytes: int | None = None,
         tolerance: float = 0.10,

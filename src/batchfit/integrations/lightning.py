@@ -11,6 +11,7 @@ then logs its gradient noise scale.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -198,17 +199,20 @@ class PeakMemoryCallback(pl.Callback, StepWatch):
     ``tolerance`` is logged as a warning (once, then again only at a new high). With a plan,
     the module is checked against the plan's model at ``setup`` (before a strategy shards it),
     and a CUDA run appends its largest step peak beside the plan's to the calibration file
-    (``batchfit calibration``) when training ends, from global rank 0.
+    (``batchfit calibration``) when training ends, from global rank 0. A run on another GPU
+    than the plan's leaves no record (one log line says why).
 
     Args:
-        plan: Its ``estimate.peak_bytes`` is the expected peak.
+        plan: A ``Plan``, or the path (``str`` or ``os.PathLike``) of the file ``batchfit
+            plan ... --json`` wrote; its ``peak_bytes`` is the expected peak.
         expected_peak_bytes: The expected peak, when there is no plan.
         tolerance: Allowed excess over the expected peak, as a fraction.
         check_model: Refuse a plan whose model has another parameter count than the
             module's (more than 5% apart).
 
     Raises:
-        ValueError: the plan was made for another model (one line naming both).
+        ValueError: the plan was made for another model (one line naming both), or ``plan``
+            is a path that is not a plan's JSON (one line naming it).
 
     Example:
         >>> callback = PeakMemoryCallback(expected_peak_bytes=8 * 2**30)
@@ -219,7 +223,7 @@ class PeakMemoryCallback(pl.Callback, StepWatch):
 
     def __init__(
         self,
-        plan: Plan | None = None,
+        plan: Plan | str | os.PathLike[str] | None = None,
         *,
         expected_peak_bytes: int | None = None,
         tolerance: float = 0.10,
