@@ -31,7 +31,11 @@ CSS = """
 .bf th:first-child, .bf td:first-child { text-align: left; }
 .bf .key { font-weight: 600; } .bf .warn { color: #8a4b00; }
 .bf .muted { color: #666; font-size: 12px; }
+.bf .exact { color: #1a7f37; } .bf .changes { color: #9a6700; }
 """
+# the ladder's rungs that shard over the GPUs (plan/_ladder.py): an alternative without one on
+# several GPUs runs as DDP, and the terminal's table names it so (cli/render.py, _rung_name)
+SHARDING_RUNGS = frozenset({"zero1", "zero2", "zero3", "fsdp", "fsdp-cpu-offload"})
 
 
 def _gib(num_bytes: float | None) -> str:
@@ -99,11 +103,76 @@ def _breakdown(data: dict[str, Any]) -> str:
 def _time(data: dict[str, Any]) -> str:
     if data.get("step_seconds") is None:
         return ""
+    source = data.get("throughput_source")
+    why = f"--throughput-from: {escape(str(source))}" if source else "predicted"
+    mfu = 100 * (data.get("mfu") or 0)
     return (
         f"<p>time: ~{data['step_seconds']:.3g} s per optimizer step, "
-        f"{data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {100 * data['mfu']:.0f}% "
+        f"{data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {mfu:.0f}% "
+        f'<span class="muted">({why})</span></p>'
+    )
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it readable (as the terminal prints it)."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _usd(amount: float) -> str:
+    return f"${amount:,.{0 if amount >= 100 else 2}f}"
+
+
+def _run(data: dict[str, Any]) -> str:
+    """``--train-tokens`` / ``--epochs``: the run's optimizer steps, time and price."""
+    steps, seconds = data.get("train_steps"), data.get("train_seconds")
+    if steps is None or seconds is None:
+        return ""
+    gpus = data.get("num_gpus") or 1
+    price, cost = data.get("gpu_hour_price"), data.get("cost_usd")
+    if cost is not None and price is not None:
+        source = escape(str(data.get("price_source") or ""))
+        priced = f", {_usd(cost)} at ${price:g}/GPU-hour ({source})"
+    else:
+        priced = (
+            f" (no list price for {escape(str(data.get('gpu', '')))}: --gpu-hour-price USD adds "
+            "the cost)"
+        )
+    return (
+        f"<p>the run: {steps:,} optimizer step{'s' if steps != 1 else ''}, "
+        f"~{_duration(seconds)} on {gpus} GPU{'s' if gpus > 1 else ''}{priced} "
         '<span class="muted">(predicted)</span></p>'
     )
+
+
+def _kind(kind: str) -> str:
+    """A technique's kind, coloured: ``exact`` (the same training) or ``changes-training``."""
+    css = "exact" if kind == "exact" else "changes"
+    return f'<span class="{css}">{escape(kind)}</span>'
+
+
+def _footer(data: dict[str, Any], made_by: str) -> str:
+    """What made the figures (the engine, or the device measured) and the versions."""
+    from batchfit._version import versions
+
+    known = data.get("versions") or versions()
+    named = ", ".join(f"{k} {escape(str(v))}" for k, v in known.items() if k != "batchfit" and v)
+    version = escape(str(known.get("batchfit", "")))
+    return f'<p class="muted">made by batchfit {version}: {made_by}; {named}</p>'
+
+
+def _engine(data: dict[str, Any]) -> str:
+    engine = data.get("engine")
+    if engine == "trace":
+        return "figures from the trace engine (dry runs of the step on fake tensors)"
+    if engine == "analytic":
+        return "figures from the analytic engine (formulas)"
+    return f"figures from the {escape(str(engine))} engine" if engine else "figures"
 
 
 def _warnings(data: dict[str, Any]) -> str:
@@ -124,65 +193,186 @@ def estimate_html(data: dict[str, Any], gpu_bytes: int | None = None) -> str:
         + _breakdown(data)
         + _time(data)
         + _warnings(data)
+        + _footer(data, _engine(data))
         + "</div>"
     )
 
 
 def _alternatives(data: dict[str, Any]) -> str:
+    """The table of alternatives, with the terminal's columns (cli/render.py): techniques, kind,
+    largest micro-batch and the GiB at that size; with time, the micro-batch x accumulation the
+    time is for, s / step and tokens/s/GPU; with a run length, its time and price."""
     alts = data.get("alternatives") or []
     if not alts:
         return ""
-    head = (
-        "<tr><th>alternative</th><th>micro-batch</th><th>accumulation</th><th>peak GiB</th>"
-        "<th>device GiB</th><th>s / step</th><th>tokens/s/GPU</th></tr>"
-    )
+    timed = any(a.get("step_seconds") for a in alts)
+    steps, price = data.get("train_steps"), data.get("gpu_hour_price")
+    gpus = data.get("num_gpus") or 1
+    per_gpu = (data.get("global_batch_size") or 0) // gpus
+    head = ["techniques", "kind", "largest micro-batch", "GiB at that size"]
+    if timed:
+        head += ["timed at micro x accum", "s / step", "tokens/s/GPU"]
+        head += ["run", "cost"] if steps and price is not None else ["run"] if steps else []
+    traced = data.get("engine") == "trace" or any(a.get("engine") == "trace" for a in alts)
     rows = []
     for a in alts:
-        name = a.get("name") or ", ".join(a.get("techniques", [])) or "-"
-        step = a.get("step_seconds")
-        tps = a.get("tokens_per_s_per_gpu")
+        kinds = a.get("kinds") or []
+        cells = [
+            escape(_rung_name(a, data))
+            + (" (analytic)" if traced and a.get("engine") == "analytic" else ""),
+            _kind("changes-training" if "changes-training" in kinds else "exact"),
+            str(a["max_micro_batch"]) if a.get("max_micro_batch") else "none",
+            _gib(a.get("device_total_bytes")),
+        ]
+        if timed:
+            micro, step = a.get("micro_batch_size") or 0, a.get("step_seconds")
+            cells += [
+                f"{micro} x {per_gpu // micro}" if micro and per_gpu else "-",
+                "-" if not step else f"{step:.3g}",
+                "-" if not a.get("tokens_per_s_per_gpu") else f"{a['tokens_per_s_per_gpu']:,.0f}",
+            ]
+            if steps:
+                cells.append("-" if not step else _duration(step * steps))
+                if price is not None:
+                    cells.append("-" if not step else _usd(step * steps / 3600 * gpus * price))
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    notes = []
+    if traced and any(a.get("engine") == "analytic" for a in alts):
+        notes.append("(analytic): the trace cannot run this setup yet; the formulas answered")
+    if any(a.get("throughput_source") for a in alts):
+        notes.append("s / step: corrected by --throughput-from")
+    return (
+        "<h2>Alternatives <span class='muted'>(exact rungs first)</span></h2><table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+        + "".join(f'<p class="muted">{n}</p>' for n in notes)
+    )
+
+
+def _rung_name(alt: dict[str, Any], plan: dict[str, Any]) -> str:
+    """An alternative's techniques joined with ``+``; on several GPUs without a sharding rung
+    and an unsharded plan setup, named DDP (the terminal's ``_rung_name``)."""
+    names = [str(t) for t in alt.get("techniques", [])]
+    name = " + ".join(names)
+    if (plan.get("num_gpus") or 1) > 1 and not SHARDING_RUNGS.intersection(names):
+        chosen = {t.get("name") for t in plan.get("techniques", []) if isinstance(t, dict)}
+        sharding = (plan.get("setup") or {}).get("sharding", "none")
+        # the plan's setup holds its own techniques: a sharding rung there was not asked for
+        if sharding in ("none", "ddp") or SHARDING_RUNGS.intersection(chosen):
+            return f"ddp + {name}" if name else "ddp"
+    return name or "-"
+
+
+def _micro_accum(count: dict[str, Any]) -> str:
+    if not count.get("micro_batch_size"):
+        return "-"
+    if not count.get("fits"):
+        return "none fits"
+    return f"{count['micro_batch_size']} x {count.get('grad_accum_steps')}"
+
+
+def _gpu_counts(data: dict[str, Any]) -> str:
+    """``--num-gpus auto``: each count's plan in one row, the chosen one marked."""
+    counts = data.get("gpu_counts") or []
+    if not counts:
+        return ""
+    rows = []
+    for c in counts:
+        step, tps, eff = c.get("step_seconds"), c.get("tokens_per_s_per_gpu"), c.get("efficiency")
+        what = c.get("note") if not c.get("micro_batch_size") else None
         rows.append(
-            f"<tr><td>{escape(str(name))}</td><td>{a.get('micro_batch_size', '-')}</td>"
-            f"<td>{a.get('grad_accum_steps', '-')}</td><td>{_gib(a.get('peak_bytes'))}</td>"
-            f"<td>{_gib(a.get('device_total_bytes'))}</td>"
-            f"<td>{'-' if step is None else f'{step:.3g}'}</td>"
-            f"<td>{'-' if tps is None else f'{tps:,.0f}'}</td></tr>"
+            f"<tr><td>{c.get('num_gpus')}{' *' if c.get('chosen') else ''}</td>"
+            f"<td>{_micro_accum(c)}</td>"
+            f"<td>{'-' if not step else f'{step:.3g}'}</td>"
+            f"<td>{'-' if not tps else f'{tps:,.0f}'}</td>"
+            f"<td>{'-' if eff is None else f'{eff:.0%}'}</td>"
+            f"<td>{'-' if not c.get('train_seconds') else _duration(c['train_seconds'])}</td>"
+            f"<td>{'-' if not c.get('cost_usd') else _usd(c['cost_usd'])}</td>"
+            f"<td>{escape(str(what or ' + '.join(c.get('techniques', [])) or 'nothing extra'))}"
+            "</td></tr>"
         )
-    return f"<h2>Alternatives</h2><table>{head}{''.join(rows)}</table>"
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "GPUs",
+            "micro x accum",
+            "s / step",
+            "tokens/s/GPU",
+            "eff.",
+            "run",
+            "cost",
+            "to fit",
+        )
+    )
+    rule = escape(str(data.get("gpu_count_rule") or ""))
+    return (
+        f"<h2>GPU counts <span class='muted'>(--num-gpus auto)</span></h2><table><tr>{head}</tr>"
+        + "".join(rows)
+        + f'</table><p class="muted">* {rule}; eff. = tokens/s per GPU over the best count\'s</p>'
+    )
 
 
 def plan_html(data: dict[str, Any], picture: str = "") -> str:
     """A plan (``Plan.to_json()``) as an HTML fragment; ``picture`` (HTML) before the
     alternatives."""
     techniques = ", ".join(
-        f"{escape(str(t.get('name', t)))} ({escape(str(t.get('kind', '')))})"
+        f"{escape(str(t.get('name', t)))} ({_kind(str(t.get('kind', '')))})"
         if isinstance(t, dict)
         else escape(str(t))
         for t in data.get("techniques", [])
     )
+    if not techniques:
+        techniques = (
+            "none: no technique on the ladder is enough"
+            if not data.get("max_micro_batch")
+            else "nothing extra needed"
+        )
     lr = data.get("learning_rate")
+    rule = f" ({escape(str(data['lr_rule']))})" if data.get("lr_rule") else ""
+    tokens = data.get("tokens_per_step")
+    gpus = data.get("num_gpus") or 1
+    ddp = gpus > 1 and (data.get("setup") or {}).get("sharding") in ("none", "ddp")
     summary = (
         f"<p><span class='key'>micro-batch {data.get('micro_batch_size')} x accumulation "
-        f"{data.get('grad_accum_steps')} x GPUs {data.get('num_gpus')} = global batch "
-        f"{data.get('global_batch_size')}</span> ({data.get('tokens_per_step', 0):,} tokens per "
-        f"step); largest micro-batch that fits: {data.get('max_micro_batch')}</p>"
-        + (f"<p>learning rate: {lr:.3g}</p>" if isinstance(lr, (int, float)) else "")
-        + (f"<p>to fit: {techniques}</p>" if techniques else "")
-        + f"<p>memory: {_gib(data.get('device_total_bytes'))} GiB of "
-        f"{_gib(data.get('gpu_bytes'))} GiB (headroom {_gib(data.get('headroom_bytes'))} GiB)</p>"
+        f"{data.get('grad_accum_steps')} x GPUs {gpus} = global batch "
+        f"{data.get('global_batch_size')}</span>"
+        + (f" ({tokens:,} tokens per step)" if tokens else "")
+        + f"; largest micro-batch that fits: {data.get('max_micro_batch')}</p>"
+        + (f"<p>learning rate: {lr:.3g}{rule}</p>" if isinstance(lr, (int, float)) else "")
+        + f"<p>to fit: {techniques}</p>"
+        + (
+            "<p>sharding: none (DDP: every GPU holds the whole model and optimizer)</p>"
+            if ddp
+            else ""
+        )
+        + f"<p>memory per GPU: {_gib(data.get('device_total_bytes'))} GiB of "
+        f"{_gib(data.get('gpu_bytes'))} GiB (headroom {_gib(data.get('headroom_bytes'))} GiB; "
+        f"asked for {_gib(data.get('headroom_wanted_bytes'))} GiB)</p>"
+    )
+    # your own module has no sequence length: its batch_fn makes the samples
+    size = (
+        f", image {data['image_size']} px"
+        if data.get("image_size")
+        else f", seq {data['seq_len']}"
+        if data.get("seq_len")
+        else ""
     )
     title = (
-        f"{escape(str(data.get('model', '')))} on {data.get('num_gpus')} x "
-        f"{escape(str(data.get('gpu', '')))}, seq {data.get('seq_len')}"
+        f"{escape(str(data.get('model', '')))} on {gpus} x {escape(str(data.get('gpu', '')))}{size}"
     )
     return (
         f'<div class="bf"><style>{CSS}</style><h1>{title}</h1>{summary}'
         + _bar(data.get("components", {}), data.get("device_total_bytes"), data.get("gpu_bytes"))
         + _breakdown(data)
         + _time(data)
+        + _run(data)
         + picture
         + _alternatives(data)
+        + _gpu_counts(data)
         + _warnings(data)
+        + _footer(data, _engine(data))
         + "</div>"
     )
 
@@ -201,6 +391,7 @@ def probe_html(data: dict[str, Any]) -> str:
         f"{data.get('micro_batch_size')}, largest that fitted "
         f"{data.get('max_fitting_micro_batch')}</h2><table>{head}{rows}</table>"
         + (f'<ul class="muted">{notes}</ul>' if notes else "")
+        + _footer(data, "figures measured in real steps on the device")
         + "</div>"
     )
 
@@ -220,10 +411,9 @@ def report_page(plan: dict[str, Any], timeline_png: bytes | None = None) -> str:
             f'<img alt="memory over the traced step" style="max-width:100%" '
             f'src="data:image/png;base64,{encoded}">'
         )
-    versions = ", ".join(f"{k} {escape(str(v))}" for k, v in plan.get("versions", {}).items())
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>batchfit plan: {escape(str(plan.get('model', '')))}</title></head><body>"
         + plan_html(plan, picture)
-        + f'<p class="muted bf">made by batchfit ({versions})</p></body></html>'
+        + "</body></html>"
     )
