@@ -29,6 +29,7 @@ CSS = """
 .bf table { border-collapse: collapse; margin: 6px 0; }
 .bf th, .bf td { border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: right; }
 .bf th:first-child, .bf td:first-child { text-align: left; }
+.bf td + td { white-space: nowrap; }
 .bf .key { font-weight: 600; } .bf .warn { color: #8a4b00; }
 .bf .muted { color: #666; font-size: 12px; }
 .bf .exact { color: #1a7f37; } .bf .changes { color: #9a6700; }

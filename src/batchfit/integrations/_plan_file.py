@@ -42,7 +42,7 @@ def plan_figures(plan: Plan | str | os.PathLike[str]) -> PlanFigures:
         ValueError: the path cannot be read or is not a plan's JSON (one line naming it).
 
     Example:
-        >>> import json, tempfile
+        >>> import json, os, tempfile
         >>> from batchfit.hardware import get_gpu
         >>> from batchfit.models import resolve_model
         >>> from batchfit.plan import make_plan
@@ -53,6 +53,7 @@ def plan_figures(plan: Plan | str | os.PathLike[str]) -> PlanFigures:
         ...     json.dump(plan.to_json(), f)
         >>> plan_figures(f.name) == plan_figures(plan)
         True
+        >>> os.remove(f.name)
     """
     if isinstance(plan, Plan):
         from batchfit import calibration
