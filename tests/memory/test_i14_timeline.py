@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,21 +102,99 @@ def test_snapshot_replays_to_the_same_peak_and_pytorch_reads_it(
         if entry["action"] == "alloc":
             sizes[entry["addr"]] = entry["size"]
             live += entry["size"]
-        else:
+        elif entry["action"] == "free_completed":
             live -= sizes.pop(entry["addr"])
         peak = max(peak, live)
     assert peak == cuda_timeline.peak_bytes
     # PyTorch's own reader (it runs without a GPU)
-    for args in (["stats", str(path)], ["trace_plot", str(path), "-o", str(tmp_path / "t.html")]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.cuda._memory_viz", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+    for args in (
+        ["stats", str(path)],
+        ["trace_plot", str(path), "-o", str(tmp_path / "t.html")],
+        ["segment_plot", str(path), "-o", str(tmp_path / "s.html")],
+    ):
+        proc = _memory_viz(*args)
         assert proc.returncode == 0, proc.stderr[-1000:]
     assert (tmp_path / "t.html").stat().st_size > 1000
+    assert (tmp_path / "s.html").stat().st_size > 1000
+
+
+def _memory_viz(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.cuda._memory_viz", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_snapshot_holds_what_the_step_leaves_allocated(
+    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+) -> None:
+    """As a real ``_snapshot()`` after a step: weights and optimizer state stay allocated;
+    zero_grad(set_to_none=True) freed the gradients; the activations are gone."""
+    from torch.cuda._memory_viz import Bytes
+
+    tl = cuda_timeline
+    end = {c: tl.series[c][-1] for c in CATEGORIES}
+    assert end["weights"] > 0 and end["optimizer_state"] > 0
+    assert end["gradients"] == 0 and end["activations"] == 0
+    path = tmp_path / "s.pickle"
+    timeline.write_snapshot(tl, path, "cuda")
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+    assert all(b["state"] == "active_allocated" for b in blocks)
+    assert sum(b["requested_size"] for b in blocks) == sum(end.values())
+    held = {c: sum(b["requested_size"] for b in blocks if b["frames"][0]["name"] == c) for c in end}
+    assert held == end
+    # the trace replays from nothing to that state
+    live: dict[int, int] = {}
+    for entry in snap["device_traces"][0]:
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry["size"]
+        elif entry["action"] == "free_completed":
+            del live[entry["addr"]]
+    assert sorted(live) == sorted(b["address"] for b in blocks)
+    proc = _memory_viz("stats", str(path))
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert f"total_allocated: {Bytes(sum(end.values()))}\n" in proc.stdout
+    assert "total_allocated: 0.0B" not in proc.stdout
+
+
+def test_snapshot_frames_name_the_module_and_phase(
+    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+) -> None:
+    """What trace_plot's hover shows for an allocation: its module, category and phase."""
+    path = tmp_path / "s.pickle"
+    timeline.write_snapshot(cuda_timeline, path, "cuda")
+    html = tmp_path / "t.html"
+    assert _memory_viz("trace_plot", str(path), "-o", str(html)).returncode == 0
+    # the page carries the snapshot as base64 (its script draws it): read it back from there
+    payload = re.search(r'"base64": "([^"]+)"', html.read_text())
+    assert payload is not None
+    snap = pickle.loads(base64.b64decode(payload.group(1)))
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    assert all(e["frames"] for e in allocs)
+    files = {f["filename"] for e in allocs for f in e["frames"]}
+    assert {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn", "lm_head"} <= files
+    phases = {f.partition(" ")[0] for f in files}
+    assert {"setup", "forward", "backward", "optimizer-step"} <= phases
+    # accumulation: micro-steps are named; the activations of the module say so
+    mlp = [e for e in allocs if e["frames"][0]["filename"] == "transformer.h.0.mlp.c_fc"]
+    assert {e["frames"][0]["name"] for e in mlp} == {"activations"}
+    assert {e["frames"][1]["filename"] for e in mlp} >= {
+        "forward (step 2, micro-step 1)",
+        "forward (step 2, micro-step 2)",
+    }
+
+
+def test_peak_label_gives_each_modules_size(cuda_timeline: timeline.StepTimeline) -> None:
+    text = timeline.peak_modules_text(cuda_timeline.top_modules)
+    lines = text.splitlines()[1:]
+    assert len(lines) == len(cuda_timeline.top_modules) > 0
+    for line, (name, nbytes) in zip(lines, cuda_timeline.top_modules, strict=True):
+        assert line == f"  {name}  {nbytes / (1 << 20):.1f} MiB"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

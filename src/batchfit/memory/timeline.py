@@ -9,9 +9,15 @@ its moment and the modules holding the most activation memory there. On CUDA est
 caching allocator's simulated reserve is drawn as a line.
 
 The snapshot (``torch.cuda.memory._snapshot()``'s layout: ``segments`` and ``device_traces``
-with ``alloc`` / ``free_completed`` actions) opens in PyTorch's memory visualiser
-(https://pytorch.org/memory_viz) and in ``python -m torch.cuda._memory_viz``. Addresses are
-made up (each allocation its own), sizes and order are the dry run's.
+with ``segment_alloc`` / ``alloc`` / ``free_completed`` / ``segment_free`` actions) opens in
+PyTorch's memory visualiser (https://pytorch.org/memory_viz) and in
+``python -m torch.cuda._memory_viz`` (``stats``, ``trace_plot``, ``segment_plot``). It is taken
+where a real ``_snapshot()`` after a step would be: what the step leaves allocated (weights,
+optimizer state, gradients unless zero-grad set them to None) is still in its segments; the
+dry run's teardown afterwards is not in it. Each allocation's ``frames`` say what the trace
+knows of it: its category, the module whose forward made it, and the phase (which step and
+micro-step). Addresses are made up (each allocation a segment of its own, so nothing is
+cached), sizes and order are the dry run's.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +65,8 @@ class StepTimeline:
     top_modules: list[tuple[str, int]]
     reserved: list[int] | None
     events: list[tuple[int, int, str]]  # (key, +bytes / -bytes, category), for the snapshot
+    # key -> (phase, module): where each allocation was made, for the snapshot's frames
+    origins: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -93,22 +101,47 @@ def step_timeline(
 
 
 def from_trace(result: Any, *, cuda: bool, setup: TrainingSetup) -> StepTimeline:
-    """The timeline of a fresh dry run's result (``TraceResult.timeline``)."""
+    """The timeline of a fresh dry run's result (``TraceResult.timeline``).
+
+    It ends where the step does: ``result.events`` was copied when the traced steps returned,
+    while the model and optimizer still lived; the frees after it (``timeline.events`` goes
+    on when the dry run's tensors are collected) are teardown, which a real step never does.
+    """
     timeline = result.timeline
     if timeline is None:
         raise ValueError("the result holds no allocation history (cached or extrapolated)")
+    step_events = timeline.events[: len(result.events) or len(timeline.events)]
     held = dict.fromkeys(CATEGORIES, 0)
     series: dict[str, list[int]] = {c: [] for c in CATEGORIES}
     events = []
-    for key, delta in timeline.events:
+    origins: dict[int, tuple[str, str]] = {}
+    forwards = [p for _, p in timeline.phase_marks if p in ("forward", "zero-grad")]
+    # micro-steps are named only when a step has several (gradient accumulation)
+    accumulating = "forward,forward" in ",".join(forwards)
+    marks = iter([*timeline.phase_marks, (len(step_events) + 1, "")])
+    next_mark = next(marks)
+    phase, steps_done, micro = "setup", 0, 0
+    for i, (key, delta) in enumerate(step_events):
+        while next_mark[0] <= i:
+            phase = next_mark[1]
+            if phase == "forward":
+                micro += 1
+            elif phase == "zero-grad":
+                steps_done, micro = steps_done + 1, 0
+            next_mark = next(marks)
         category = timeline.category(key)
         held[category] += delta
         for c in CATEGORIES:
             series[c].append(held[c])
         events.append((key, delta, category))
+        if delta > 0 and key not in origins:
+            origins[key] = (
+                _phase_words(phase, steps_done + 1, micro if accumulating else 0),
+                timeline.module_of.get(key, ""),
+            )
     totals = [sum(series[c][i] for c in CATEGORIES) for i in range(len(events))]
     peak_index = max(range(len(totals)), key=totals.__getitem__) if totals else 0
-    reserved = _reserved_series(timeline.events, setup) if cuda else None
+    reserved = _reserved_series(step_events, setup) if cuda else None
     return StepTimeline(
         series=series,
         phases=list(timeline.phase_marks),
@@ -117,7 +150,17 @@ def from_trace(result: Any, *, cuda: bool, setup: TrainingSetup) -> StepTimeline
         top_modules=[(str(m[0]), int(m[1])) for m in result.top_modules[:3]],
         reserved=reserved,
         events=events,
+        origins=origins,
     )
+
+
+def _phase_words(phase: str, step: int, micro: int) -> str:
+    """E.g. "forward (step 2, micro-step 1)"; "setup" for what exists before the first step."""
+    if phase in ("", "setup"):
+        return "setup (before the step)"
+    if phase in ("forward", "backward") and micro:
+        return f"{phase} (step {step}, micro-step {micro})"
+    return f"{phase} (step {step})"
 
 
 def _reserved_series(events: list[tuple[int, int]], setup: TrainingSetup) -> list[int]:
@@ -173,9 +216,8 @@ def plot(tl: StepTimeline, path: Path, title: str, gpu_bytes: int | None = None)
         peak = _plots.gib(tl.peak_bytes)
         # the marker sits just above the peak, pointing at it
         ax.plot([tl.peak_index], [peak * 1.04], "v", color="black", markersize=8)
-        modules = ", ".join(m for m, _ in tl.top_modules) or "-"
         ax.annotate(
-            f"peak {peak:.2f} GiB: {tl.peak_label}\nmost activation memory: {modules}",
+            f"peak {peak:.2f} GiB: {tl.peak_label}\n{peak_modules_text(tl.top_modules)}",
             (tl.peak_index, peak * 1.06),
             xytext=(0.02, 0.97),
             textcoords="axes fraction",
@@ -196,6 +238,29 @@ def plot(tl: StepTimeline, path: Path, title: str, gpu_bytes: int | None = None)
 _PLOT_POINTS = 500  # about 2 pixels a bin at the picture's width
 
 
+def peak_modules_text(top_modules: list[tuple[str, int]]) -> str:
+    """The peak label's second part: the modules holding the most activation memory, each
+    with its bytes, one a line so that long module paths stay readable.
+
+    Example:
+        >>> print(peak_modules_text([("transformer.h.11.mlp", 3 << 29), ("lm_head", 5 << 20)]))
+        most activation memory:
+          transformer.h.11.mlp  1.50 GiB
+          lm_head  5.0 MiB
+    """
+    if not top_modules:
+        return "most activation memory: -"
+    lines = [f"  {name}  {_size_text(nbytes)}" for name, nbytes in top_modules]
+    return "\n".join(["most activation memory:", *lines])
+
+
+def _size_text(nbytes: int) -> str:
+    """GiB from 1 GiB up (two decimals), MiB below (one decimal)."""
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def _binned(tl: StepTimeline, points: int) -> list[int]:
     """Event indices to draw: in each of ``points`` bins the one holding the most, so that a
     one-event spike (the logits) stays visible at any width; the peak always among them."""
@@ -213,22 +278,19 @@ def _binned(tl: StepTimeline, points: int) -> list[int]:
 
 
 def snapshot(tl: StepTimeline, device: str) -> dict[str, Any]:
-    """The allocation stream in the layout of ``torch.cuda.memory._snapshot()``."""
-    addresses: dict[int, tuple[int, int]] = {}
+    """The allocation stream in the layout of ``torch.cuda.memory._snapshot()``, taken at the
+    end of the step: ``segments`` hold what is still allocated then, ``device_traces`` the
+    step's events. Each allocation is a segment of its own (``segment_alloc`` before its
+    ``alloc``, ``segment_free`` after its ``free_completed``), so PyTorch's segment view can
+    replay the trace backwards from the final state; trace sizes are the bytes asked for (the
+    trace's peak is ``peak_bytes``), blocks and segments the 512 B-rounded ones."""
+    from batchfit.memory.allocator import round_size
+
+    live: dict[int, tuple[int, int, list[dict[str, Any]]]] = {}  # key -> (addr, size, frames)
     trace: list[dict[str, Any]] = []
     next_addr = 1 << 32
-    for key, delta, category in tl.events:
-        if delta == 0:  # empty storages: nothing to draw
-            continue
-        frames = [{"filename": f"batchfit dry run ({category})", "line": 0, "name": category}]
-        if delta > 0:
-            size = delta
-            addresses[key] = (next_addr, size)
-            action, addr = "alloc", next_addr
-            next_addr += (size + 511) // 512 * 512
-        else:
-            addr, size = addresses.pop(key, (0, -delta))
-            action = "free_completed"
+
+    def event(action: str, addr: int, size: int, frames: list[dict[str, Any]]) -> None:
         trace.append(
             {
                 "action": action,
@@ -239,39 +301,61 @@ def snapshot(tl: StepTimeline, device: str) -> dict[str, Any]:
                 "time_us": len(trace),
             }
         )
-    blocks = [
-        {
+
+    for key, delta, category in tl.events:
+        if delta > 0:
+            frames = _frames(tl, key, category)
+            live[key] = (next_addr, delta, frames)
+            event("segment_alloc", next_addr, round_size(delta), frames)
+            event("alloc", next_addr, delta, frames)
+            next_addr += round_size(delta)
+        elif delta < 0 and key in live:
+            addr, size, frames = live.pop(key)
+            event("free_completed", addr, size, frames)
+            event("segment_free", addr, round_size(size), frames)
+        # delta == 0: an empty storage, nothing to draw
+    segments = []
+    for addr, size, frames in live.values():
+        block_size = round_size(size)
+        block = {
             "address": addr,
-            "size": size,
+            "size": block_size,
             "requested_size": size,
             "state": "active_allocated",
-            "frames": [],
+            "frames": frames,
         }
-        for addr, size in addresses.values()
-    ]
-    segments = [
-        {
-            "device": 0,
-            "address": b["address"],
-            "total_size": b["size"],
-            "allocated_size": b["size"],
-            "active_size": b["size"],
-            "requested_size": b["size"],
-            "stream": 0,
-            "segment_type": "large",
-            "segment_pool_id": (0, 0),
-            "is_expandable": False,
-            "frames": [],
-            "blocks": [b],
-        }
-        for b in blocks
-    ]
+        segments.append(
+            {
+                "device": 0,
+                "address": addr,
+                "total_size": block_size,
+                "allocated_size": block_size,
+                "active_size": block_size,
+                "requested_size": size,
+                "stream": 0,
+                "segment_type": "small" if block_size <= 1 << 20 else "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": frames,
+                "blocks": [block],
+            }
+        )
     return {
         "segments": segments,
         "device_traces": [trace],
         "allocator_settings": {},
         "device": device,
     }
+
+
+def _frames(tl: StepTimeline, key: int, category: str) -> list[dict[str, Any]]:
+    """What the visualiser shows as an allocation's stack, innermost first: the module whose
+    forward made it (when the trace knows it) with its category, then the phase."""
+    phase, module = tl.origins.get(key, ("", ""))
+    return [
+        {"filename": module or "(outside any module's forward)", "line": 0, "name": category},
+        {"filename": phase or "batchfit dry run", "line": 0, "name": "batchfit dry run"},
+    ]
 
 
 def write_snapshot(tl: StepTimeline, path: Path, device: str) -> None:
