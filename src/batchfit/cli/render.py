@@ -223,7 +223,10 @@ def technique_flags(p: Plan) -> str:
         return ""
     s, base = p.setup, TrainingSetup()
     flags = [f"--framework {s.framework}"] if s.framework else []
-    flags += ["--grad-ckpt"] if s.grad_ckpt else []
+    if s.grad_ckpt_every is not None:
+        flags.append(f"--grad-ckpt-every {s.grad_ckpt_every}")
+    elif s.grad_ckpt:
+        flags.append("--grad-ckpt")
     if s.loss != base.loss:
         flags.append(f"--loss {s.loss_label}")
     for name, value, default in (

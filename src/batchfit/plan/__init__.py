@@ -24,7 +24,16 @@ from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
 from batchfit.plan._fit_table import FitRow, fit_table
 from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, choose
-from batchfit.plan._ladder import Combo, Technique, apply, ladder
+from batchfit.plan._ladder import (
+    GRAD_CKPT,
+    PARTIAL_CKPT_EVERY,
+    PARTIAL_CKPT_FRAMEWORKS,
+    Combo,
+    Technique,
+    apply,
+    ladder,
+    partial_ckpt,
+)
 from batchfit.plan._lr_scaling import (
     DEFAULT_BETAS,
     DEFAULT_EPS,
@@ -128,6 +137,7 @@ class _Fit:
     techniques: Combo
     max_micro_batch: int
     alternatives: tuple[Alternative, ...]
+    notes: tuple[str, ...] = ()  # why a faster-predicted option was not chosen
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,63 @@ class _Target:
 
 
 def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
+    """The ladder's choice (``_climb_ladder``), checkpointing the fewest layers that pay
+    (``_fewer_layers``)."""
+    return _fewer_layers(target, _climb_ladder(target, setup, wanted), wanted)
+
+
+def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
+    """``fit`` with full checkpointing replaced by every K-th layer's (K in
+    ``PARTIAL_CKPT_EVERY``) where that fits ``wanted`` and the time model predicts it faster;
+    within ``TIME_TOLERANCE`` of the fastest, the fewest checkpointed layers (each costs
+    recompute). Only where the run can select layers (``PARTIAL_CKPT_FRAMEWORKS``)."""
+    if (
+        GRAD_CKPT not in fit.techniques
+        or fit.max_micro_batch < (wanted or 1)
+        or fit.setup.framework not in PARTIAL_CKPT_FRAMEWORKS
+        or not isinstance(target.model, ModelInfo)
+    ):
+        return fit
+    layers = target.model.arch.num_layers
+
+    def usable(micro: int) -> int:
+        return wanted or largest_divisor_at_most(target.per_gpu, micro)
+
+    full_seconds = target.step_seconds(fit.setup, usable(fit.max_micro_batch))
+    # (checkpointed layers, seconds, alternative); full checkpointing is the fallback
+    options: list[tuple[int, float, Alternative | None]] = [(layers, full_seconds, None)]
+    for every in PARTIAL_CKPT_EVERY:
+        if layers // every < 1:
+            continue
+        tech = partial_ckpt(every, layers)
+        combo = tuple(tech if t is GRAD_CKPT else t for t in fit.techniques)
+        try:
+            alt = target.alternative(combo, tech(fit.setup))
+        except UsageError:
+            continue
+        if alt.max_micro_batch >= (wanted or 1):
+            alt = target.confirmed(alt)  # the lines' answer is a what-if
+        if alt.max_micro_batch < (wanted or 1):
+            break  # fewer checkpointed layers hold more: a larger K fits less still
+        alt = replace(alt, comm_bytes_per_step=target.comm(alt.setup))
+        micro = usable(alt.max_micro_batch)
+        if target.per_gpu // micro > max(
+            MAX_QUIET_ACCUM, target.per_gpu // usable(fit.max_micro_batch)
+        ):
+            break  # a tie bought with hundreds of micro-steps is no simpler run
+        seconds = target.step_seconds(alt.setup, micro)
+        options.append((layers // every, seconds, alt))
+    fastest = min(seconds for _, seconds, _ in options)
+    near = [o for o in options if o[1] <= fastest * (1 + TIME_TOLERANCE)]
+    _, _, chosen = min(near, key=lambda o: o[0])
+    if chosen is None:
+        return fit
+    return _Fit(
+        chosen.setup, chosen.techniques, chosen.max_micro_batch, (*fit.alternatives, chosen)
+    )
+
+
+def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
     """Every rung of the ladder as an alternative; then the choice: on several GPUs the widest
     exact sharding option (``_widest``), else the first rung that fits ``wanted`` (or 1)."""
     base_max = target.max_micro(setup)
@@ -239,6 +306,14 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
 
 
 _OFFLOADS = frozenset({"offload-optimizer", "offload-optimizer+params", "fsdp-cpu-offload"})
+# CPU offload wins the time ranking only when predicted this much faster than the best option
+# without it: its CPU Adam step runs on the host's cores, which batchfit does not know (the
+# time model assumes a typical server CPU), and its PCIe traffic competes with other ranks
+OFFLOAD_MARGIN = 0.25
+
+
+def _offloads(alt: Alternative) -> bool:
+    return any(t.name in _OFFLOADS for t in alt.techniques)
 
 
 # Options whose predicted step times are this close are a tie: the time model is 10-20% off
@@ -254,14 +329,12 @@ def _widest(
     (``batchfit.speed``: compute at the largest micro-batch the per-GPU batch allows,
     recompute under checkpointing, the communication compute does not hide); where the time
     model does not apply, the largest micro-batch, then no recompute, then the fewest
-    techniques, then the least communication (``speed/_comm.py``). Offload (a CPU step) and
-    rungs that change training only when none of these fits (None then)."""
+    techniques, then the least communication (``speed/_comm.py``). Offload (a CPU step)
+    competes, but wins only when predicted ``OFFLOAD_MARGIN`` faster than the best option
+    without it (a faster one not chosen gets a note); rungs that change training only when
+    none of these fits (None then)."""
     options = [base, *alternatives]
-    eligible = {
-        i
-        for i, a in enumerate(options)
-        if all(t.kind == "exact" and t.name not in _OFFLOADS for t in a.techniques)
-    }
+    eligible = {i for i, a in enumerate(options) if all(t.kind == "exact" for t in a.techniques)}
 
     def usable(i: int) -> int:
         return wanted or largest_divisor_at_most(target.per_gpu, options[i].max_micro_batch)
@@ -277,17 +350,33 @@ def _widest(
     checked: set[int] = {0}  # the base's size is searched and confirmed already
     while eligible:
         fitting = [i for i in eligible if options[i].max_micro_batch >= (wanted or 1)]
-        if not fitting:
+        plain = [i for i in fitting if not _offloads(options[i])]
+        if not plain:
             return None
         seconds = {i: target.step_seconds(options[i].setup, usable(i)) for i in fitting}
-        fastest = min(seconds.values())
+        fastest = min(seconds[i] for i in plain)
+        offloaded = [i for i in fitting if _offloads(options[i])]
+        quickest = min(offloaded, key=lambda i: seconds[i]) if offloaded else None
+        notes: tuple[str, ...] = ()
+        pool = plain
+        if quickest is not None and seconds[quickest] > 0:
+            if seconds[quickest] * (1 + OFFLOAD_MARGIN) < fastest:
+                pool, fastest = fitting, seconds[quickest]
+            elif seconds[quickest] < fastest:
+                names = " + ".join(t.name for t in options[quickest].techniques)
+                notes = (
+                    f"{names} is predicted at {seconds[quickest]:.0f} s/step against "
+                    f"{fastest:.0f} s/step for the plan's choice, but not chosen: CPU offload "
+                    f"wins only when predicted over {OFFLOAD_MARGIN:.0%} faster (its CPU Adam "
+                    "time depends on the host CPU, which batchfit does not know)",
+                )
         # within the time model's resolution of the fastest, the simpler option
-        near = [i for i in fitting if seconds[i] <= fastest * (1 + TIME_TOLERANCE)]
+        near = [i for i in pool if seconds[i] <= fastest * (1 + TIME_TOLERANCE)]
         best = min(near, key=tiebreak)
         if best in checked:
             alt = options[best]
             shown = tuple(options[1:])
-            return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, shown)
+            return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, shown, notes)
         options[best] = target.confirmed(options[best])  # the lines' answer is a what-if
         checked.add(best)
     return None
@@ -308,6 +397,21 @@ def _fit_warnings(gpu: GpuSpec, wanted: int | None, fit: _Fit) -> list[str]:
             f"{best} is the largest that fits" + (f" (with {names})" if names else "")
         ]
     return []
+
+
+def _ckpt_warnings(setup: TrainingSetup, model: ModelInfo | OwnModel) -> list[str]:
+    """How to checkpoint the layers a partial-checkpointing plan chose."""
+    every = setup.grad_ckpt_every
+    if every is None or not isinstance(model, ModelInfo):
+        return []
+    layers = model.arch.num_layers
+    return [
+        f"the plan checkpoints every {every}-th layer ({setup.checkpointed_layers(layers)} of "
+        f"{layers}: layers {every - 1}, {2 * every - 1}, ...): wrap those layers with "
+        f"torch.utils.checkpoint (torchtune: ac_mode selective, ac_option {every}); "
+        "gradient_checkpointing_enable() and the exports' checkpointing switch wrap every "
+        "layer (fits, slower)"
+    ]
 
 
 def _has_batchnorm(model: ModelInfo | OwnModel) -> bool:
@@ -474,6 +578,8 @@ def make_plan(
         *fit_warnings,
         *_advice_warnings(target_model, gpu, fit.setup, micro, accum),
         *_loss_warnings(fit.techniques, fit.setup),
+        *_ckpt_warnings(fit.setup, target_model),
+        *fit.notes,
     ]
     return Plan(
         model=target_model.name,

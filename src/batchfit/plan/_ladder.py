@@ -42,6 +42,37 @@ GRAD_CKPT = Technique(
     "recompute each layer in backward",
     lambda s: replace(s, grad_ckpt=True),
 )
+# every K-th layer, K tried by the planner when full checkpointing fits (``partial_ckpt``)
+PARTIAL_CKPT_EVERY = (2, 3, 4)
+# the frameworks whose runs can checkpoint a chosen set of layers: your own loop (wrap the
+# layers with torch.utils.checkpoint) and torchtune (selective ``ac_option: K`` in its
+# distributed recipes, as torchtitan's per-layer mode). HF Trainer's, Lightning's, accelerate's
+# and axolotl's switch (gradient_checkpointing_enable) wraps every layer, and no export here
+# can name layers, so under those presets the planner keeps full checkpointing
+PARTIAL_CKPT_FRAMEWORKS = frozenset({None, "torchtune"})
+
+
+def _ordinal(k: int) -> str:
+    return {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
+
+
+def partial_ckpt(every: int, num_layers: int | None = None) -> Technique:
+    """Checkpointing of every ``every``-th layer (``TrainingSetup.grad_ckpt_every``): less
+    recompute than ``GRAD_CKPT``, less memory saved.
+
+    Example:
+        >>> partial_ckpt(2, 32).name, partial_ckpt(2, 32).why
+        ('gradient-checkpointing-every-2', 'recompute every 2nd layer in backward (16 of 32)')
+    """
+    count = f" ({num_layers // every} of {num_layers})" if num_layers else ""
+    return Technique(
+        f"gradient-checkpointing-every-{every}",
+        "exact",
+        f"recompute every {_ordinal(every)} layer in backward{count}",
+        lambda s: replace(s, grad_ckpt=True, grad_ckpt_every=every),
+    )
+
+
 FUSED_ADAMW = Technique(
     "fused-adamw",
     "exact",

@@ -1,0 +1,110 @@
+"""Issue #13 (part 2): checkpointing as a dial in the planner, offload in the time ranking on
+several GPUs, and one rule per row in ``batchfit gpus``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchfit.hardware import get_gpu
+from batchfit.models import resolve_model
+from batchfit.plan import OFFLOAD_MARGIN, make_plan
+from batchfit.plan import _ladder as ladder_module
+from batchfit.spec import TrainingSetup
+from tests._cli import run_cli
+
+MODEL = "llama-3.1-8b"
+TOKENS = 1048576
+
+
+def _plan(num_gpus: int = 1, **setup: object):
+    return make_plan(
+        resolve_model(MODEL),
+        get_gpu("h100-80gb"),
+        TrainingSetup(num_gpus=num_gpus, **setup),  # type: ignore[arg-type]
+        seq_len=2048,
+        global_batch_tokens=TOKENS,
+        engine="analytic",
+    )
+
+
+def test_the_planner_checkpoints_fewer_layers_when_that_is_as_fast():
+    # 8B on one H100: full checkpointing fits 64 samples, every 2nd layer 8, both ~150 s/step
+    # by the time model (within TIME_TOLERANCE): the fewer checkpointed layers win
+    p = _plan()
+    names = [t.name for t in p.techniques]
+    assert "gradient-checkpointing" not in names
+    partial = [t for t in p.techniques if t.name.startswith("gradient-checkpointing-every-")]
+    assert len(partial) == 1 and partial[0].kind == "exact"
+    every = p.setup.grad_ckpt_every
+    assert every in ladder_module.PARTIAL_CKPT_EVERY
+    assert partial[0].name == f"gradient-checkpointing-every-{every}"
+    assert f"({32 // every} of 32)" in partial[0].why
+    assert any(f"every {every}-th layer" in w for w in p.warnings)
+    # full checkpointing stays among the alternatives, timed
+    full = [a for a in p.alternatives if "gradient-checkpointing" in {t.name for t in a.techniques}]
+    assert full and all(a.step_seconds for a in full if a.max_micro_batch)
+    chosen = [a for a in p.alternatives if a.techniques == p.techniques]
+    assert chosen and chosen[0].step_seconds is not None
+    exact = [a for a in full if all(t.kind == "exact" for t in a.techniques)]
+    best_full = min(a.step_seconds or 0 for a in exact if a.max_micro_batch)
+    assert chosen[0].step_seconds <= best_full * 1.05 + 1e-9
+
+
+def test_a_framework_that_cannot_select_layers_keeps_full_checkpointing():
+    p = _plan(framework="hf-trainer")
+    assert "gradient-checkpointing" in [t.name for t in p.techniques]
+    assert p.setup.grad_ckpt and p.setup.grad_ckpt_every is None
+
+
+def test_the_user_s_own_checkpointing_is_kept():
+    p = _plan(grad_ckpt=True)
+    assert p.setup.grad_ckpt_every is None
+
+
+def test_the_plan_json_and_its_estimate_line_carry_the_layers(capsys):
+    args = ["plan", MODEL, "--gpu", "h100-80gb", "-s", "2048", "--global-batch-tokens"]
+    code, out, err = run_cli([*args, str(TOKENS), "--engine", "analytic", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    names = [t["name"] for t in data["techniques"]]
+    every = data["setup"]["grad_ckpt_every"]
+    assert every in ladder_module.PARTIAL_CKPT_EVERY
+    assert f"gradient-checkpointing-every-{every}" in names
+    code, out, err = run_cli([*args, str(TOKENS), "--engine", "analytic"], capsys)
+    assert code == 0, err
+    assert f"--grad-ckpt-every {every}" in out.replace("\n", " ")
+
+
+def test_offload_competes_on_several_gpus_but_needs_the_margin():
+    # 8B on 2 H100s: ZeRO-2 + offload is predicted ~10% faster than ZeRO-3 + checkpointing,
+    # under the margin: not chosen, and one note names both times
+    p = _plan(num_gpus=2)
+    names = {t.name for t in p.techniques}
+    assert "offload-optimizer" not in names and "offload-optimizer+params" not in names
+    notes = [w for w in p.warnings if "CPU offload wins only" in w]
+    assert len(notes) == 1
+    assert f"{OFFLOAD_MARGIN:.0%}" in notes[0] and "s/step" in notes[0]
+
+
+def test_offload_wins_when_it_is_faster_by_the_margin(monkeypatch):
+    import batchfit.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "OFFLOAD_MARGIN", 0.0)
+    p = _plan(num_gpus=2)
+    assert "offload-optimizer" in {t.name for t in p.techniques}
+    assert not [w for w in p.warnings if "CPU offload wins only" in w]
+
+
+def test_one_gpu_alternatives_show_the_offload_time():
+    p = _plan()
+    offloaded = [a for a in p.alternatives if "offload-optimizer" in {t.name for t in a.techniques}]
+    assert offloaded and all(a.step_seconds for a in offloaded if a.max_micro_batch)
+
+
+@pytest.mark.parametrize("every", [2, 3, 4])
+def test_partial_ckpt_technique_sets_the_setup(every):
+    tech = ladder_module.partial_ckpt(every, 32)
+    s = tech(TrainingSetup())
+    assert s.grad_ckpt and s.grad_ckpt_every == every
