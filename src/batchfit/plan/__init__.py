@@ -26,8 +26,11 @@ from batchfit.plan._fit_table import FitRow, fit_table
 from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, choose
 from batchfit.plan._ladder import (
     GRAD_CKPT,
+    OFFLOAD_MARGIN,
+    OFFLOADS,
     PARTIAL_CKPT_EVERY,
     PARTIAL_CKPT_FRAMEWORKS,
+    TIME_TOLERANCE,
     Combo,
     Technique,
     apply,
@@ -305,20 +308,8 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     return _Fit(setup, (), base_max, tuple(alternatives))
 
 
-_OFFLOADS = frozenset({"offload-optimizer", "offload-optimizer+params", "fsdp-cpu-offload"})
-# CPU offload wins the time ranking only when predicted this much faster than the best option
-# without it: its CPU Adam step runs on the host's cores, which batchfit does not know (the
-# time model assumes a typical server CPU), and its PCIe traffic competes with other ranks
-OFFLOAD_MARGIN = 0.25
-
-
 def _offloads(alt: Alternative) -> bool:
-    return any(t.name in _OFFLOADS for t in alt.techniques)
-
-
-# Options whose predicted step times are this close are a tie: the time model is 10-20% off
-# at the median on published runs (docs/benchmarks.md), so the simpler option goes first.
-TIME_TOLERANCE = 0.05
+    return any(t.name in OFFLOADS for t in alt.techniques)
 
 
 def _widest(

@@ -1,4 +1,4 @@
-"""``batchfit gpus MODEL``: for every GPU, the largest micro-batch or what it takes to fit."""
+"""``batchfit gpus MODEL``: for every GPU, the fastest option's largest micro-batch and time."""
 
 from __future__ import annotations
 
@@ -7,9 +7,18 @@ from typing import Any
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
+from batchfit.memory.analytic import resolve_setup
 from batchfit.memory.estimate import usable_engine
 from batchfit.models import ModelInfo
-from batchfit.plan._ladder import Combo, apply, ladder
+from batchfit.plan._ladder import (
+    FUSED_ADAMW,
+    OFFLOAD_MARGIN,
+    OFFLOADS,
+    TIME_TOLERANCE,
+    Combo,
+    apply,
+    ladder,
+)
 from batchfit.plan._max_micro_batch import (
     DEFAULT_HEADROOM_BYTES,
     fits,
@@ -33,6 +42,7 @@ class FitRow:
     # the time model at the largest micro-batch, one GPU, the optimizer step spread over a
     # batch of REFERENCE_BATCH_TOKENS (None: not predicted)
     seconds_per_billion_tokens: float | None = None
+    choice: str = ""  # which branch of FIT_RULE chose the row's techniques
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -45,6 +55,8 @@ class FitRow:
             "engine": self.engine,
             "note": self.note or None,
             "seconds_per_billion_tokens": self.seconds_per_billion_tokens,
+            "choice": self.choice or None,
+            "rule": FIT_RULE,
         }
 
 
@@ -57,7 +69,7 @@ def fit_table(
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     engine: str = "trace",
 ) -> list[FitRow]:
-    """For every GPU: the largest micro-batch that fits, else the first ladder rung that does.
+    """For every GPU: the fastest exact option at its largest micro-batch (``FIT_RULE``).
 
     The seed guides' "batch size by model & GPU" tables, computed by ``engine`` (the trace
     engine's figures are those ``estimate`` and ``plan`` give for the same setup).
@@ -76,6 +88,17 @@ def fit_table(
     return rows
 
 
+# The rule every row follows, stated under the table and in each row's JSON
+FIT_RULE = (
+    "each row: the fastest exact option by the time model (the setup as given, or with the "
+    "ladder's exact rungs) at its largest micro-batch; CPU offload only when predicted "
+    f"{OFFLOAD_MARGIN:.0%} faster; rungs that change training only when nothing exact fits"
+)
+# a micro-batch past any that fits: the time per token there bounds an option's from below
+# (utilisation only grows with the micro-batch), so options that cannot win are not searched
+_BOUND_MICRO = 1 << 16
+
+
 def _row(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -84,18 +107,61 @@ def _row(
     headroom_bytes: int,
     engine: str,
 ) -> FitRow:
-    """One GPU's largest micro-batch, else the first ladder rung that fits."""
+    """One GPU's row by ``FIT_RULE``."""
     largest = max_micro_batch_traced if engine == "trace" else max_micro_batch
-    chosen = setup
-    techniques: Combo = ()
-    best = largest(model, setup, gpu, seq_len, None, headroom_bytes)
-    if best == 0:
-        for combo in ladder(setup, gpu, model):
-            alt = apply(setup, combo)
-            best = largest(model, alt, gpu, seq_len, None, headroom_bytes)
-            if best:
-                chosen, techniques = alt, combo
+    combos: list[Combo] = [(), *ladder(setup, gpu, model)]
+    exact = [c for c in combos if all(t.kind == "exact" for t in c)]
+    if (FUSED_ADAMW,) in exact:
+        # the ladder tries fused AdamW alone (on a GPU that fits it, nothing more is needed);
+        # a row that needs the loss or checkpointing rungs too is timed with it as well
+        exact += [
+            (FUSED_ADAMW, *c)
+            for c in exact
+            if c and FUSED_ADAMW not in c and not any(t.name in OFFLOADS for t in c)
+        ]
+
+    def penalty(combo: Combo) -> float:
+        return 1 + OFFLOAD_MARGIN if any(t.name in OFFLOADS for t in combo) else 1.0
+
+    def per_billion(combo: Combo, micro: int) -> float:
+        try:
+            resolved = resolve_setup(model, apply(setup, combo), "cuda", gpu)
+        except UsageError:
+            return float("inf")  # a rung this model cannot take
+        seconds = _per_billion(model, resolved, gpu, micro, seq_len)
+        return float("inf") if seconds is None else seconds * penalty(combo)
+
+    # (penalised seconds per 1B tokens, ladder position, micro-batch) of each option searched
+    found: dict[int, tuple[float, int]] = {}
+    bounds = {k: per_billion(c, _BOUND_MICRO) for k, c in enumerate(exact)}
+    for k in sorted(bounds, key=lambda k: (bounds[k], k)):
+        best_seen = min((sec for sec, _ in found.values()), default=float("inf"))
+        if bounds[k] > best_seen * (1 + TIME_TOLERANCE):
+            break  # no option left can come within the tolerance of the best found
+        if found and best_seen == float("inf"):
+            break  # the time model does not apply: the first that fits, in ladder order
+        micro = largest(model, apply(setup, exact[k]), gpu, seq_len, None, headroom_bytes)
+        if micro:
+            found[k] = (per_billion(exact[k], micro), micro)
+    choice = "fastest exact"
+    if found:
+        fastest = min(sec for sec, _ in found.values())
+        # within the time model's resolution, the simplest: the setup as given, then the
+        # earliest rung of the ladder (fewest techniques, cheapest in time)
+        k = min(k for k, (sec, _) in found.items() if sec <= fastest * (1 + TIME_TOLERANCE))
+        techniques, best = exact[k], found[k][1]
+    else:
+        techniques, best = (), 0
+        choice = "nothing fits"
+        for combo in combos:
+            if combo in exact:
+                continue
+            micro = largest(model, apply(setup, combo), gpu, seq_len, None, headroom_bytes)
+            if micro:
+                techniques, best = combo, micro
+                choice = "changes training: nothing exact fits"
                 break
+    chosen = apply(setup, techniques)
     _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
     return FitRow(
         gpu,
@@ -105,6 +171,7 @@ def _row(
         techniques,
         est.engine,
         seconds_per_billion_tokens=_per_billion(model, est.setup, gpu, best, seq_len),
+        choice=choice,
     )
 
 

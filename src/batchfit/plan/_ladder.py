@@ -42,6 +42,15 @@ GRAD_CKPT = Technique(
     "recompute each layer in backward",
     lambda s: replace(s, grad_ckpt=True),
 )
+# Options whose predicted step times are this close are a tie: the time model is 10-20% off
+# at the median on published runs (docs/benchmarks.md), so the simpler option goes first.
+TIME_TOLERANCE = 0.05
+OFFLOADS = frozenset({"offload-optimizer", "offload-optimizer+params", "fsdp-cpu-offload"})
+# CPU offload wins a time ranking only when predicted this much faster than the best option
+# without it: its CPU Adam step runs on the host's cores, which batchfit does not know (the
+# time model assumes a typical server CPU), and its PCIe traffic competes with other ranks
+OFFLOAD_MARGIN = 0.25
+
 # every K-th layer, K tried by the planner when full checkpointing fits (``partial_ckpt``)
 PARTIAL_CKPT_EVERY = (2, 3, 4)
 # the frameworks whose runs can checkpoint a chosen set of layers: your own loop (wrap the
