@@ -18,6 +18,8 @@ from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.models._arch import ATTENTION_FREE_TYPES
 from batchfit.plan import Alternative, FitRow, Plan
+from batchfit.plan._fit_table import FIT_RULE
+from batchfit.plan._ladder import TIME_TOLERANCE
 from batchfit.spec import TrainingSetup
 
 
@@ -565,7 +567,7 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
         title_justify="left",
     )
     columns = ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "h / 1B tokens")
-    for col in (*columns, "what it takes"):
+    for col in (*columns, "setup (techniques)"):
         table.add_column(
             col,
             justify="right" if col in columns[1:] and col != "precision" else "left",
@@ -575,7 +577,8 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
         )
     for r in rows:
         needs = (
-            ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques) or "-"
+            ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques)
+            or "as given"
         )
         if r.note:
             needs = f"cannot run: {r.note}"
@@ -600,6 +603,7 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
             "h / 1B tokens: one GPU at the largest micro-batch in the row's setup, the optimizer "
             "step spread over a 1M-token batch (predicted; batchfit.speed)"
         )
+    out.print(f"{FIT_RULE}; options within {TIME_TOLERANCE:.0%} tie, the fewer techniques win")
     if any(t.kind != "exact" for r in rows for t in r.techniques):
         out.print("* changes what is learned; the others are exact")
     if any(r.engine != engine for r in rows):
