@@ -149,3 +149,46 @@ def test_gpus_output_states_the_rule(capsys):
     text = " ".join(out.split())
     assert "each row: the fastest exact option by the time model" in text
     assert "as given" in text  # gpt2 fits as given: the row names that
+
+
+def test_the_estimate_line_of_a_partial_plan_reproduces_its_figures(capsys):
+    args = ["--gpu", "h100-80gb", "-s", "2048"]
+    code, out, err = run_cli(
+        [
+            "plan",
+            MODEL,
+            *args,
+            "--global-batch-tokens",
+            str(TOKENS),
+            "--engine",
+            "analytic",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    setup = plan["setup"]
+    flags = ["--grad-ckpt-every", str(setup["grad_ckpt_every"]), "--loss", "fused"]
+    flags += ["--sharding", setup["sharding"], "--offload", setup["offload"]]
+    micro, accum = plan["micro_batch_size"], plan["grad_accum_steps"]
+    code, out, err = run_cli(
+        [
+            "estimate",
+            MODEL,
+            *args,
+            "-b",
+            str(micro),
+            "--grad-accum",
+            str(accum),
+            *flags,
+            "--engine",
+            "analytic",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    est = json.loads(out)
+    assert est["device_total_bytes"] == plan["device_total_bytes"]
+    assert est["step_seconds"] == pytest.approx(plan["step_seconds"])
