@@ -41,7 +41,7 @@ def test_the_planner_checkpoints_fewer_layers_when_that_is_as_fast():
     assert every in ladder_module.PARTIAL_CKPT_EVERY
     assert partial[0].name == f"gradient-checkpointing-every-{every}"
     assert f"({32 // every} of 32)" in partial[0].why
-    assert any(f"every {every}-th layer" in w for w in p.warnings)
+    assert any(f"every {ladder_module.ordinal(every)} layer" in w for w in p.warnings)
     # full checkpointing stays among the alternatives, timed
     full = [a for a in p.alternatives if "gradient-checkpointing" in {t.name for t in a.techniques}]
     assert full and all(a.step_seconds for a in full if a.max_micro_batch)

@@ -35,6 +35,7 @@ from batchfit.plan._ladder import (
     Technique,
     apply,
     ladder,
+    ordinal,
     partial_ckpt,
 )
 from batchfit.plan._lr_scaling import (
@@ -397,8 +398,9 @@ def _ckpt_warnings(setup: TrainingSetup, model: ModelInfo | OwnModel) -> list[st
         return []
     layers = model.arch.num_layers
     return [
-        f"the plan checkpoints every {every}-th layer ({setup.checkpointed_layers(layers)} of "
-        f"{layers}: layers {every - 1}, {2 * every - 1}, ...): wrap those layers with "
+        f"the plan checkpoints every {ordinal(every)} layer "
+        f"({setup.checkpointed_layers(layers)} of {layers}: layers {every - 1}, "
+        f"{2 * every - 1}, ...): wrap those layers with "
         f"torch.utils.checkpoint (torchtune: ac_mode selective, ac_option {every}); "
         "gradient_checkpointing_enable() and the exports' checkpointing switch wrap every "
         "layer (fits, slower)"

@@ -61,7 +61,8 @@ PARTIAL_CKPT_EVERY = (2, 3, 4)
 PARTIAL_CKPT_FRAMEWORKS = frozenset({None, "torchtune"})
 
 
-def _ordinal(k: int) -> str:
+def ordinal(k: int) -> str:
+    """``2nd``, ``3rd``, ``4th``: for the layer counts in messages."""
     return {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
 
 
@@ -77,7 +78,7 @@ def partial_ckpt(every: int, num_layers: int | None = None) -> Technique:
     return Technique(
         f"gradient-checkpointing-every-{every}",
         "exact",
-        f"recompute every {_ordinal(every)} layer in backward{count}",
+        f"recompute every {ordinal(every)} layer in backward{count}",
         lambda s: replace(s, grad_ckpt=True, grad_ckpt_every=every),
     )
 
