@@ -30,7 +30,7 @@ from batchfit.spec import TrainingSetup
 
 @dataclass(frozen=True)
 class FitRow:
-    """One GPU of ``batchfit gpus MODEL``: the largest micro-batch, or what it takes to fit."""
+    """One GPU of ``batchfit gpus MODEL``: the setup ``FIT_RULE`` chose, its largest micro-batch."""
 
     gpu: GpuSpec
     precision: str
