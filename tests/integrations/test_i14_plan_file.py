@@ -124,12 +124,26 @@ def test_a_plan_file_whose_model_is_not_here_is_not_checked(
 ) -> None:
     plan = _plan(tmp_path)
     data = {**plan.to_json(), "model": str(tmp_path / "elsewhere" / "config.json")}
+    del data["total_params"]  # a file from before plan --json carried its parameter count
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     callback = hf.PeakMemoryCallback(path)
     with caplog.at_level(logging.INFO, logger="batchfit.integrations.hf"):
         callback.check_model_against_plan(_model(n_embd=128))  # not refused: not checkable
     assert "the model is not checked against the plan" in caplog.text
+
+
+def test_a_plan_file_carries_its_parameter_count_so_any_machine_checks_it(
+    tmp_path: Path,
+) -> None:
+    plan = _plan(tmp_path)
+    data = {**plan.to_json(), "model": str(tmp_path / "elsewhere" / "config.json")}
+    assert data["total_params"] == plan.estimate.total_params
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    callback = hf.PeakMemoryCallback(path)
+    with pytest.raises(ValueError, match="elsewhere"):
+        callback.check_model_against_plan(_model(n_embd=128))
 
 
 @pytest.mark.parametrize(

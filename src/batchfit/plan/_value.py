@@ -229,6 +229,8 @@ class Plan:
             "num_gpus": self.num_gpus,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
+            "total_params": est.total_params,
+            "trainable_params": est.trainable_params,
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": est.reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
