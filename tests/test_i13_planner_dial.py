@@ -189,3 +189,13 @@ def test_the_estimate_line_of_a_partial_plan_reproduces_its_figures(capsys):
     est = json.loads(out)
     assert est["device_total_bytes"] == plan["device_total_bytes"]
     assert est["step_seconds"] == pytest.approx(plan["step_seconds"])
+
+
+@pytest.mark.parametrize("kind", ["hf", "accelerate", "deepspeed", "lightning"])
+def test_an_export_of_a_partial_plan_says_it_wraps_every_layer(kind):
+    from batchfit.export import export_caveats
+
+    p = _mistral_v100()
+    assert p.setup.grad_ckpt_every
+    said = [c for c in export_caveats(p, kind) if "wraps every layer" in c]
+    assert said and f"every {ladder_module.ordinal(p.setup.grad_ckpt_every)} layer" in said[0]

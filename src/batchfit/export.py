@@ -317,6 +317,14 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
                 f"the plan needs {' and '.join(needs)}, which a DeepSpeed config cannot switch "
                 "on: your train.py must, or the step will not fit"
             )
+    if setup.grad_ckpt_every:  # no export names layers: each switch wraps every one
+        from batchfit.plan._ladder import ordinal
+
+        caveats.append(
+            f"the plan checkpoints every {ordinal(setup.grad_ckpt_every)} layer; this export's "
+            "checkpointing switch wraps every layer, which fits but recomputes more than "
+            "planned: wrap the chosen layers with torch.utils.checkpoint in your script"
+        )
     if kind == "accelerate" and is_deepspeed(setup):
         caveats.append(
             "accelerate's DeepSpeed plugin fills bucket sizes of its own ('auto'), while the plan "
