@@ -12,6 +12,8 @@ import base64
 from html import escape
 from typing import Any
 
+from batchfit._units import human_duration
+
 GIB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer_state", "activations", "other")
 COLOURS = {
@@ -114,17 +116,6 @@ def _time(data: dict[str, Any]) -> str:
     )
 
 
-def _duration(seconds: float) -> str:
-    """``seconds`` in the largest unit that keeps it readable (as the terminal prints it)."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
-
-
 def _usd(amount: float) -> str:
     return f"${amount:,.{0 if amount >= 100 else 2}f}"
 
@@ -146,7 +137,7 @@ def _run(data: dict[str, Any]) -> str:
         )
     return (
         f"<p>the run: {steps:,} optimizer step{'s' if steps != 1 else ''}, "
-        f"~{_duration(seconds)} on {gpus} GPU{'s' if gpus > 1 else ''}{priced} "
+        f"~{human_duration(seconds)} on {gpus} GPU{'s' if gpus > 1 else ''}{priced} "
         '<span class="muted">(predicted)</span></p>'
     )
 
@@ -233,7 +224,7 @@ def _alternatives(data: dict[str, Any]) -> str:
                 "-" if not a.get("tokens_per_s_per_gpu") else f"{a['tokens_per_s_per_gpu']:,.0f}",
             ]
             if steps:
-                cells.append("-" if not step else _duration(step * steps))
+                cells.append("-" if not step else human_duration(step * steps))
                 if price is not None:
                     cells.append("-" if not step else _usd(step * steps / 3600 * gpus * price))
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
@@ -289,7 +280,7 @@ def _gpu_counts(data: dict[str, Any]) -> str:
             f"<td>{'-' if not step else f'{step:.3g}'}</td>"
             f"<td>{'-' if not tps else f'{tps:,.0f}'}</td>"
             f"<td>{'-' if eff is None else f'{eff:.0%}'}</td>"
-            f"<td>{'-' if not c.get('train_seconds') else _duration(c['train_seconds'])}</td>"
+            f"<td>{'-' if not c.get('train_seconds') else human_duration(c['train_seconds'])}</td>"
             f"<td>{'-' if not c.get('cost_usd') else _usd(c['cost_usd'])}</td>"
             f"<td>{escape(str(what or ' + '.join(c.get('techniques', [])) or 'nothing extra'))}"
             "</td></tr>"

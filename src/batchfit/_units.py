@@ -101,3 +101,19 @@ def human_count(count: float) -> str:
         if abs(count) >= scale:
             return f"{count / scale:.3g}{unit}" if scale >= 1e9 else f"{count / scale:.4g}{unit}"
     return f"{count:g}"
+
+
+def human_duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it readable (the terminal's and the HTML's).
+
+    Example:
+        >>> human_duration(90), human_duration(5400), human_duration(36000), human_duration(9e5)
+        ('90 s', '90 min', '10.0 h', '10.4 days')
+    """
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

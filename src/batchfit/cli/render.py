@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count
+from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count, human_duration
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
@@ -301,7 +301,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
         )
         out.print(
             f"  the run: {p.train_steps:,} optimizer step{'s' if p.train_steps != 1 else ''}, "
-            f"~{_duration(p.train_seconds)} on "
+            f"~{human_duration(p.train_seconds)} on "
             f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
         )
         if p.setup.method == "full" and p.task == "causal-lm" and p.tokens_per_step:
@@ -404,7 +404,7 @@ def _gpu_counts(p: Plan) -> None:
             f"{c.step_seconds:.3g}" if c.step_seconds else "-",
             f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
             f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
-            *([_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
+            *([human_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
             *([f"${c.cost_usd:,.0f}" if c.cost_usd else "-"] if cost else []),
         )
     out.print(table)
@@ -413,17 +413,6 @@ def _gpu_counts(p: Plan) -> None:
         what = c.note if not c.micro_batch_size else " + ".join(c.techniques) or "nothing extra"
         out.print(f"  {c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}: {escape(what)}")
     out.print(f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's")
-
-
-def _duration(seconds: float) -> str:
-    """``seconds`` in the largest unit that keeps it readable."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
 
 
 def export_note(kind: str, path: Path | None, text: str | None) -> None:
