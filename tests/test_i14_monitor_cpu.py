@@ -27,13 +27,21 @@ def test_a_peak_between_two_samples_is_not_missed() -> None:
     # 300 MiB held for 50 ms, then freed, between samples 1 s apart: VmHWM keeps it
     spike = (
         "import time; time.sleep(0.2); b = b'x' * (300 * 2**20); time.sleep(0.05); del b; "
-        "time.sleep(0.3)"
+        "time.sleep(2.5)"
     )
     result = monitor.run([sys.executable, "-c", spike], interval=1.0, gpu=False)
     assert result.exit_code == 0
     assert max(s.total_bytes for s in result.samples) < 200 * MIB  # the samples missed it
     assert result.peak_bytes >= 300 * MIB
     assert max(result.process_peaks().values()) >= 300 * MIB
+
+
+def test_a_small_command_is_not_given_batchfits_own_memory() -> None:
+    # the child shares this process's pages between fork and exec: its ru_maxrss counts them
+    result = monitor.run(
+        [sys.executable, "-c", "import time; time.sleep(0.6)"], interval=0.1, gpu=False
+    )
+    assert result.peak_bytes < 100 * MIB
 
 
 def test_pages_a_forked_worker_shares_count_once() -> None:
