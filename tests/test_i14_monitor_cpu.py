@@ -4,6 +4,7 @@ a process tree, and a calibration record against a CPU estimate (issue #14, Done
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,18 @@ def test_a_small_command_is_not_given_batchfits_own_memory() -> None:
     assert result.peak_bytes < 100 * MIB
 
 
+def test_growth_after_the_last_sample_is_kept_when_it_is_the_commands() -> None:
+    # the command outgrows this process's own high-water mark, then exits before the next
+    # sample: only its ru_maxrss (reaped with wait4) can tell, and it cannot be ours
+    ours = monitor.rss_bytes(os.getpid(), "VmHWM")
+    size = ours + 300 * MIB
+    grow = f"import time; time.sleep(0.3); b = b'x' * {size}"
+    result = monitor.run([sys.executable, "-c", grow], interval=30.0, gpu=False)
+    assert result.exit_code == 0
+    assert max(s.total_bytes for s in result.samples) < 200 * MIB  # sampled before it grew
+    assert result.peak_bytes >= size
+
+
 def test_pages_a_forked_worker_shares_count_once() -> None:
     # a parent touches 200 MiB, then forks: each process's RSS holds the 200 MiB, PSS half
     fork = (
@@ -82,15 +95,17 @@ def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
 ) -> None:
     plan = _cpu_estimate(tmp_path, capsys)
     own = tmp_path / "maxrss"
-    # the run reports its own resident peak (getrusage: the kernel's, not the monitor's)
+    # the run reports its own resident peak at its end (the kernel's VmHWM, read by the run,
+    # not sampled by the monitor). Not getrusage: its ru_maxrss also counts the pages the
+    # child held before exec, which were this test process's (torch, transformers: ~1 GiB)
     wrapper = (
-        "import resource, runpy, sys\n"
+        "import runpy, sys\n"
         f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '2']\n"
         "try:\n"
         f"    runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
         "finally:\n"
-        "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        f"    open({str(own)!r}, 'w').write(str(peak))\n"
+        "    hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')]\n"
+        f"    open({str(own)!r}, 'w').write(hwm[0])\n"
     )
     code, out, err = run_cli(
         [

@@ -119,7 +119,13 @@ def test_real_cpu_oom_under_an_os_limit() -> None:
     assert result["max_fitting_micro_batch"] <= data["truth"]
     ok_sizes = {t["micro_batch_size"] for t in result["trials"] if t["ok"]}
     assert result["micro_batch_size"] in ok_sizes
-    assert len(result["trials"]) <= 8
+    # the limit in at most max_trials (8) runs; the timing of halved sizes comes on top, as
+    # many as stay within the plateau (timing noise on a loaded machine decides how many)
+    largest = result["max_fitting_micro_batch"]
+    halves = {largest >> k for k in range(1, largest.bit_length())}
+    timed = {t["micro_batch_size"] for t in result["trials"]} & halves
+    # the limit, each halving timed once, and one confirming run of the choice
+    assert len(result["trials"]) <= 8 + len(timed) + 1
 
 
 @pytest.mark.slow

@@ -35,6 +35,8 @@ from batchfit._units import BYTES_IN_KIB
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL for what is left of the command's group
+# what the command may touch between fork and exec beyond the pages it shares with batchfit
+INHERITED_SLACK = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class MonitorResult:
     # pid -> the kernel's resident high-water mark (VmHWM) last read: on the CPU a process's
     # peak between two samples is not missed
     high_water: dict[int, int] = field(default_factory=dict)
+    # this process's resident high-water mark once the command started: the most the command
+    # can have held before its exec (its pages were ours)
+    inherited_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -335,6 +340,7 @@ def run(
     except PermissionError:
         result.exit_code = 126
         return result
+    result.inherited_bytes = rss_bytes(os.getpid(), "VmHWM")
     try:
         with _forward_signals(proc):
             while True:
@@ -386,9 +392,14 @@ def _reap(proc: subprocess.Popen[bytes], result: MonitorResult) -> bool:
     if pid == 0:
         return False
     proc.returncode = os.waitstatus_to_exitcode(status)
-    # its ru_maxrss is not used: it counts the pages the child shared with this process
-    # between fork and exec (batchfit's own ~270 MiB), so a small command would report ours
-    del usage
+    # ru_maxrss (KiB) is the largest resident set of the command or of a descendant it waited
+    # for, over its whole life: before exec too, when it held this process's pages (fork), so
+    # it can be no larger than this process's own high-water mark then. Above that mark it can
+    # only come from after exec: growth after the last sample, kept. At or below it, it may
+    # be ours (a small command would report batchfit's ~270 MiB), so it is not used.
+    grown = usage.ru_maxrss * 1024
+    if grown > result.inherited_bytes + INHERITED_SLACK:
+        result.high_water[proc.pid] = max(result.high_water.get(proc.pid, 0), grown)
     return True
 
 
