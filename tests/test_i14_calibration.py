@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +33,30 @@ def test_records_round_trip_with_versions() -> None:
 
 
 def test_a_corrupt_file_is_set_aside_and_a_new_one_started(data_dir: Path) -> None:
-    calibration.append(_record("t4", 100, 110))
-    with open(calibration.path(), "a") as f:
-        f.write("{broken\n")
+    calibration.path().parent.mkdir(parents=True, exist_ok=True)
+    calibration.path().write_text("{broken\nnot a record either\n")
     with pytest.warns(UserWarning, match="set aside"):
         assert calibration.load() == []
     assert list(data_dir.glob("calibration.jsonl.corrupt-*"))
     calibration.append(_record("t4", 100, 101))
     assert len(calibration.load()) == 1
+
+
+def test_a_write_cut_off_loses_only_its_own_line(data_dir: Path) -> None:
+    # a run killed while appending leaves half a line, with no line end, after good records
+    calibration.append(_record("t4", 100, 110))
+    calibration.append(_record("t4", 100, 120))
+    with open(calibration.path(), "a") as f:
+        f.write('{"device": "t4", "estimated_')
+    calibration.append(_record("t4", 100, 130))  # starts a line of its own
+    with pytest.warns(UserWarning, match="1 line of .* set aside .* 3 records kept"):
+        records = calibration.load()
+    assert [r.measured_bytes for r in records] == [110, 120, 130]
+    (aside,) = data_dir.glob("calibration.jsonl.corrupt-*")
+    assert aside.read_text() == '{"device": "t4", "estimated_\n'  # nothing lost
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(calibration.load()) == 3  # repaired: no warning the second time
 
 
 def test_auto_headroom_default_percentile_floor_and_device() -> None:

@@ -82,8 +82,15 @@ def append(record: Record) -> bool:
     target = path()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "a") as f:
-            f.write(json.dumps(asdict(filled), allow_nan=False) + "\n")
+        with open(target, "a+b") as f:
+            # a write cut off left no line end: the record must not join that fragment
+            f.seek(0, os.SEEK_END)
+            cut = False
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            line = json.dumps(asdict(filled), allow_nan=False) + "\n"
+            f.write((b"\n" if cut else b"") + line.encode())
     except (OSError, ValueError):
         return False
     return True
@@ -99,32 +106,56 @@ def _torch_version() -> str:
 
 
 def load(warn: Callable[[str], None] | None = None) -> list[Record]:
-    """Every record; a file that does not parse (not JSON lines, not UTF-8, not records) is
-    set aside and an empty list returned, with one warning: ``warn(message)`` when given (the
-    CLI prints it as one line), else a ``UserWarning``."""
+    """Every record. Lines that do not parse (a write cut off, an edit gone wrong) are moved to
+    a file beside it and the rest kept; a file with no record at all (not UTF-8, not JSON
+    lines) is set aside whole. Either way one warning: ``warn(message)`` when given (the CLI
+    prints it as one line), else a ``UserWarning``."""
     target = path()
     try:
         data = target.read_bytes()
     except OSError:  # none yet, or unreadable: no records, and nothing to set aside
         return []
-    records = []
+    records: list[Record] = []
+    good: list[str] = []
+    bad: list[str] = []
     try:
-        for line in data.decode("utf-8").splitlines():
-            if line.strip():
-                records.append(_record(json.loads(line)))
-    except (ValueError, TypeError, KeyError):  # UnicodeDecodeError is a ValueError
-        aside = target.with_name(f"{target.name}.corrupt-{int(time.time())}")
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        lines, bad = [], [""]
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            records.append(_record(json.loads(line)))
+            good.append(line)
+        except (ValueError, TypeError, KeyError):
+            bad.append(line)
+    if not bad:
+        return records
+    aside = target.with_name(f"{target.name}.corrupt-{int(time.time())}")
+    if not records:
         try:
             target.rename(aside)
             where = f"set aside as {aside}"
         except OSError:
             where = "left in place"
         message = f"the calibration file {target} could not be read; {where}, a new one is started"
-        if warn is not None:
-            warn(message)
-        else:
-            warnings.warn(message, stacklevel=2)
-        return []
+    else:
+        try:
+            aside.write_text("".join(line + "\n" for line in bad))
+            target.write_text("".join(line + "\n" for line in good))
+            where = f"set aside in {aside}"
+        except OSError:
+            where = "skipped"
+        lines_word = "line" if len(bad) == 1 else "lines"
+        message = (
+            f"{len(bad)} {lines_word} of the calibration file {target} could not be read "
+            f"(a write cut off?); {where}, its {len(records)} records kept"
+        )
+    if warn is not None:
+        warn(message)
+    else:
+        warnings.warn(message, stacklevel=2)
     return records
 
 
