@@ -132,6 +132,9 @@ def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
     assert record.estimated_bytes > estimate + 100 * MIB  # the estimate plus torch's runtime
     assert record.measured_bytes == pytest.approx(independent, rel=0.03)
     assert "recorded for `batchfit calibration`" in err
+    # the plan's line and its drift limit start from the runtime baseline, measured once
+    assert err.count("measuring what") == 1
+    assert "above the plan" not in err
 
 
 def test_a_gpu_plan_measured_as_rss_says_why_there_is_no_record(

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from batchfit._oom import _libc, _malloc_trim
+from batchfit._libc import libc as _libc
+from batchfit._oom import _malloc_trim
 from batchfit._units import human_bytes
 from batchfit.errors import NoFitError
 

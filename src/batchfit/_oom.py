@@ -6,14 +6,13 @@ batchfit matches error messages.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import gc
 import sys
 from collections.abc import Callable
 
 import torch
+
+from batchfit._libc import libc as _libc
 
 # torch.OutOfMemoryError is public from torch 2.5; before, the same class lived in torch.cuda.
 OutOfMemoryError: type[RuntimeError] = getattr(
@@ -79,15 +78,6 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
     if sys.platform.startswith("linux"):
         _malloc_trim()
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
 
 
 def _malloc_trim() -> None:

@@ -19,6 +19,8 @@ Seed 003 asks for "nvidia-smi to verify memory usage matches predictions" and a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import signal
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from batchfit._libc import die_with_parent, libc
 from batchfit._units import BYTES_IN_KIB
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -211,6 +214,15 @@ def _gpu_reader() -> _Nvml | None:
         return None
 
 
+def samples_gpu() -> bool:
+    """Whether ``run`` would sample GPU memory here (NVML answers), not resident memory."""
+    reader = _gpu_reader()
+    if reader is None:
+        return False
+    reader.close()
+    return True
+
+
 def _signal_group(pgid: int, signum: int) -> bool:
     """Send ``signum`` to every process of group ``pgid``; False when none is left."""
     try:
@@ -275,21 +287,17 @@ def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _child_setup() -> None:
+def _child_setup(lib: ctypes.CDLL | None) -> None:
     """In the command's process, before it starts: die with this process, and take the
     signals it forwards with their default meaning (a shell starts background jobs with
-    SIGINT ignored, and an ignored signal stays ignored across exec)."""
-    from batchfit._oom import _libc
-    from batchfit.search._probe import _PR_SET_PDEATHSIG
-
+    SIGINT ignored, and an ignored signal stays ignored across exec). Nothing is imported
+    here: whatever this does between fork and exec counts in the command's ``ru_maxrss``."""
     for signum in _FORWARDED:
         signal.signal(signum, signal.SIG_DFL)
-    libc = _libc()
-    if libc is not None:
-        # Only the direct child: PDEATHSIG is per process and not inherited across fork, so
-        # when this process is SIGKILLed (no ``finally`` runs) the command dies but processes
-        # it started may outlive it; every other way out ends the whole group (end_group).
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Only the direct child: PDEATHSIG is per process and not inherited across fork, so
+    # when this process is SIGKILLed (no ``finally`` runs) the command dies but processes
+    # it started may outlive it; every other way out ends the whole group (end_group).
+    die_with_parent(lib)
 
 
 def run(
@@ -332,7 +340,7 @@ def run(
             # that the group is not stopped (SIGTTIN/SIGTTOU) for using the terminal from the
             # background
             start_new_session=True,
-            preexec_fn=_child_setup if sys.platform == "linux" else None,
+            preexec_fn=functools.partial(_child_setup, libc()) if sys.platform == "linux" else None,
         )
     except FileNotFoundError:
         result.exit_code = 127
@@ -445,7 +453,13 @@ def write_log_path(path: Path) -> IO[str]:
     return open(path, "w", buffering=1)
 
 
-def plot(result: MonitorResult, path: Path, limit_bytes: int | None, planned: int | None) -> None:
+def plot(
+    result: MonitorResult,
+    path: Path,
+    limit_bytes: int | None,
+    planned: int | None,
+    plan_label: str = "plan",
+) -> None:
     """Memory over time (GiB, seconds): the total, the plan's figure and its limit."""
     from batchfit import _plots
 
@@ -459,7 +473,7 @@ def plot(result: MonitorResult, path: Path, limit_bytes: int | None, planned: in
         label=result.source,
     )
     if planned:
-        ax.axhline(_plots.gib(planned), color="tab:green", linestyle="--", label="plan")
+        ax.axhline(_plots.gib(planned), color="tab:green", linestyle="--", label=plan_label)
     if limit_bytes:
         ax.axhline(_plots.gib(limit_bytes), color="tab:red", linestyle=":", label="plan + headroom")
     if result.samples:

@@ -75,16 +75,20 @@ def _byte_count(data: dict[str, Any], key: str, path: Path) -> int | None:
 
 
 def record_calibration(
-    result: Any, plan: PlanFile, command: list[str], note: Callable[[str], None]
+    result: Any,
+    plan: PlanFile,
+    command: list[str],
+    note: Callable[[str], None],
+    runtime: int | None = None,
 ) -> bool:
     """A run measured beside its plan becomes a calibration record: on a GPU, the largest
     process against the plan's per-GPU figure; on the CPU (a CPU estimate, ``estimate
     --device cpu --json``), the largest process's resident peak against the estimate plus
     what the same Python holds before its first tensor (``monitor.runtime_bytes``: the
-    interpreter, torch, transformers), since RSS counts both. A GPU plan measured as RSS is
-    not comparable: no record, and ``note`` says why."""
+    interpreter, torch, transformers; measured here unless ``runtime`` gives it), since RSS
+    counts both. A GPU plan measured as RSS is not comparable: no record, and ``note`` says
+    why."""
     from batchfit import calibration
-    from batchfit import monitor as mon
 
     if not result.samples:
         return False
@@ -101,11 +105,10 @@ def record_calibration(
                 "was measured on the CPU (RSS); give it an `estimate --device cpu --json`"
             )
             return False
-        python = mon.python_of(command)
-        note(f"measuring what {Path(python).name} holds before its tensors, for the record")
-        runtime = mon.runtime_bytes(python)
         if runtime is None:
-            note(f"no calibration record: {python} could not import torch to measure its runtime")
+            runtime = _runtime(command, note)
+        if runtime is None:
+            note("no calibration record: the runtime baseline could not be measured")
             return False
         measured = max(result.process_peaks().values(), default=0)
         device, estimated = "cpu", plan.gpu_figure + runtime
@@ -119,6 +122,18 @@ def record_calibration(
             measured_bytes=int(measured),
         )
     )
+
+
+def _runtime(command: list[str], note: Callable[[str], None]) -> int | None:
+    """What the command's Python holds before its first tensor (``monitor.runtime_bytes``)."""
+    from batchfit import monitor as mon
+
+    python = mon.python_of(command)
+    note(f"measuring what {Path(python).name} holds before its tensors (a few seconds)")
+    runtime = mon.runtime_bytes(python)
+    if runtime is None:
+        note(f"{python} could not import torch: its runtime is not counted")
+    return runtime
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -166,12 +181,21 @@ def monitor(
         plot = _check_target(plot, "--plot")
     if plot is not None:
         _plots.require()
-    planned = limit = None
+    planned = limit = runtime = None
     model = ""
     plan_file = None
+
+    def note(message: str) -> None:
+        typer.echo(f"batchfit monitor: {message}", err=True)
+
     if plan is not None:
         plan_file = read_plan(plan)
         planned, model = plan_file.gpu_figure, plan_file.model
+        if not plan_file.device and not mon.samples_gpu():
+            # a CPU estimate counts tensors; the resident set also holds the interpreter,
+            # torch and transformers: the plan's line and its limit start from that baseline
+            runtime = _runtime(command, note)
+            planned += runtime or 0
         limit = planned + plan_file.tolerance
     live = _LiveLine(enabled=not as_json and sys.stderr.isatty(), planned=planned)
 
@@ -203,10 +227,9 @@ def monitor(
     if result.exit_code == 127 and not result.samples:
         typer.echo(f"batchfit monitor: {command[0]}: command not found", err=True)
     if plot is not None:
-        mon.plot(result, plot, limit, planned)
-    if plan_file is not None and record_calibration(
-        result, plan_file, command, lambda m: typer.echo(f"batchfit monitor: {m}", err=True)
-    ):
+        label = "plan + runtime (interpreter, torch)" if runtime else "plan"
+        mon.plot(result, plot, limit, planned, label)
+    if plan_file is not None and record_calibration(result, plan_file, command, note, runtime):
         typer.echo("batchfit monitor: recorded for `batchfit calibration`", err=True)
     if as_json:
         _emit_json(result.to_json())
@@ -214,7 +237,8 @@ def monitor(
         typer.echo(
             f"batchfit monitor: peak {human_bytes(result.peak_bytes)} ({result.source}) over "
             f"{result.seconds:.1f} s, {len(result.samples)} samples, exit code {result.exit_code}"
-            + (f"; plan {human_bytes(planned)}" if planned else ""),
+            + (f"; plan {human_bytes(planned)}" if planned else "")
+            + (f" (with {human_bytes(runtime)} of runtime: interpreter, torch)" if runtime else ""),
             err=True,
         )
     raise typer.Exit(result.exit_code)

@@ -152,18 +152,17 @@ def _read_child(
 
 # The parent's pid, for the child to notice that it was orphaned.
 _PARENT_ENV = "BATCHFIT_PROBE_PARENT"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _die_with_parent() -> None:
     """End this child when its parent dies, however it dies (SIGKILL included): the kernel
     sends SIGKILL on Linux (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent's pid."""
-    from batchfit._oom import _libc
+    from batchfit._libc import die_with_parent, libc
 
     parent = int(os.environ.get(_PARENT_ENV, "0")) or os.getppid()
-    libc = _libc() if sys.platform == "linux" else None
-    if libc is not None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    lib = libc() if sys.platform == "linux" else None
+    if lib is not None:
+        die_with_parent(lib)
     else:
         threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     if os.getppid() != parent:  # the parent died before the line above
