@@ -189,12 +189,90 @@ def test_snapshot_frames_name_the_module_and_phase(
     }
 
 
-def test_peak_label_gives_each_modules_size(cuda_timeline: timeline.StepTimeline) -> None:
+def test_peak_label_groups_a_stacks_layers(cuda_timeline: timeline.StepTimeline) -> None:
+    """The two layers' modules are one line each (``transformer.h.*.mlp.act: 2 x 1.0 MiB``),
+    not one line a layer; each line gives its size."""
     text = timeline.peak_modules_text(cuda_timeline.top_modules)
     lines = text.splitlines()[1:]
     assert len(lines) == len(cuda_timeline.top_modules) > 0
-    for line, (name, nbytes) in zip(lines, cuda_timeline.top_modules, strict=True):
-        assert line == f"  {name}  {nbytes / (1 << 20):.1f} MiB"
+    assert "transformer.h.0." not in text and "transformer.h.1." not in text
+    assert "transformer.h.*.mlp.act: 2 × " in text
+    for line, group in zip(lines, cuda_timeline.top_modules, strict=True):
+        if group.count == 1:
+            assert line == f"  {group.name}: {group.total_bytes / (1 << 20):.1f} MiB"
+        elif group.each_bytes is not None:
+            assert line == f"  {group.name}: {group.count} × {group.each_bytes / (1 << 20):.1f} MiB"
+        else:
+            assert line == f"  {group.name}: {group.count} layers, " + (
+                f"{group.total_bytes / (1 << 20):.1f} MiB"
+            )
+    totals = [g.total_bytes for g in cuda_timeline.top_modules]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_group_modules_ranks_groups_by_their_total() -> None:
+    by_module = {
+        **{f"model.layers.{i}.mlp.act_fn": 84 << 20 for i in range(12)},  # 12 x 84 MiB
+        **{f"model.layers.{i}.self_attn": (100 + i) << 20 for i in range(12)},  # sizes differ
+        "lm_head": 900 << 20,  # more than any one layer, less than twelve
+        "model.layers.3.mlp.experts.7": 1 << 20,  # only the first index is the layer's
+        "model.layers.5.mlp.experts.7": 1 << 20,
+        "model.layers.5.mlp.experts.6": 1 << 20,
+    }
+    groups = timeline.group_modules(by_module)
+    assert [(g.name, g.count, g.total_bytes, g.each_bytes) for g in groups] == [
+        ("model.layers.*.self_attn", 12, sum(range(100, 112)) << 20, None),
+        ("model.layers.*.mlp.act_fn", 12, 12 * 84 << 20, 84 << 20),
+        ("lm_head", 1, 900 << 20, 900 << 20),
+        ("model.layers.*.mlp.experts.7", 2, 2 << 20, 1 << 20),
+        ("model.layers.5.mlp.experts.6", 1, 1 << 20, 1 << 20),
+    ]
+    assert timeline.peak_modules_text(groups[:3]).splitlines() == [
+        "most activation memory:",
+        "  model.layers.*.self_attn: 12 layers, 1.24 GiB",
+        "  model.layers.*.mlp.act_fn: 12 × 84.0 MiB",
+        "  lm_head: 900.0 MiB",
+    ]
+
+
+def test_the_peak_label_hides_nothing_drawn(cuda_timeline: timeline.StepTimeline) -> None:
+    """The label box sits above the curve, the reserve and the GPU's line (the y axis leaves
+    it room); the legend is outside the axes."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot as plt
+    from matplotlib.text import Annotation
+
+    tl, gpu_bytes = cuda_timeline, 2 * cuda_timeline.peak_bytes  # the GPU's line near the top
+    fig = timeline.figure(tl, "tiny", gpu_bytes)
+    try:
+        fig.tight_layout()  # as _plots.save lays it out
+        fig.canvas.draw()
+        (ax,) = fig.axes
+        (label,) = [t for t in ax.texts if isinstance(t, Annotation)]
+        box = label.get_bbox_patch().get_window_extent()
+        assert tl.reserved is not None
+        top_bytes = max(gpu_bytes, *tl.reserved, tl.peak_bytes)
+        top_px = ax.transData.transform((0, top_bytes / 2**30))[1]
+        assert top_px < box.y0
+        assert box.y1 <= ax.get_window_extent().y1  # still inside the axes
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1
+    finally:
+        plt.close(fig)
+
+
+def test_each_traced_step_runs_at_most_two_micro_steps(tiny: str) -> None:
+    """What the report's caption says: accumulating 4, each of the two traced optimizer steps
+    runs 2 micro-steps (forwards); the later ones are not traced."""
+    model, gpu = resolve_model(tiny), get_gpu("t4")
+    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
+    tl = timeline.step_timeline(
+        model, setup, micro_batch_size=1, seq_len=32, device="cuda", gpu=gpu, grad_accum_steps=4
+    )
+    phases = [p for _, p in tl.phases]
+    assert phases.count("optimizer-step") == 2
+    assert phases.count("forward") == 2 * timeline.traced_micro_steps(4) == 4
+    assert timeline.traced_micro_steps(1) == 1
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +52,21 @@ _CATEGORY_COLOURS = {
 
 
 @dataclass(frozen=True)
+class ModuleGroup:
+    """Modules holding activation memory at the peak whose names differ only in a layer index
+    (``transformer.h.*.mlp.act`` for ``transformer.h.0.mlp.act`` ... ``transformer.h.11.mlp.act``),
+    or one module (``count`` 1, its own name).
+
+    ``each_bytes`` is what every member holds when they all hold the same, else None.
+    """
+
+    name: str
+    count: int
+    total_bytes: int
+    each_bytes: int | None
+
+
+@dataclass(frozen=True)
 class StepTimeline:
     """Bytes held after each allocation event, by category; where the phases begin; the peak.
 
@@ -62,7 +78,7 @@ class StepTimeline:
     phases: list[tuple[int, str]]
     peak_index: int
     peak_label: str
-    top_modules: list[tuple[str, int]]
+    top_modules: list[ModuleGroup]  # the largest by total bytes at the peak, at most three
     reserved: list[int] | None
     events: list[tuple[int, int, str]]  # (key, +bytes / -bytes, category), for the snapshot
     # key -> (phase, module): where each allocation was made, for the snapshot's frames
@@ -95,9 +111,16 @@ def step_timeline(
         device=device,
         workspace=gpu_extras(gpu, setup).workspace if device == "cuda" else 0,
         depth=None,
-        grad_accum_steps=min(grad_accum_steps, 2),
+        grad_accum_steps=traced_micro_steps(grad_accum_steps),
     )
     return from_trace(result, cuda=device == "cuda", setup=setup)
+
+
+def traced_micro_steps(grad_accum_steps: int) -> int:
+    """How many micro-steps each traced optimizer step runs of the ``grad_accum_steps`` asked
+    for: at most two. The second holds the gradients the first left, as every later one does,
+    so the micro-steps after it are not traced (as for the estimate, ``_trace_estimate``)."""
+    return min(grad_accum_steps, 2)
 
 
 def from_trace(result: Any, *, cuda: bool, setup: TrainingSetup) -> StepTimeline:
@@ -147,11 +170,56 @@ def from_trace(result: Any, *, cuda: bool, setup: TrainingSetup) -> StepTimeline
         phases=list(timeline.phase_marks),
         peak_index=peak_index,
         peak_label=result.peak.describe(),
-        top_modules=[(str(m[0]), int(m[1])) for m in result.top_modules[:3]],
+        top_modules=group_modules(_activations_by_module(timeline, result.peak.key))[:3],
         reserved=reserved,
         events=events,
         origins=origins,
     )
+
+
+def _activations_by_module(timeline: Any, peak_key: str) -> dict[str, int]:
+    """Activation bytes each module's forward made that are alive at the peak moment
+    ``peak_key``; every module, where ``TraceResult.top_modules`` keeps ten (a 12-layer
+    stack's twelfth layer would be left out of its group)."""
+    by_module: dict[str, int] = {}
+    for key in timeline.live_at(timeline.phase_peaks[peak_key].event_index):
+        if timeline.category(key) == "activations" and key in timeline.module_of:
+            name = timeline.module_of[key]
+            by_module[name] = by_module.get(name, 0) + timeline.sizes[key]
+    return by_module
+
+
+_LAYER_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a dotted path component of digits only
+
+
+def group_modules(by_module: dict[str, int]) -> list[ModuleGroup]:
+    """Modules whose names differ only in their first numeric component (a layer of a stack)
+    as one group each, largest total first.
+
+    Example:
+        >>> mlp = {f"h.{i}.mlp": 3 << 20 for i in range(12)}
+        >>> attn = {f"h.{i}.attn": (i + 1) << 20 for i in range(12)}
+        >>> for g in group_modules({**mlp, **attn, "lm_head": 50 << 20}):
+        ...     print(g)
+        ModuleGroup(name='h.*.attn', count=12, total_bytes=81788928, each_bytes=None)
+        ModuleGroup(name='lm_head', count=1, total_bytes=52428800, each_bytes=52428800)
+        ModuleGroup(name='h.*.mlp', count=12, total_bytes=37748736, each_bytes=3145728)
+    """
+    members: dict[str, list[tuple[str, int]]] = {}
+    for name, nbytes in by_module.items():
+        members.setdefault(_LAYER_INDEX.sub("*", name, count=1), []).append((name, nbytes))
+    groups = []
+    for pattern, found in members.items():
+        sizes = {nbytes for _, nbytes in found}
+        groups.append(
+            ModuleGroup(
+                pattern if len(found) > 1 else found[0][0],
+                len(found),
+                sum(nbytes for _, nbytes in found),
+                sizes.pop() if len(sizes) == 1 else None,
+            )
+        )
+    return sorted(groups, key=lambda g: (-g.total_bytes, g.name))
 
 
 def _phase_words(phase: str, step: int, micro: int) -> str:
@@ -181,8 +249,16 @@ def plot(tl: StepTimeline, path: Path, title: str, gpu_bytes: int | None = None)
     """The stacked picture (GiB over allocation events), phases shaded, the peak marked."""
     from batchfit import _plots
 
+    _plots.save(figure(tl, title, gpu_bytes), path, "--timeline")
+
+
+def figure(tl: StepTimeline, title: str, gpu_bytes: int | None = None) -> Any:
+    """:func:`plot`'s matplotlib figure, laid out: the legend right of the axes, the peak's
+    label above everything drawn (the y axis is stretched to leave it room)."""
+    from batchfit import _plots
+
     plt = _plots.pyplot()
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     n = len(tl.events)
     xs = _binned(tl, _PLOT_POINTS)
     lower = [0.0] * len(xs)
@@ -207,51 +283,81 @@ def plot(tl: StepTimeline, path: Path, title: str, gpu_bytes: int | None = None)
             if phase not in shown and end - start > n / 30:
                 ax.text((start + end) / 2, 0, phase, ha="center", va="bottom", fontsize=9)
                 shown.add(phase)
+    top = max(lower, default=0.0)
     if tl.reserved is not None:
         reserved = [_plots.gib(tl.reserved[i]) for i in xs]
         ax.step(xs, reserved, where="mid", color="black", lw=1, label="reserved")
+        top = max(top, *reserved)
     if gpu_bytes:
         ax.axhline(_plots.gib(gpu_bytes), color="black", linestyle=":", lw=1, label="GPU memory")
+        top = max(top, _plots.gib(gpu_bytes))
+    ax.set_xlim(0, max(1, n - 1))
+    ax.set_ylim(0, max(top, 1e-3) * 1.05)
+    ax.set_xlabel("allocation events of the traced step (forward, backward, optimizer step)")
+    ax.set_ylabel("GiB")
+    ax.set_title(title)
+    # outside the axes: inside, its seven entries covered the curve's right half
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     if n:
         peak = _plots.gib(tl.peak_bytes)
         # the marker sits just above the peak, pointing at it
         ax.plot([tl.peak_index], [peak * 1.04], "v", color="black", markersize=8)
-        ax.annotate(
+        label = ax.annotate(
             f"peak {peak:.2f} GiB: {tl.peak_label}\n{peak_modules_text(tl.top_modules)}",
             (tl.peak_index, peak * 1.06),
-            xytext=(0.02, 0.97),
+            xytext=(0.01, 0.98),
             textcoords="axes fraction",
             va="top",
             fontsize=9,
             bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "lw": 0.5},
             arrowprops={"arrowstyle": "->", "lw": 0.8},
         )
-    ax.set_xlim(0, max(1, n - 1))
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("allocation events of the traced step (forward, backward, optimizer step)")
-    ax.set_ylabel("GiB")
-    ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=9)
-    _plots.save(fig, path, "--timeline")
+        _make_room_for(fig, ax, label, max(top, peak * 1.08))
+    return fig
+
+
+def _make_room_for(fig: Any, ax: Any, label: Any, top: float) -> None:
+    """Stretch the y axis so that everything drawn (up to ``top``, in data units) stays below
+    ``label``, a box placed in axes fraction at the top: the box's height is known only once
+    drawn, in the layout the picture is saved with."""
+    fig.tight_layout()
+    fig.canvas.draw()
+    box = label.get_bbox_patch().get_window_extent()
+    bottom = ax.transAxes.inverted().transform((0, box.y0))[1]  # axes fraction
+    ax.set_ylim(0, top / max(0.2, bottom - 0.02))
 
 
 _PLOT_POINTS = 500  # about 2 pixels a bin at the picture's width
 
 
-def peak_modules_text(top_modules: list[tuple[str, int]]) -> str:
-    """The peak label's second part: the modules holding the most activation memory, each
-    with its bytes, one a line so that long module paths stay readable.
+def peak_modules_text(top_modules: list[ModuleGroup]) -> str:
+    """The peak label's second part: the modules holding the most activation memory, one a
+    line so that long module paths stay readable; a stack's layers as one line, with their
+    count and each one's size (or the total, when their sizes differ).
 
     Example:
-        >>> print(peak_modules_text([("transformer.h.11.mlp", 3 << 29), ("lm_head", 5 << 20)]))
+        >>> print(peak_modules_text(group_modules({
+        ...     **{f"h.{i}.mlp": 84 << 20 for i in range(12)},
+        ...     **{f"h.{i}.attn": (i + 80) << 20 for i in range(12)},
+        ...     "lm_head": 5 << 20,
+        ... })))
         most activation memory:
-          transformer.h.11.mlp  1.50 GiB
-          lm_head  5.0 MiB
+          h.*.attn: 12 layers, 1.00 GiB
+          h.*.mlp: 12 × 84.0 MiB
+          lm_head: 5.0 MiB
     """
     if not top_modules:
         return "most activation memory: -"
-    lines = [f"  {name}  {_size_text(nbytes)}" for name, nbytes in top_modules]
+    lines = [f"  {g.name}: {_group_size_text(g)}" for g in top_modules]
     return "\n".join(["most activation memory:", *lines])
+
+
+def _group_size_text(group: ModuleGroup) -> str:
+    if group.count == 1:
+        return _size_text(group.total_bytes)
+    if group.each_bytes is not None:
+        return f"{group.count} × {_size_text(group.each_bytes)}"
+    return f"{group.count} layers, {_size_text(group.total_bytes)}"
 
 
 def _size_text(nbytes: int) -> str:
