@@ -342,3 +342,120 @@ def test_a_probe_result_has_a_footer() -> None:
     assert (
         "made by batchfit 0.1.0: figures measured in real steps on the device; torch 2.9.0" in text
     )
+
+
+def test_every_step_time_on_the_page_has_one_format() -> None:
+    """The time line, the alternatives' and the GPU counts' ``s / step`` show a step time
+    alike: three significant figures, as the terminal does (trial #14: the page mixed them)."""
+    plan = {
+        **_plan_json(),
+        "step_seconds": 12.345,
+        "num_gpus": 2,
+        "global_batch_size": 64,
+        "alternatives": [
+            {
+                "techniques": ["zero2"],
+                "kinds": ["exact"],
+                "max_micro_batch": 12,
+                "device_total_bytes": 5 * 2**30,
+                "micro_batch_size": 8,
+                "step_seconds": 12.345,
+                "tokens_per_s_per_gpu": 11000.0,
+            }
+        ],
+        "gpu_counts": [
+            {
+                "num_gpus": 2,
+                "chosen": True,
+                "micro_batch_size": 8,
+                "grad_accum_steps": 4,
+                "fits": True,
+                "step_seconds": 12.345,
+                "tokens_per_s_per_gpu": 5000.0,
+                "efficiency": 1.0,
+                "techniques": [],
+            }
+        ],
+    }
+    text = _text(_html.plan_html(plan))
+    assert "time: ~12.3 s per optimizer step," in text
+    assert "| 8 x 4 | 12.3 | 11,000 |" in text  # the alternative
+    assert "2 * | 8 x 4 | 12.3 | 5,000 |" in text  # the GPU count
+    assert text.count("12.3") == 3 and "12.35" not in text and "12 s" not in text
+
+
+def test_the_pages_step_times_are_the_terminals(tmp_path: Path) -> None:
+    """The same plan in the terminal and on the page: the same step time in the time line and
+    in each GPU count's row."""
+    import os
+
+    args = [
+        "llama-3.1-8b",
+        "--gpu",
+        "h100-80gb",
+        "--num-gpus",
+        "auto",
+        "--global-batch",
+        "256",
+        "--seq-len",
+        "4096",
+        "--engine",
+        "analytic",
+    ]
+    data, text = _cli_plan(tmp_path, *args)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchfit", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={
+            **os.environ,
+            "COLUMNS": "200",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+            "BATCHFIT_DATA_DIR": str(tmp_path / "data"),
+        },
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    terminal = proc.stdout
+    time_line = re.search(r"time: (~\S+ s per optimizer step),", terminal)
+    assert time_line is not None and f"time: {time_line.group(1)}," in text
+    timed = [c for c in data["gpu_counts"] if c.get("step_seconds")]
+    assert len(timed) > 1
+    for c in timed:
+        row = re.search(
+            rf"│\s+{c['num_gpus']}( \*)?\s+│\s+{c['micro_batch_size']} x {c['grad_accum_steps']}"
+            r"\s+│\s+(\S+)\s+│",
+            terminal,
+        )
+        assert row is not None, c
+        chosen = " *" if c.get("chosen") else ""
+        assert (
+            f"{c['num_gpus']}{chosen} | {c['micro_batch_size']} x {c['grad_accum_steps']} | "
+            f"{row.group(2)} |"
+        ) in text
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "caption"),
+    [
+        (
+            8,
+            "each with 2 micro-steps of the plan's 8. Micro-steps 3 to 8 are not traced: each "
+            "would repeat micro-step 2,",
+        ),
+        (3, "each with 2 micro-steps of the plan's 3. Micro-step 3 is not traced: it would"),
+        (2, "each with the plan's 2 micro-steps."),
+        (1, "each of one micro-step: the plan does not accumulate gradients."),
+    ],
+)
+def test_the_report_says_how_many_micro_steps_the_picture_traces(
+    accumulation: int, caption: str
+) -> None:
+    """The picture's dry run caps accumulation at two micro-steps a step
+    (timeline.traced_micro_steps); the caption under it says so against the plan's count."""
+    page = _html.report_page({**_plan_json(), "grad_accum_steps": accumulation}, b"\x89PNG")
+    text = _text(page)
+    assert "Two optimizer steps are traced (the first creates the optimizer state)" in text
+    assert caption in text
+    assert "Two optimizer steps" not in _text(_html.report_page(_plan_json()))  # no picture

@@ -103,6 +103,13 @@ def _breakdown(data: dict[str, Any]) -> str:
     return f"<table><tr><th>component</th><th>GiB</th></tr>{rows}</table>"
 
 
+def _step_time(seconds: float) -> str:
+    """Seconds per optimizer step, as every step time on the page and in the terminal
+    (cli/render.py: ``time: ~3.78 s per optimizer step``, the ``s / step`` columns) shows it:
+    three significant figures."""
+    return f"{seconds:.3g}"
+
+
 def _time(data: dict[str, Any]) -> str:
     if data.get("step_seconds") is None:
         return ""
@@ -110,7 +117,7 @@ def _time(data: dict[str, Any]) -> str:
     why = f"--throughput-from: {escape(str(source))}" if source else "predicted"
     mfu = 100 * (data.get("mfu") or 0)
     return (
-        f"<p>time: ~{data['step_seconds']:.3g} s per optimizer step, "
+        f"<p>time: ~{_step_time(data['step_seconds'])} s per optimizer step, "
         f"{data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {mfu:.0f}% "
         f'<span class="muted">({why})</span></p>'
     )
@@ -220,7 +227,7 @@ def _alternatives(data: dict[str, Any]) -> str:
             micro, step = a.get("micro_batch_size") or 0, a.get("step_seconds")
             cells += [
                 f"{micro} x {per_gpu // micro}" if micro and per_gpu else "-",
-                "-" if not step else f"{step:.3g}",
+                "-" if not step else _step_time(step),
                 "-" if not a.get("tokens_per_s_per_gpu") else f"{a['tokens_per_s_per_gpu']:,.0f}",
             ]
             if steps:
@@ -277,7 +284,7 @@ def _gpu_counts(data: dict[str, Any]) -> str:
         rows.append(
             f"<tr><td>{c.get('num_gpus')}{' *' if c.get('chosen') else ''}</td>"
             f"<td>{_micro_accum(c)}</td>"
-            f"<td>{'-' if not step else f'{step:.3g}'}</td>"
+            f"<td>{'-' if not step else _step_time(step)}</td>"
             f"<td>{'-' if not tps else f'{tps:,.0f}'}</td>"
             f"<td>{'-' if eff is None else f'{eff:.0%}'}</td>"
             f"<td>{'-' if not c.get('train_seconds') else human_duration(c['train_seconds'])}</td>"
@@ -402,10 +409,41 @@ def report_page(plan: dict[str, Any], timeline_png: bytes | None = None) -> str:
             "<h2>The step, traced</h2>"
             f'<img alt="memory over the traced step" style="max-width:100%" '
             f'src="data:image/png;base64,{encoded}">'
+            f'<p class="muted">{_traced_steps_caption(plan.get("grad_accum_steps") or 1)}</p>'
         )
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>batchfit plan: {escape(str(plan.get('model', '')))}</title></head><body>"
         + plan_html(plan, picture)
         + "</body></html>"
+    )
+
+
+def _traced_steps_caption(grad_accum_steps: int) -> str:
+    """What the picture's dry run holds against the plan's accumulation: each of its two
+    optimizer steps traces at most two micro-steps (``timeline.traced_micro_steps``).
+
+    Example:
+        >>> print(_traced_steps_caption(8))
+        Two optimizer steps are traced (the first creates the optimizer state), each with 2 \
+micro-steps of the plan's 8. Micro-steps 3 to 8 are not traced: each would repeat micro-step 2, \
+which already holds the gradients the earlier ones accumulated (the same memory, the same peak).
+    """
+    from batchfit.memory.timeline import traced_micro_steps
+
+    traced = traced_micro_steps(grad_accum_steps)
+    head = "Two optimizer steps are traced (the first creates the optimizer state)"
+    if grad_accum_steps <= 1:
+        return f"{head}, each of one micro-step: the plan does not accumulate gradients."
+    if grad_accum_steps == traced:
+        return f"{head}, each with the plan's {traced} micro-steps."
+    rest = (
+        f"Micro-step {grad_accum_steps} is not traced: it would repeat"
+        if grad_accum_steps == traced + 1
+        else f"Micro-steps {traced + 1} to {grad_accum_steps} are not traced: each would repeat"
+    )
+    return (
+        f"{head}, each with {traced} micro-steps of the plan's {grad_accum_steps}. {rest} "
+        f"micro-step {traced}, which already holds the gradients the earlier ones accumulated "
+        "(the same memory, the same peak)."
     )
