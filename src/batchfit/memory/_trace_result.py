@@ -19,8 +19,9 @@ class PhaseResult:
     """Components at one moment's peak (bytes).
 
     ``phase`` is forward, backward, optimizer-step or zero-grad; ``moment`` says which part of
-    it (``s2m1`` = step 2, first micro-step; ``.head``, ``.0top``, ``.0bottom``, ``.0below`` = in
-    backward, before the layer stack, in its top layer, in its bottom layer, below it).
+    it (``s2m1`` = step 2, first micro-step; ``.0below``, ``.0bottom``, ``.0middle``, ``.0top``
+    = below the layer stack, in its bottom, a middle or its top layer; ``.head`` = the output
+    head and loss: after the stack in forward, before it in backward).
     """
 
     phase: str
@@ -48,6 +49,8 @@ class PhaseResult:
             stack = where.rstrip("abcdefghijklmnopqrstuvwxyz")
             name = where[len(stack) :]
             layer = _WHERE.get(name, name)
+            if self.phase == "forward" and name == "head":
+                layer = "after the layer stack (head, loss)"
             parts.append(f"{layer} of stack {int(stack) + 1}" if stack not in ("", "0") else layer)
         return f"{self.phase} ({', '.join(parts)})" if parts else self.phase
 

@@ -126,11 +126,17 @@ def _first_grad_tensor(value: Any) -> torch.Tensor | None:
 class _Moments:
     """Names the moment a traced step is at, so that every moment exists at every depth.
 
-    Forward and the optimizer step are one moment each per step (and per first / later
-    micro-step: later ones hold the gradients of earlier ones). Backward is split where the
-    gradient reaches a stack's top layer, its bottom layer and what lies below it: the peak
-    of backward is at its start (all activations held) or its end (all gradients held), and
-    which one depends on the micro-batch, so the two are extrapolated over depth apart.
+    The optimizer step is one moment per step; forward and backward are moments per step and
+    per first / later micro-step (later ones hold the gradients of earlier ones). Backward is
+    split where the gradient reaches a stack's top layer, its bottom layer and what lies below
+    it: the peak of backward is at its start (all activations held) or its end (all gradients
+    held), and which one depends on the micro-batch, so the two are extrapolated over depth
+    apart. Forward is split the same way, where it enters a stack's bottom, middle and top
+    layers and leaves the last stack (``head``: final norm, output head, loss): its peak is
+    early (the root's gathered parameters under FSDP, the embeddings) or late (all
+    activations), and one moment for the whole of forward mixes the two across depths
+    (Llama-3.1-8B, FSDP2 on 8 ranks, micro-batch 1: the early peak at 3 layers and the late
+    one at 4 extrapolated to 76 GiB of activations at 32 layers, more than micro-batch 4).
     """
 
     def __init__(self, tracker: AllocationTracker, stacks: tuple[tuple[torch.nn.Module, ...], ...]):
@@ -138,6 +144,9 @@ class _Moments:
         self.step = 1
         self.micro = 0
         self.handles: list[Any] = []
+        # where forward starts: below the first stack (the embeddings); a model without a
+        # stack is one forward moment
+        self.forward_start = "0below" if stacks else ""
         for k, stack in enumerate(stacks):
             for i, layer in enumerate(stack):
                 names = []
@@ -145,9 +154,12 @@ class _Moments:
                     names.append(f"{k}top")
                 if i == 0:
                     names.append(f"{k}bottom")
-                self.handles.append(
-                    layer.register_forward_hook(self._on_output(names or [f"{k}middle"]))
-                )
+                names = names or [f"{k}middle"]
+                self.handles.append(layer.register_forward_pre_hook(self._in_forward(*names)))
+                self.handles.append(layer.register_forward_hook(self._on_output(names)))
+            # after a stack's top layer: below the next stack, or the head after the last
+            after = f"{k + 1}below" if k + 1 < len(stacks) else "head"
+            self.handles.append(stack[-1].register_forward_hook(self._in_forward(after)))
             self.handles.append(
                 stack[0].register_forward_pre_hook(self._on_input(f"{k}below"), with_kwargs=True)
             )
@@ -159,6 +171,14 @@ class _Moments:
     def _at(self, *names: str) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
             self.tracker.set_moments(*(f"{self.base}.{n}" for n in names))
+
+        return hook
+
+    def _in_forward(self, *names: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            # not while backward recomputes a checkpointed layer: that is backward's moment
+            if self.tracker.phase == "forward":
+                self.tracker.set_moments(*(f"{self.base}.{n}" for n in names))
 
         return hook
 
@@ -181,7 +201,8 @@ class _Moments:
     def enter(self, phase: str) -> None:
         if phase == "forward":
             self.micro += 1
-            self.tracker.set_phase(phase, self.base)
+            start = f".{self.forward_start}" if self.forward_start else ""
+            self.tracker.set_phase(phase, f"{self.base}{start}")
         elif phase == "backward":
             self.tracker.set_phase(phase, f"{self.base}.head")
         else:
