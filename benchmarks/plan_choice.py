@@ -327,21 +327,12 @@ def _selection_rule(
     ):
         if per_gpu // tried_best[1] > max(64, per_gpu // chosen[1]):
             return (
-                f"MAX_QUIET_ACCUM: the dial stops at a K whose micro-batch needs over 64 "
-                f"micro-steps ({cited}; _fewer_layers treats it as a tie bought with "
-                "micro-steps)"
+                f"MAX_QUIET_ACCUM: a K whose micro-batch needs over 64 micro-steps wins only "
+                f"when over {TIME_TOLERANCE:.0%} faster ({cited})"
             )
         return f"the checkpointing dial (_fewer_layers) stopped before {cited}"
-    if case.num_gpus == 1:
-        return (
-            f"one GPU: the first rung that fits is taken untimed, the plain setup when it "
-            f"fits; only the checkpointing dial is timed ({cited} is a later rung)"
-        )
     if not plain_fits or (c.offload != "none" and t.offload != "none"):
-        return (
-            "nothing fits without offload, so _widest returns None and the first rung that "
-            f"fits is taken untimed ({cited} is a later rung)"
-        )
+        return f"nothing fits without offload: the fastest offload rung was not {cited}"
     if t.offload != "none" and c.offload == "none":
         return (
             f"OFFLOAD_MARGIN: offload is predicted faster by under {OFFLOAD_MARGIN:.0%} ({cited})"

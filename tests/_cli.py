@@ -27,3 +27,22 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         raise SystemExit(0)
     captured = capsys.readouterr()
     return int(exc.value.code or 0), captured.out, captured.err
+
+
+def plan_setup_flags(plan: dict) -> list[str]:
+    """The ``estimate`` flags of a ``plan --json``'s setup: what its techniques set (the time
+    model may take a rung even where the setup as given fits: fused AdamW, a lean loss)."""
+    setup = plan["setup"]
+    every = setup["grad_ckpt_every"]
+    flags = ["--grad-ckpt-every", str(every)] if every else []
+    flags += ["--grad-ckpt"] if setup["grad_ckpt"] and not every else []
+    for flag, key in (
+        ("--loss", "loss"),
+        ("--method", "method"),
+        ("--precision", "precision"),
+        ("--optimizer-impl", "optimizer_impl"),
+        ("--sharding", "sharding"),
+        ("--offload", "offload"),
+    ):
+        flags += [flag, str(setup[key])]
+    return flags

@@ -4,6 +4,7 @@ several GPUs, and one rule per row in ``batchfit gpus``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -31,7 +32,8 @@ def _plan(num_gpus: int = 1, **setup: object):
 
 def _mistral_v100():
     # fp32 Adam on a 32 GB V100: full checkpointing needs offload and runs 64 x 1 at ~239 s;
-    # every 4th layer fits 1 x 16 at ~198 s by the time model
+    # every 4th layer fits 1 x 16 at ~198 s, and with the parameters offloaded too no
+    # checkpointing at all fits 1 x 16 at ~184 s by the time model
     return make_plan(
         resolve_model("mistral-7b"),
         get_gpu("v100-32gb"),
@@ -42,16 +44,33 @@ def _mistral_v100():
     )
 
 
+NEMO = ["mistral-nemo-12b", "--gpu", "h100-80gb", "--num-gpus", "4", "-s", "4096"]
+
+
+def _nemo(**setup: object):
+    # 12B on 4 H100s under ZeRO-3, 96 sequences of 4096: full checkpointing runs 24 x 1,
+    # every 3rd layer 1 x 24, faster by the time model; no checkpointing does not fit
+    return make_plan(
+        resolve_model("mistral-nemo-12b"),
+        get_gpu("h100-80gb"),
+        TrainingSetup(num_gpus=4, **setup),  # type: ignore[arg-type]
+        seq_len=4096,
+        global_batch=96,
+        engine="analytic",
+    )
+
+
 def test_the_planner_checkpoints_fewer_layers_when_that_is_faster():
-    p = _mistral_v100()
+    p = _nemo()
     names = [t.name for t in p.techniques]
     assert "gradient-checkpointing" not in names
     partial = [t for t in p.techniques if t.name.startswith("gradient-checkpointing-every-")]
     assert len(partial) == 1 and partial[0].kind == "exact"
     every = p.setup.grad_ckpt_every
+    layers = resolve_model("mistral-nemo-12b").arch.num_layers
     assert every in ladder_module.PARTIAL_CKPT_EVERY
     assert partial[0].name == f"gradient-checkpointing-every-{every}"
-    assert f"({32 // every} of 32)" in partial[0].why
+    assert f"({layers // every} of {layers})" in partial[0].why
     assert any(f"every {ladder_module.ordinal(every)} layer" in w for w in p.warnings)
     # full checkpointing stays among the alternatives, timed, and slower than the choice
     full = [a for a in p.alternatives if "gradient-checkpointing" in {t.name for t in a.techniques}]
@@ -63,16 +82,49 @@ def test_the_planner_checkpoints_fewer_layers_when_that_is_faster():
     assert chosen[0].step_seconds < best_full
 
 
-def test_fewer_layers_are_not_taken_when_they_are_slower():
-    # 8B on one H100: every 2nd layer fits 8 x 64 (~154 s), every layer 64 x 8 (~149 s):
-    # the faster run keeps full checkpointing
+def test_checkpointing_goes_when_offload_made_room_and_that_is_faster():
+    # the ladder's offload rungs keep checkpointing on; the dial also tries none
+    v100 = _mistral_v100()
+    assert not v100.setup.grad_ckpt and v100.micro_batch_size == 1
+    assert "offload-optimizer+params" in {t.name for t in v100.techniques}
+    # 8B on one H100: ZeRO-2 + optimizer offload fits 4 x 128 without recompute (~140 s)
+    # against every layer at 64 x 8 (~149 s): over the 5% that 128 micro-steps must win by
     p = _plan()
+    assert not p.setup.grad_ckpt and p.setup.offload != "none"
+    assert p.micro_batch_size == 4 and p.grad_accum_steps == 128
+    full = [a for a in p.alternatives if "gradient-checkpointing" in {t.name for t in a.techniques}]
+    chosen = [a for a in p.alternatives if a.techniques == p.techniques]
+    offloaded_full = [a for a in full if a.setup.offload == p.setup.offload]
+    assert chosen and offloaded_full
+    assert chosen[0].step_seconds < min(a.step_seconds or 1e9 for a in offloaded_full)
+
+
+def test_many_micro_steps_must_win_by_the_tolerance(monkeypatch):
+    import batchfit.plan as plan_module
+
+    # with no margin for 128 micro-steps the same choice; with a 10% one, checkpointing stays
+    monkeypatch.setattr(plan_module, "TIME_TOLERANCE", 0.10)
+    p = _plan()
+    assert p.setup.grad_ckpt and p.grad_accum_steps <= plan_module.MAX_QUIET_ACCUM
+
+
+def test_fewer_layers_are_not_taken_when_they_are_slower():
+    # 1B on 8 A100-40s: every layer at 48 x 1; every 2nd layer needs a smaller micro-batch,
+    # which loses more to utilisation than it saves in recompute
+    p = make_plan(
+        resolve_model("llama-3.2-1b"),
+        get_gpu("a100-40gb"),
+        TrainingSetup(num_gpus=8),
+        seq_len=2048,
+        global_batch_tokens=786432,
+        engine="analytic",
+    )
     assert "gradient-checkpointing" in [t.name for t in p.techniques]
     assert p.setup.grad_ckpt and p.setup.grad_ckpt_every is None
 
 
 def test_a_framework_that_cannot_select_layers_keeps_full_checkpointing():
-    p = _plan(framework="hf-trainer")
+    p = _nemo(framework="hf-trainer")
     assert "gradient-checkpointing" in [t.name for t in p.techniques]
     assert p.setup.grad_ckpt and p.setup.grad_ckpt_every is None
 
@@ -83,16 +135,15 @@ def test_the_user_s_own_checkpointing_is_kept():
 
 
 def test_the_plan_json_and_its_estimate_line_carry_the_layers(capsys):
-    args = ["plan", "mistral-7b", "--gpu", "v100-32gb", "-s", "2048", "--precision", "fp32"]
-    args += ["--optimizer", "adam", "--global-batch"]
-    code, out, err = run_cli([*args, "16", "--engine", "analytic", "--json"], capsys)
+    args = ["plan", *NEMO, "--global-batch"]
+    code, out, err = run_cli([*args, "96", "--engine", "analytic", "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
     names = [t["name"] for t in data["techniques"]]
     every = data["setup"]["grad_ckpt_every"]
     assert every in ladder_module.PARTIAL_CKPT_EVERY
     assert f"gradient-checkpointing-every-{every}" in names
-    code, out, err = run_cli([*args, "16", "--engine", "analytic"], capsys)
+    code, out, err = run_cli([*args, "96", "--engine", "analytic"], capsys)
     assert code == 0, err
     assert f"--grad-ckpt-every {every}" in out.replace("\n", " ")
 
@@ -172,9 +223,8 @@ def test_gpus_output_states_the_rule(capsys):
 
 
 def test_the_estimate_line_of_a_partial_plan_reproduces_its_figures(capsys):
-    args = ["mistral-7b", "--gpu", "v100-32gb", "-s", "2048", "--precision", "fp32"]
-    args += ["--optimizer", "adam", "--engine", "analytic", "--json"]
-    code, out, err = run_cli(["plan", *args, "--global-batch", "16"], capsys)
+    args = [*NEMO, "--engine", "analytic", "--json"]
+    code, out, err = run_cli(["plan", *args, "--global-batch", "96"], capsys)
     assert code == 0, err
     plan = json.loads(out)
     setup = plan["setup"]
@@ -191,11 +241,24 @@ def test_the_estimate_line_of_a_partial_plan_reproduces_its_figures(capsys):
     assert est["step_seconds"] == pytest.approx(plan["step_seconds"])
 
 
-@pytest.mark.parametrize("kind", ["hf", "accelerate", "deepspeed", "lightning"])
-def test_an_export_of_a_partial_plan_says_it_wraps_every_layer(kind):
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("hf", "activation_checkpointing wraps every layer"),
+        ("accelerate", "cannot switch on"),  # ZeRO-3 under accelerate: no switch to name
+        ("deepspeed", "a DeepSpeed config cannot switch on"),
+        ("lightning", "Lightning's Trainer cannot switch on"),
+    ],
+)
+def test_an_export_of_a_partial_plan_says_once_how_to_checkpoint_the_layers(kind, says):
     from batchfit.export import export_caveats
 
-    p = _mistral_v100()
-    assert p.setup.grad_ckpt_every
-    said = [c for c in export_caveats(p, kind) if "wraps every layer" in c]
-    assert said and f"every {ladder_module.ordinal(p.setup.grad_ckpt_every)} layer" in said[0]
+    p = _nemo()
+    every = p.setup.grad_ckpt_every
+    assert every
+    about = [c for c in export_caveats(p, kind) if "checkpoint" in c]
+    assert len(about) == 1, about  # one line, not two that disagree
+    assert says in about[0] and f"every {ladder_module.ordinal(every)} layer" in about[0]
+    fsdp = replace(p, setup=replace(p.setup, sharding="fsdp"))
+    (line,) = [c for c in export_caveats(fsdp, "accelerate") if "checkpoint" in c]
+    assert "fsdp_activation_checkpointing wraps every layer" in line

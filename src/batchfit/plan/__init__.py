@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchfit._batchnorm import batchnorm_warning
+from batchfit._units import human_bytes
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
@@ -232,13 +233,15 @@ def _climb(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
 
 def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
     """``fit`` with full checkpointing replaced by every K-th layer's (K in
-    ``PARTIAL_CKPT_EVERY``) where that fits ``wanted`` and the time model predicts it faster
-    (at equal times, the fewest checkpointed layers). Only where the run can select layers
-    (``PARTIAL_CKPT_FRAMEWORKS``)."""
+    ``PARTIAL_CKPT_EVERY``, only where the run can select layers: ``PARTIAL_CKPT_FRAMEWORKS``)
+    or by none, where that fits ``wanted`` and the time model predicts it faster (at equal
+    times, the fewest checkpointed layers). An option that needs more than
+    ``MAX_QUIET_ACCUM`` micro-steps (and more than full checkpointing's) wins only when over
+    ``TIME_TOLERANCE`` faster: hundreds of micro-steps at a micro-batch of 1 or 2 are where
+    the time model is least tested."""
     if (
         GRAD_CKPT not in fit.techniques
         or fit.max_micro_batch < (wanted or 1)
-        or fit.setup.framework not in PARTIAL_CKPT_FRAMEWORKS
         or not isinstance(target.model, ModelInfo)
     ):
         return fit
@@ -247,16 +250,27 @@ def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
     def usable(micro: int) -> int:
         return wanted or largest_divisor_at_most(target.per_gpu, micro)
 
+    full_accum = target.per_gpu // usable(fit.max_micro_batch)
     full_seconds = target.step_seconds(fit.setup, usable(fit.max_micro_batch))
-    # (checkpointed layers, seconds, alternative); full checkpointing is the fallback
-    options: list[tuple[int, float, Alternative | None]] = [(layers, full_seconds, None)]
-    for every in PARTIAL_CKPT_EVERY:
-        if layers // every < 1:
-            continue
-        tech = partial_ckpt(every, layers)
-        combo = tuple(tech if t is GRAD_CKPT else t for t in fit.techniques)
+    # (checkpointed layers, seconds, alternative, many micro-steps); full is the fallback
+    options: list[tuple[int, float, Alternative | None, bool]] = [
+        (layers, full_seconds, None, False)
+    ]
+    everies = [
+        every
+        for every in PARTIAL_CKPT_EVERY
+        if layers // every >= 1 and fit.setup.framework in PARTIAL_CKPT_FRAMEWORKS
+    ]
+    for every in (*everies, None):  # None: no checkpointing (offload may have made room)
+        if every is None:
+            combo = tuple(t for t in fit.techniques if t is not GRAD_CKPT)
+            setup = replace(fit.setup, grad_ckpt=False, grad_ckpt_every=None)
+        else:
+            tech = partial_ckpt(every, layers)
+            combo = tuple(tech if t is GRAD_CKPT else t for t in fit.techniques)
+            setup = tech(fit.setup)
         try:
-            alt = target.alternative(combo, tech(fit.setup))
+            alt = target.alternative(combo, setup)
         except UsageError:
             continue
         if alt.max_micro_batch >= (wanted or 1):
@@ -265,17 +279,18 @@ def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
             break  # fewer checkpointed layers hold more: a larger K fits less still
         alt = replace(alt, comm_bytes_per_step=target.comm(alt.setup))
         micro = usable(alt.max_micro_batch)
-        if target.per_gpu // micro > max(
-            MAX_QUIET_ACCUM, target.per_gpu // usable(fit.max_micro_batch)
-        ):
-            break  # a tie bought with hundreds of micro-steps is no simpler run
+        many = target.per_gpu // micro > max(MAX_QUIET_ACCUM, full_accum)
         seconds = target.step_seconds(alt.setup, micro)
-        options.append((layers // every, seconds, alt))
+        options.append((layers // every if every else 0, seconds, alt, many))
     # the fastest; fewer checkpointed layers only where they are not slower: a partial
     # option that needs a much smaller micro-batch can lose more to utilisation than it
     # saves in recompute (1 x H100, 8B: every 2nd layer at 8 x 64, 154 s, against every
     # layer at 64 x 8, 149 s), and a demanding user takes the faster run
-    _, _, chosen = min(options, key=lambda o: (o[1], o[0]))
+    quiet = min((o for o in options if not o[3]), key=lambda o: (o[1], o[0]))
+    longest = min((o for o in options if o[3]), key=lambda o: (o[1], o[0]), default=None)
+    chosen = quiet[2]
+    if longest is not None and longest[1] < quiet[1] * (1 - TIME_TOLERANCE):
+        chosen = longest[2]
     if chosen is None:
         return fit
     return _Fit(
@@ -296,18 +311,30 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
         except UsageError:
             continue  # a rung this model cannot take (no module matches the LoRA targets)
         alternatives.append(replace(alt, comm_bytes_per_step=target.comm(alt.setup)))
-    if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+    # one GPU: the plain setup is timed against the ladder's exact rungs too (fused AdamW,
+    # or offload that lets checkpointing go) where the time model applies
+    timed = setup.num_gpus > 1 or isinstance(target.model, ModelInfo)
+    if timed and setup.sharding in ("none", "ddp"):
         base = Alternative((), setup, base_max, 0, target.engine, target.comm(setup))
         widest = _widest(target, base, alternatives, wanted)
         if widest is not None:
             return widest
     if base_max > 0 and (wanted is None or wanted <= base_max):
         return _Fit(setup, (), base_max, tuple(alternatives))
-    for k, alt in enumerate(alternatives):
+    # nothing fits without offload (or the time model does not apply): the fastest exact
+    # rung that fits, then those that change training in the ladder's order
+    fitting = [k for k, alt in enumerate(alternatives) if alt.max_micro_batch >= (wanted or 1)]
+    exact = [k for k in fitting if all(t.kind == "exact" for t in alternatives[k].techniques)]
+
+    def seconds(k: int) -> float:
+        alt = alternatives[k]
+        micro = wanted or largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
+        return target.step_seconds(alt.setup, micro)
+
+    for k in [*sorted(exact, key=lambda k: (seconds(k), k)), *sorted(set(fitting) - set(exact))]:
+        alt = alternatives[k] = target.confirmed(alternatives[k])  # the lines' is a what-if
         if alt.max_micro_batch >= (wanted or 1):
-            alt = alternatives[k] = target.confirmed(alt)  # the lines' answer is a what-if
-            if alt.max_micro_batch >= (wanted or 1):
-                return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives))
+            return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives))
     return _Fit(setup, (), base_max, tuple(alternatives))
 
 
@@ -318,9 +345,10 @@ def _offloads(alt: Alternative) -> bool:
 def _widest(
     target: _Target, base: Alternative, alternatives: list[Alternative], wanted: int | None
 ) -> _Fit | None:
-    """The exact option (DDP as asked, or with ZeRO-1/2/3 or FSDP2, each with the ladder's
-    lean loss and checkpointing) that finishes an optimizer step soonest by the time model
-    (``batchfit.speed``: compute at the largest micro-batch the per-GPU batch allows,
+    """The exact option (as asked, or with the ladder's fused AdamW, lean loss and
+    checkpointing, and on several GPUs ZeRO-1/2/3 or FSDP2) that finishes an optimizer step
+    soonest by the time model (``batchfit.speed``: compute at the largest micro-batch the
+    per-GPU batch allows,
     recompute under checkpointing, the communication compute does not hide); where the time
     model does not apply, the largest micro-batch, then no recompute, then the fewest
     techniques, then the least communication (``speed/_comm.py``). Offload (a CPU step)
@@ -574,6 +602,8 @@ def make_plan(
         *_advice_warnings(target_model, gpu, fit.setup, micro, accum),
         *_loss_warnings(fit.techniques, fit.setup),
         *_ckpt_warnings(fit.setup, target_model),
+        *_host_warnings(est, fit.setup.num_gpus),
+        *_short_run_warnings(train_tokens, train_samples, global_samples, seq or 1),
         *fit.notes,
     ]
     return Plan(
@@ -656,6 +686,41 @@ def _timed(target: _Target, alt: Alternative) -> Alternative:
         tokens_per_s_per_gpu=tokens,
         throughput_source=source,
     )
+
+
+# host RAM for offloaded state worth a line of its own (the breakdown table shows any)
+HOST_RAM_WARNING_BYTES = 32 * 2**30
+
+
+def _host_warnings(est: MemoryEstimate, num_gpus: int) -> list[str]:
+    """The host RAM an offloading plan needs, when it is more than many machines have."""
+    if est.host_bytes < HOST_RAM_WARNING_BYTES:
+        return []
+    each = human_bytes(est.host_bytes)
+    total = f" ({human_bytes(est.host_bytes * num_gpus)} for {num_gpus} GPUs on one machine)"
+    return [
+        f"the offloaded state needs {each} of host RAM per GPU process"
+        + (total if num_gpus > 1 else "")
+        + ", besides the data loader's: check `free -g` on the training machine"
+    ]
+
+
+def _short_run_warnings(
+    tokens: int | None, samples: int | None, global_samples: int, seq_len: int
+) -> list[str]:
+    """A run shorter than one global batch (its one step is a whole batch)."""
+    batch_tokens = global_samples * seq_len
+    if tokens is not None and tokens < batch_tokens:
+        return [
+            f"--train-tokens {tokens:,} is less than one global batch ({batch_tokens:,} "
+            "tokens): the run is 1 optimizer step of a whole batch"
+        ]
+    if samples is not None and samples < global_samples:
+        return [
+            f"--epochs x --dataset-size gives {samples:,} samples, less than one global batch "
+            f"({global_samples:,}): the run is 1 optimizer step of a whole batch"
+        ]
+    return []
 
 
 def _train_steps(

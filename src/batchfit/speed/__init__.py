@@ -269,11 +269,18 @@ def step_time(
         last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
         comm_step = _exposed(last, compute_micro * backward_share)
         comm_step += moved.after_step_gather * ring
-    offload = 0.0
+    offload = fetch = 0.0
     if setup.offload != "none":  # the CPU updates the offloaded state
         offload, update = _offload_seconds(model, setup, gpu, trainable / shard), 0.0
+    if setup.offload == "optimizer+params":
+        # ZeRO-Infinity / FSDP's CPU offload keep the parameters on the host: every
+        # micro-step copies this rank's partition up for forward, again for backward and for
+        # each recomputed layer, prefetched beside compute
+        copies = 2 + recompute_share
+        fetched = (2 if setup.precision != "fp32" else 4) * model.total_params / shard * copies
+        fetch = _exposed(fetched / _host_bytes_per_s(gpu), launch + compute)
     return StepTime(
-        micro_seconds=launch + compute + comm_micro,
+        micro_seconds=launch + compute + comm_micro + fetch,
         optimizer_seconds=update + comm_step + offload,
         tokens_per_micro_step=tokens,
         model_flops_per_token=model_flops_per_token,
@@ -377,13 +384,15 @@ def _offload_seconds(
     model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, partition: float
 ) -> float:
     """CPU offload per optimizer step: the 16-bit gradient partition down to the host, the
-    updated 16-bit parameters back up, the CPU's Adam over the fp32 master partition; with
-    parameter offload, the parameters up again for forward and backward (ZeRO-Infinity)."""
-    host = HOST_LINK_GB_S.get(gpu.architecture, 15.75) * 1e9 * HOST_COPY_EFFICIENCY
+    updated 16-bit parameters back up, the CPU's Adam over the fp32 master partition. With
+    parameter offload the parameters also go up in every micro-step (``step_time``)."""
     moved = 2 * partition * 2  # gradients down, parameters up, 2 bytes each
-    if setup.offload == "optimizer+params":
-        moved += 2 * 2 * model.total_params / max(1, setup.num_gpus)
-    return moved / host + partition / CPU_ADAM_PARAMS_PER_S
+    return moved / _host_bytes_per_s(gpu) + partition / CPU_ADAM_PARAMS_PER_S
+
+
+def _host_bytes_per_s(gpu: GpuSpec) -> float:
+    """What one GPU's host link carries, in bytes a second."""
+    return HOST_LINK_GB_S.get(gpu.architecture, 15.75) * 1e9 * HOST_COPY_EFFICIENCY
 
 
 def _head_params(model: ModelInfo) -> float:
