@@ -74,3 +74,11 @@ def test_a_bad_price_exits_2_in_one_line(capsys, price):
     code, out, err = run_cli(_plan("t4", "--gpu-hour-price", price), capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "--gpu-hour-price" in err
+
+
+@pytest.mark.parametrize("tokens", ["1e400", "1e19", "-10B", "0", "inf", "many"])
+def test_a_bad_token_count_exits_2_in_one_line(capsys, tokens):
+    args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "256", "--global-batch", "32"]
+    code, out, err = run_cli([*args, "--train-tokens", tokens, "--engine", "analytic"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--train-tokens" in err and "Traceback" not in err

@@ -274,6 +274,12 @@ def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _ordinal(k: int | None) -> str:
+    from batchfit.plan._ladder import ordinal
+
+    return ordinal(k or 1)
+
+
 def export_caveats(plan: Plan, kind: str) -> list[str]:
     """What the exported config cannot say that the plan assumed (one line each).
 
@@ -306,24 +312,37 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
             "does not run what was planned: export accelerate (FSDP2) or plan with --sharding "
             "zero1|zero2|zero3"
         )
-    if kind == "deepspeed":  # a DeepSpeed JSON holds neither: the script must switch them on
+    every = setup.grad_ckpt_every
+    # the layers a partial plan checkpoints (the plan's own note names them)
+    chosen = f"every {_ordinal(every)} layer with torch.utils.checkpoint" if every else ""
+    # HF's TrainingArguments hold both switches and accelerate's FSDP config the
+    # checkpointing one; a DeepSpeed JSON, accelerate's other configs and Lightning's Trainer
+    # hold neither: the script must switch them on
+    has_switch = kind == "hf" or (kind == "accelerate" and setup.sharding == "fsdp")
+    if not has_switch:
         needs = []
         if setup.grad_ckpt:
-            needs.append("gradient checkpointing (model.gradient_checkpointing_enable())")
+            needs.append(
+                f"checkpointing of {chosen}"
+                if every
+                else "gradient checkpointing (model.gradient_checkpointing_enable())"
+            )
         if setup.loss == "fused":
             needs.append("Liger's fused linear cross-entropy (liger_kernel)")
         if needs:
-            caveats.append(
-                f"the plan needs {' and '.join(needs)}, which a DeepSpeed config cannot switch "
-                "on: your train.py must, or the step will not fit"
+            where = {"deepspeed": "a DeepSpeed config", "lightning": "Lightning's Trainer"}.get(
+                kind, "this accelerate config"
             )
-    if setup.grad_ckpt_every:  # no export names layers: each switch wraps every one
-        from batchfit.plan._ladder import ordinal
-
+            script = "your LightningModule" if kind == "lightning" else "your train.py"
+            caveats.append(
+                f"the plan needs {' and '.join(needs)}, which {where} cannot switch on: "
+                f"{script} must, or the step will not fit"
+            )
+    elif every:  # the export's switch wraps every layer: no export names layers
+        switch = "activation_checkpointing" if kind == "hf" else "fsdp_activation_checkpointing"
         caveats.append(
-            f"the plan checkpoints every {ordinal(setup.grad_ckpt_every)} layer; this export's "
-            "checkpointing switch wraps every layer, which fits but recomputes more than "
-            "planned: wrap the chosen layers with torch.utils.checkpoint in your script"
+            f"this export's {switch} wraps every layer (fits, recomputes more than planned): "
+            f"for the plan's speed, turn it off and wrap {chosen} in your script"
         )
     if kind == "accelerate" and is_deepspeed(setup):
         caveats.append(

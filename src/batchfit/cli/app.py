@@ -176,6 +176,11 @@ def _check_output(path: Path, option: str) -> None:
     """Refuse an output file that cannot be written, before any engine or trial runs."""
     folder = path.parent
     if not folder.is_dir():
+        # the nearest part of the path that exists says which mistake it is
+        above = next((p for p in folder.parents if p.exists()), None)
+        if folder.exists() or (above is not None and not above.is_dir()):
+            blocker = folder if folder.exists() else above
+            raise UsageError(f"{option} {path}: {blocker} is a file, not a folder")
         raise UsageError(f"{option} {path}: the folder {folder} does not exist")
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder: name a file")

@@ -31,7 +31,10 @@ def parse_tokens(text: str) -> int:
         raise UsageError(
             f"--train-tokens {text!r} is not a positive token count such as 2T, 100B or 2e12"
         )
-    count = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2).upper()])
+    value = float(match.group(1)) * _TOKEN_UNITS[match.group(2).upper()]
+    if not 1 <= value <= MAX_TOKENS:  # 1e400 is inf: no int of it
+        raise UsageError(f"--train-tokens {text!r} must be between 1 and 1e18 tokens")
+    count = int(value)
     if not 1 <= count <= MAX_TOKENS:
         raise UsageError(f"--train-tokens {text!r} must be between 1 and 1e18 tokens")
     return count

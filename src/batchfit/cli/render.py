@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +34,20 @@ class _Console(Console):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
 
+def _width(stream: object) -> int | None:
+    """A terminal's own width (None: rich asks it); 160 columns for a pipe or a file, where
+    rich's 80 cut each technique name of a table over a dozen lines. ``COLUMNS`` decides
+    where it is set."""
+    isatty = getattr(stream, "isatty", None)
+    if (isatty is not None and isatty()) or os.environ.get("COLUMNS"):
+        return None
+    return PIPE_WIDTH
+
+
+PIPE_WIDTH = 160
 # soft_wrap: sentences are never cut into lines (tables still fit the terminal width).
-out = _Console(highlight=False, soft_wrap=True)
-err = _Console(stderr=True, highlight=False, soft_wrap=True)
+out = _Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
+err = _Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
 
 
 @contextlib.contextmanager
@@ -235,6 +248,7 @@ def technique_flags(p: Plan) -> str:
         ("--method", s.method, base.method),
         ("--precision", s.precision, base.precision),
         ("--optimizer", s.optimizer, base.optimizer),
+        ("--optimizer-impl", s.optimizer_impl, base.optimizer_impl),
         ("--sharding", s.sharding, base.sharding),
         ("--offload", s.offload, base.offload),
     ):
@@ -338,29 +352,51 @@ def plan(p: Plan, info: ModelInfo) -> None:
         table.add_column("largest micro-batch", justify="right")
         table.add_column("GiB at that size", justify="right")
         timed = any(a.step_seconds for a in p.alternatives)
+        steps, price = p.train_steps, p.gpu_hour_price
         if timed:
+            table.add_column("timed at", justify="right")
             table.add_column("s / step", justify="right")
             table.add_column("tokens/s/GPU", justify="right")
+            if steps:
+                table.add_column("run", justify="right")
+            if steps and price is not None:
+                table.add_column("cost", justify="right")
+        per_gpu = p.global_batch_size // p.num_gpus
         # mark the rows the formulas answered, when the trace answered any (it was asked for)
         traced = est.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
         for alt in p.alternatives:
             kinds = {t.kind for t in alt.techniques}
+            step = alt.step_seconds
+            run = step * steps if step and steps else None
+            cells = [
+                f"{alt.micro_batch_size} x {per_gpu // alt.micro_batch_size}"
+                if step and alt.micro_batch_size
+                else "-",
+                f"{step:.3g}" if step else "-",
+                f"{alt.tokens_per_s_per_gpu:,.0f}" if alt.tokens_per_s_per_gpu else "-",
+            ]
+            if steps:
+                cells.append(human_duration(run) if run else "-")
+            if steps and price is not None:
+                cells.append(f"${run / 3600 * p.num_gpus * price:,.0f}" if run else "-")
             table.add_row(
                 _rung_name(alt, p.num_gpus)
-                + (" (analytic)" if traced and alt.engine == "analytic" else ""),
+                + (" (analytic)" if traced and alt.engine == "analytic" else "")
+                + (" *" if alt.techniques == p.techniques else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
                 str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
                 gib_figure(alt.device_total_bytes),
-                *(
-                    (
-                        f"{alt.step_seconds:.3g}" if alt.step_seconds else "-",
-                        f"{alt.tokens_per_s_per_gpu:,.0f}" if alt.tokens_per_s_per_gpu else "-",
-                    )
-                    if timed
-                    else ()
-                ),
+                *(cells if timed else ()),
             )
         out.print(table)
+        if timed:
+            out.print(
+                "* the plan; each row is timed at the largest micro-batch that divides the "
+                "per-GPU batch (timed at); run and cost for the whole run"
+                if steps
+                else "* the plan; each row is timed at the largest micro-batch that divides "
+                "the per-GPU batch (timed at)"
+            )
         if traced and any(alt.engine == "analytic" for alt in p.alternatives):
             out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
         if any(alt.throughput_source for alt in p.alternatives):

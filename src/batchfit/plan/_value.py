@@ -143,11 +143,16 @@ class Plan:
         return run / 3600 * self.num_gpus * self.gpu_hour_price
 
     def candidates(self) -> list[dict[str, Any]]:
-        """The plan, then the alternatives that fit, fastest first, with the same keys."""
+        """The plan, then the other alternatives that fit, fastest first, with the same keys.
+        ``exact``: no technique changes what is learned (LoRA, 8-bit Adam, pure bf16 do);
+        ``device_total_bytes`` is at ``max_micro_batch`` for an alternative (what it holds at
+        its largest), at the plan's micro-batch for the plan."""
         rows = [
             {
                 "techniques": [t.name for t in self.techniques],
+                "exact": all(t.kind == "exact" for t in self.techniques),
                 "micro_batch_size": self.micro_batch_size,
+                "max_micro_batch": self.max_micro_batch,
                 "grad_accum_steps": self.grad_accum_steps,
                 "device_total_bytes": self.device_total_bytes,
                 "chosen": True,
@@ -155,13 +160,19 @@ class Plan:
                 "throughput_source": self.throughput.source if self.throughput else None,
             }
         ]
-        timed = [a for a in self.alternatives if a.max_micro_batch and a.micro_batch_size]
+        timed = [
+            a
+            for a in self.alternatives
+            if a.max_micro_batch and a.micro_batch_size and a.techniques != self.techniques
+        ]
         for a in sorted(timed, key=lambda a: (a.step_seconds is None, a.step_seconds or 0.0)):
             per_gpu = self.global_batch_size // self.num_gpus
             rows.append(
                 {
                     "techniques": [t.name for t in a.techniques],
+                    "exact": all(t.kind == "exact" for t in a.techniques),
                     "micro_batch_size": a.micro_batch_size,
+                    "max_micro_batch": a.max_micro_batch,
                     "grad_accum_steps": per_gpu // a.micro_batch_size,
                     "device_total_bytes": a.device_total_bytes,
                     "chosen": False,
