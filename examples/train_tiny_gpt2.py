@@ -10,6 +10,10 @@
    with plenty of memory.
 
     python examples/train_tiny_gpt2.py --steps 8 --oom-above 4
+
+``--write-config FILE`` writes the model's config.json and exits: ``batchfit estimate FILE
+--device cpu -b 16 -s 32 --json`` is then the CPU step this script runs, for ``batchfit
+monitor --plan`` (README, "Watch a run").
 """
 
 from __future__ import annotations
@@ -59,7 +63,11 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--gpu", default="t4", help="catalog GPU to plan for")
     parser.add_argument("--oom-above", type=int, default=None, help="simulate OOM above this")
+    parser.add_argument("--write-config", type=Path, help="write the config.json and exit")
     args = parser.parse_args()
+    if args.write_config is not None:
+        args.write_config.write_text(json.dumps(CONFIG, indent=2) + "\n")
+        return
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
 

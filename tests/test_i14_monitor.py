@@ -111,7 +111,14 @@ def test_unwritable_output_is_refused_before_the_command_runs(tmp_path: Path) ->
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--log" in proc.stderr
+    assert "does not exist" in proc.stderr
     assert not marker.exists()
+    # a file where a folder should be is named as such, not as a missing folder
+    (tmp_path / "plan.json").write_text("{}")
+    for plot in ("plan.json/x.png", "plan.json/deeper/x.png"):
+        proc = _cli("--plot", str(tmp_path / plot), "--", PY, "-c", "pass")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+        assert "plan.json is a file, not a folder" in proc.stderr
 
 
 def test_plan_drift_warns_once(tmp_path: Path) -> None:

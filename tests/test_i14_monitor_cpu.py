@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,11 +76,8 @@ def test_pages_a_forked_worker_shares_count_once() -> None:
 
 def _cpu_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     # the step examples/train_tiny_gpt2.py runs: its config, micro-batch 16 of 32 tokens
-    namespace: dict[str, object] = {}
-    source = EXAMPLE.read_text().split("SEQ_LEN = ")[0].split("CONFIG = ", 1)[1]
-    exec("CONFIG = " + source, namespace)
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(namespace["CONFIG"]))
+    subprocess.run([sys.executable, str(EXAMPLE), "--write-config", str(config)], check=True)
     code, out, err = run_cli(
         ["estimate", str(config), "--device", "cpu", "-b", "16", "-s", "32", "--json"], capsys
     )

@@ -29,17 +29,10 @@ from batchfit.integrations.lightning import PeakMemoryCallback, StepMemory
 from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
+from tests._tiny import TINY_GPT2
 
 # the tiny GPT-2 of examples/train_tiny_gpt2.py
-CONFIG = {
-    "model_type": "gpt2",
-    "architectures": ["GPT2LMHeadModel"],
-    "vocab_size": 96,
-    "n_positions": 64,
-    "n_embd": 64,
-    "n_layer": 2,
-    "n_head": 4,
-}
+CONFIG = TINY_GPT2
 SEQ, MICRO, ACCUM, STEPS = 32, 4, 2, 3
 
 

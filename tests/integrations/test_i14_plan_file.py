@@ -25,16 +25,9 @@ from batchfit.integrations import hf
 from batchfit.models import resolve_model
 from batchfit.plan import Plan, make_plan
 from batchfit.spec import TrainingSetup
+from tests._tiny import TINY_GPT2
 
-CONFIG = {
-    "model_type": "gpt2",
-    "architectures": ["GPT2LMHeadModel"],
-    "vocab_size": 96,
-    "n_positions": 64,
-    "n_embd": 64,
-    "n_layer": 2,
-    "n_head": 4,
-}
+CONFIG = TINY_GPT2
 
 
 def _plan(tmp_path: Path, n_embd: int = 64) -> Plan:
