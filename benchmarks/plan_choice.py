@@ -331,6 +331,15 @@ def _selection_rule(
                 f"when over {TIME_TOLERANCE:.0%} faster ({cited})"
             )
         return f"the checkpointing dial (_fewer_layers) stopped before {cited}"
+    if (
+        gap <= TIME_TOLERANCE + 1e-9
+        and t.offload == "optimizer+params"
+        and c.offload not in ("none", "optimizer+params")
+    ):
+        return (
+            f"TIME_TOLERANCE: within {TIME_TOLERANCE:.0%} the tie-break keeps the parameters "
+            f"on the GPU ({cited} offloads them)"
+        )
     if not plain_fits or (c.offload != "none" and t.offload != "none"):
         return f"nothing fits without offload: the fastest offload rung was not {cited}"
     if t.offload != "none" and c.offload == "none":
@@ -339,8 +348,9 @@ def _selection_rule(
         )
     if gap <= TIME_TOLERANCE + 1e-9:
         return (
-            f"TIME_TOLERANCE: within {TIME_TOLERANCE:.0%} the tie-break takes the larger "
-            f"micro-batch, no recompute, fewer techniques, less traffic ({cited})"
+            f"TIME_TOLERANCE: within {TIME_TOLERANCE:.0%} the tie-break takes the parameters "
+            f"on the GPU, the larger micro-batch, no recompute, fewer techniques, less traffic "
+            f"({cited})"
         )
     return f"other ({cited})"
 

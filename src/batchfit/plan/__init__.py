@@ -326,12 +326,25 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     fitting = [k for k, alt in enumerate(alternatives) if alt.max_micro_batch >= (wanted or 1)]
     exact = [k for k in fitting if all(t.kind == "exact" for t in alternatives[k].techniques)]
 
-    def seconds(k: int) -> float:
-        alt = alternatives[k]
-        micro = wanted or largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
-        return target.step_seconds(alt.setup, micro)
+    def usable(k: int) -> int:
+        return wanted or largest_divisor_at_most(target.per_gpu, alternatives[k].max_micro_batch)
 
-    for k in [*sorted(exact, key=lambda k: (seconds(k), k)), *sorted(set(fitting) - set(exact))]:
+    seconds = {k: target.step_seconds(alternatives[k].setup, usable(k)) for k in exact}
+    fastest = min(seconds.values(), default=0.0)
+    # within the time model's resolution of the fastest, _widest's order: the parameters
+    # on the GPU, the larger micro-batch, no recompute, the fewest techniques
+    near = [k for k in exact if seconds[k] <= fastest * (1 + TIME_TOLERANCE)]
+    near.sort(
+        key=lambda k: (
+            alternatives[k].setup.offload == "optimizer+params",
+            -usable(k),
+            alternatives[k].setup.grad_ckpt,
+            len(alternatives[k].techniques),
+            k,
+        )
+    )
+    rest = sorted(set(exact) - set(near), key=lambda k: (seconds[k], k))
+    for k in [*near, *rest, *sorted(set(fitting) - set(exact))]:
         alt = alternatives[k] = target.confirmed(alternatives[k])  # the lines' is a what-if
         if alt.max_micro_batch >= (wanted or 1):
             return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives))
@@ -361,13 +374,23 @@ def _widest(
     def usable(i: int) -> int:
         return wanted or largest_divisor_at_most(target.per_gpu, options[i].max_micro_batch)
 
-    def tiebreak(i: int) -> tuple[int, bool, int, int, int]:
-        # at one size, recomputing costs more than any collective (full checkpointing takes
-        # 21-23% of throughput, DESIGN.md); then the fewest techniques (the time model already
-        # counts what each sends, and plain DDP beats ZeRO-1 + a chunked loss by simplicity
-        # when both take the same time), then the least sent
+    def tiebreak(i: int) -> tuple[bool, int, bool, int, int, int]:
+        # parameters left on the GPU first: offloaded, every micro-step waits on PCIe, the
+        # time model's least tested assumption (hidden behind compute); then the larger
+        # micro-batch; at one size, recomputing costs more than any collective (full
+        # checkpointing takes 21-23% of throughput, DESIGN.md); then the fewest techniques
+        # (the time model already counts what each sends, and plain DDP beats ZeRO-1 + a
+        # chunked loss by simplicity when both take the same time), then the least sent
         alt = options[i]
-        return (-usable(i), alt.setup.grad_ckpt, len(alt.techniques), alt.comm_bytes_per_step, i)
+        params_away = alt.setup.offload == "optimizer+params"
+        return (
+            params_away,
+            -usable(i),
+            alt.setup.grad_ckpt,
+            len(alt.techniques),
+            alt.comm_bytes_per_step,
+            i,
+        )
 
     checked: set[int] = {0}  # the base's size is searched and confirmed already
     while eligible:

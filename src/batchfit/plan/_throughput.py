@@ -181,11 +181,13 @@ class Correction:
 
     def step_time(self, t: StepTime) -> StepTime:
         """``t`` with its compute (not its communication or offload) times ``factor``."""
-        compute_micro = t.micro_seconds - t.comm_micro_seconds
+        compute_micro = t.micro_seconds - t.comm_micro_seconds - t.offload_micro_seconds
         compute_step = t.optimizer_seconds - t.comm_step_seconds - t.offload_seconds
         return replace(
             t,
-            micro_seconds=self.factor * compute_micro + t.comm_micro_seconds,
+            micro_seconds=self.factor * compute_micro
+            + t.comm_micro_seconds
+            + t.offload_micro_seconds,
             optimizer_seconds=self.factor * compute_step + t.comm_step_seconds + t.offload_seconds,
         )
 
@@ -201,7 +203,13 @@ class Correction:
 
 def _compute_seconds(t: StepTime) -> float:
     """One step at accumulation 1, less what a probe's trial does not run."""
-    return t.step_seconds(1) - t.comm_micro_seconds - t.comm_step_seconds - t.offload_seconds
+    return (
+        t.step_seconds(1)
+        - t.comm_micro_seconds
+        - t.comm_step_seconds
+        - t.offload_seconds
+        - t.offload_micro_seconds
+    )
 
 
 @dataclass(frozen=True)

@@ -156,10 +156,16 @@ class StepTime:
     comm_micro_seconds: float = 0.0
     comm_step_seconds: float = 0.0
     offload_seconds: float = 0.0
+    # CPU offload in each micro-step: the parameters' copies up (ZeRO-Infinity, in
+    # micro_seconds), and when accumulating, the gradients accumulated in CPU RAM down and up
+    # again in every micro-step but the last (DeepSpeed's async_accumulate_grad_in_cpu_via_gpu)
+    offload_micro_seconds: float = 0.0
+    offload_accum_seconds: float = 0.0
 
     def step_seconds(self, grad_accum_steps: int = 1) -> float:
         """One optimizer step: ``grad_accum_steps`` micro-steps and the optimizer's update."""
-        return self.micro_seconds * grad_accum_steps + self.optimizer_seconds
+        accumulating = self.offload_accum_seconds * (grad_accum_steps - 1)
+        return self.micro_seconds * grad_accum_steps + accumulating + self.optimizer_seconds
 
     def to_json(self, grad_accum_steps: int = 1) -> dict[str, float]:
         """``step_seconds``, ``tokens_per_s_per_gpu`` and ``mfu`` (model FLOPs over the peak),
@@ -172,7 +178,9 @@ class StepTime:
             "tokens_per_s_per_gpu": tokens / step,
             "mfu": self.model_flops_per_token * tokens / (step * self.peak_flops),
             "comm_seconds": self.comm_micro_seconds * grad_accum_steps + self.comm_step_seconds,
-            "offload_seconds": self.offload_seconds,
+            "offload_seconds": self.offload_seconds
+            + self.offload_micro_seconds * grad_accum_steps
+            + self.offload_accum_seconds * (grad_accum_steps - 1),
         }
 
 
@@ -269,9 +277,15 @@ def step_time(
         last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
         comm_step = _exposed(last, compute_micro * backward_share)
         comm_step += moved.after_step_gather * ring
-    offload = fetch = 0.0
+    offload = fetch = accumulate = 0.0
     if setup.offload != "none":  # the CPU updates the offloaded state
         offload, update = _offload_seconds(model, setup, gpu, trainable / shard), 0.0
+        # accumulating, the 16-bit gradient partition goes down to CPU RAM and the sum so far
+        # comes back up in each micro-step but the last, beside backward's compute
+        moved_accum = 2 * 2 * trainable / shard
+        accumulate = _exposed(
+            moved_accum / _host_bytes_per_s(gpu), (launch + compute) * backward_share
+        )
     if setup.offload == "optimizer+params":
         # ZeRO-Infinity / FSDP's CPU offload keep the parameters on the host: every
         # micro-step copies this rank's partition up for forward, again for backward and for
@@ -288,6 +302,8 @@ def step_time(
         comm_micro_seconds=comm_micro,
         comm_step_seconds=comm_step,
         offload_seconds=offload,
+        offload_micro_seconds=fetch,
+        offload_accum_seconds=accumulate,
     )
 
 
