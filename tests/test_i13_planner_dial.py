@@ -19,29 +19,23 @@ MODEL = "llama-3.1-8b"
 TOKENS = 1048576
 
 
+def _on(model: str, gpu: str, seq_len: int, setup: TrainingSetup, **target: int):
+    """The analytic plan of ``model`` on ``gpu`` for a global batch (``target``)."""
+    info = resolve_model(model)
+    return make_plan(info, get_gpu(gpu), setup, seq_len=seq_len, engine="analytic", **target)
+
+
 def _plan(num_gpus: int = 1, **setup: object):
-    return make_plan(
-        resolve_model(MODEL),
-        get_gpu("h100-80gb"),
-        TrainingSetup(num_gpus=num_gpus, **setup),  # type: ignore[arg-type]
-        seq_len=2048,
-        global_batch_tokens=TOKENS,
-        engine="analytic",
-    )
+    s = TrainingSetup(num_gpus=num_gpus, **setup)  # type: ignore[arg-type]
+    return _on(MODEL, "h100-80gb", 2048, s, global_batch_tokens=TOKENS)
 
 
 def _mistral_v100():
     # fp32 Adam on a 32 GB V100: full checkpointing needs offload and runs 64 x 1 at ~239 s;
     # every 4th layer fits 1 x 16 at ~198 s, and with the parameters offloaded too no
     # checkpointing at all fits 1 x 16 at ~184 s by the time model
-    return make_plan(
-        resolve_model("mistral-7b"),
-        get_gpu("v100-32gb"),
-        TrainingSetup(precision="fp32", optimizer="adam"),
-        seq_len=2048,
-        global_batch=16,
-        engine="analytic",
-    )
+    setup = TrainingSetup(precision="fp32", optimizer="adam")
+    return _on("mistral-7b", "v100-32gb", 2048, setup, global_batch=16)
 
 
 NEMO = ["mistral-nemo-12b", "--gpu", "h100-80gb", "--num-gpus", "4", "-s", "4096"]
@@ -50,14 +44,8 @@ NEMO = ["mistral-nemo-12b", "--gpu", "h100-80gb", "--num-gpus", "4", "-s", "4096
 def _nemo(**setup: object):
     # 12B on 4 H100s under ZeRO-3, 96 sequences of 4096: full checkpointing runs 24 x 1,
     # every 3rd layer 1 x 24, faster by the time model; no checkpointing does not fit
-    return make_plan(
-        resolve_model("mistral-nemo-12b"),
-        get_gpu("h100-80gb"),
-        TrainingSetup(num_gpus=4, **setup),  # type: ignore[arg-type]
-        seq_len=4096,
-        global_batch=96,
-        engine="analytic",
-    )
+    s = TrainingSetup(num_gpus=4, **setup)  # type: ignore[arg-type]
+    return _on("mistral-nemo-12b", "h100-80gb", 4096, s, global_batch=96)
 
 
 def test_the_planner_checkpoints_fewer_layers_when_that_is_faster():
@@ -122,14 +110,7 @@ def test_offload_accumulation_is_paid_per_micro_step():
 def _qwen_a10g():
     # 1.7B on 2 A10Gs, 2M tokens of 2048: every 4th layer at 1 x 512 against every layer at
     # 8 x 64, about 7% faster by the time model
-    return make_plan(
-        resolve_model("qwen3-1.7b"),
-        get_gpu("a10g"),
-        TrainingSetup(num_gpus=2),
-        seq_len=2048,
-        global_batch_tokens=2097152,
-        engine="analytic",
-    )
+    return _on("qwen3-1.7b", "a10g", 2048, TrainingSetup(num_gpus=2), global_batch_tokens=2097152)
 
 
 def test_many_micro_steps_must_win_by_the_tolerance(monkeypatch):
@@ -146,14 +127,8 @@ def test_many_micro_steps_must_win_by_the_tolerance(monkeypatch):
 def test_fewer_layers_are_not_taken_when_they_are_slower():
     # 1B on 8 A100-40s: every layer at 48 x 1; every 2nd layer needs a smaller micro-batch,
     # which loses more to utilisation than it saves in recompute
-    p = make_plan(
-        resolve_model("llama-3.2-1b"),
-        get_gpu("a100-40gb"),
-        TrainingSetup(num_gpus=8),
-        seq_len=2048,
-        global_batch_tokens=786432,
-        engine="analytic",
-    )
+    eight = TrainingSetup(num_gpus=8)
+    p = _on("llama-3.2-1b", "a100-40gb", 2048, eight, global_batch_tokens=786432)
     assert "gradient-checkpointing" in [t.name for t in p.techniques]
     assert p.setup.grad_ckpt and p.setup.grad_ckpt_every is None
 
