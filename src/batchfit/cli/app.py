@@ -708,7 +708,12 @@ def gpus(
     verbose: VerboseO = False,
     as_json: JsonO = False,
 ) -> None:
-    """List the catalog GPUs; with MODEL --seq-len, what fits on each of them."""
+    """List the catalog GPUs; with MODEL --seq-len, what fits on each of them.
+
+    Each row follows one rule (printed under the table): the fastest exact option by the time
+    model at its largest micro-batch, with the hours a billion tokens take; CPU offload only
+    when over 25% faster; rungs that change training only when nothing exact fits.
+    """
     from batchfit.cli import render
     from batchfit.hardware import all_gpus
 

@@ -45,8 +45,7 @@ def gpu_counts(max_gpus: int) -> list[int]:
 
 def _summary(plan: Plan) -> GpuCount:
     fits = plan.fits and plan.max_micro_batch > 0
-    tokens = plan.tokens_per_step
-    step = plan.step_seconds
+    speed = plan.speed_json()
     return GpuCount(
         num_gpus=plan.num_gpus,
         fits=fits,
@@ -54,8 +53,8 @@ def _summary(plan: Plan) -> GpuCount:
         grad_accum_steps=plan.grad_accum_steps,
         techniques=tuple(t.name for t in plan.techniques),
         sharding=plan.setup.sharding,
-        step_seconds=step,
-        tokens_per_s_per_gpu=None if not step or tokens is None else tokens / plan.num_gpus / step,
+        step_seconds=speed["step_seconds"],
+        tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
         train_seconds=plan.train_seconds,
         cost_usd=plan.cost_usd,
     )
