@@ -214,7 +214,17 @@ def _alternatives(data: dict[str, Any]) -> str:
         head += ["run", "cost"] if steps and price is not None else ["run"] if steps else []
     traced = data.get("engine") == "trace" or any(a.get("engine") == "trace" for a in alts)
     rows = []
-    for a in alts:
+    # the terminal's order: exact first, then changing training; each timed fastest first
+    ordered = sorted(
+        enumerate(alts),
+        key=lambda ia: (
+            "changes-training" in (ia[1].get("kinds") or []),
+            not ia[1].get("step_seconds"),
+            ia[1].get("step_seconds") or 0.0,
+            ia[0],
+        ),
+    )
+    for _, a in ordered:
         kinds = a.get("kinds") or []
         cells = [
             escape(_rung_name(a, data))
@@ -241,7 +251,9 @@ def _alternatives(data: dict[str, Any]) -> str:
     if any(a.get("throughput_source") for a in alts):
         notes.append("s / step: corrected by --throughput-from")
     return (
-        "<h2>Alternatives <span class='muted'>(exact rungs first)</span></h2><table><tr>"
+        "<h2>Alternatives <span class='muted'>("
+        + ("exact first, then by step time" if timed else "exact rungs first")
+        + ")</span></h2><table><tr>"
         + "".join(f"<th>{h}</th>" for h in head)
         + "</tr>"
         + "".join(rows)

@@ -346,7 +346,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
             if est.engine == "trace"
             else ""
         )
-        table = Table(title=f"Alternatives (exact rungs first{how})", title_justify="left")
+        order = "exact first, then by s / step" if timed_any(p) else "exact rungs first"
+        table = Table(title=f"Alternatives ({order}{how})", title_justify="left")
         table.add_column("techniques", overflow="fold")
         table.add_column("kind", overflow="fold")
         table.add_column("largest micro-batch", justify="right")
@@ -364,7 +365,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
         per_gpu = p.global_batch_size // p.num_gpus
         # mark the rows the formulas answered, when the trace answered any (it was asked for)
         traced = est.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
-        for alt in p.alternatives:
+        for alt in ranked(p.alternatives):
             kinds = {t.kind for t in alt.techniques}
             step = alt.step_seconds
             run = step * steps if step and steps else None
@@ -408,6 +409,25 @@ def plan(p: Plan, info: ModelInfo) -> None:
     if p.gpu_counts:
         _gpu_counts(p)
     _warn(p.warnings)
+
+
+def timed_any(p: Plan) -> bool:
+    return any(a.step_seconds for a in p.alternatives)
+
+
+def ranked(alternatives: tuple[Alternative, ...]) -> list[Alternative]:
+    """Exact options first, then those that change training; in each, the timed ones fastest
+    first, then the rest in the ladder's order."""
+    order = {id(a): i for i, a in enumerate(alternatives)}
+    return sorted(
+        alternatives,
+        key=lambda a: (
+            any(t.kind != "exact" for t in a.techniques),
+            not a.step_seconds,
+            a.step_seconds or 0.0,
+            order[id(a)],
+        ),
+    )
 
 
 def _rung_name(alt: Alternative, num_gpus: int) -> str:
