@@ -544,3 +544,12 @@ def test_cli_deepspeed_file_parses(tmp_path, capsys, monkeypatch: pytest.MonkeyP
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (128, 16)
     assert cfg.gradient_accumulation_steps == 8
     assert cfg.bfloat16_config.enabled  # rtx-3060 is Ampere: auto -> amp-bf16
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "hf", "lightning"])
+def test_an_export_without_out_is_stdouts_only_text(kind, capsys):
+    # `plan ... --export deepspeed > ds_config.json` gives a file the framework reads
+    code, out, err = run_cli([*CONTRACT, "--export", kind, "--engine", "analytic"], capsys)
+    assert code == 0, err
+    json.loads(out)  # nothing but the export
+    assert "micro-batch" in err and "launch:" in err  # the plan, on stderr

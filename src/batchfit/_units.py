@@ -117,3 +117,15 @@ def human_duration(seconds: float) -> str:
     if seconds < 3 * 86400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} days"
+
+
+def ordinal(k: int) -> str:
+    """``2nd``, ``3rd``, ``4th``: for the layer counts in messages.
+
+    Example:
+        >>> ordinal(2), ordinal(3), ordinal(4), ordinal(21)
+        ('2nd', '3rd', '4th', '21st')
+    """
+    if k % 100 in (11, 12, 13):
+        return f"{k}th"
+    return f"{k}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th') }"

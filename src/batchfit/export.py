@@ -275,7 +275,7 @@ def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
 
 
 def _ordinal(k: int | None) -> str:
-    from batchfit.plan._ladder import ordinal
+    from batchfit._units import ordinal
 
     return ordinal(k or 1)
 

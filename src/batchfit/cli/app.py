@@ -610,11 +610,17 @@ def plan(
         extra = {"lengths": lengths_seen.to_json()} if lengths_seen is not None else {}
         _emit_json({**result.to_json(), "exports": {**exports, "launch": launch}, **extra})
     else:
-        if lengths_seen is not None:
-            render.note(lengths_seen.describe())
-        render.plan(result, info)
-        render.note(f"launch: {launch}")
-        if export_kind is not None:
+        # an export without --out is stdout's only text (`--export deepspeed > ds.json`):
+        # the plan goes to stderr then
+        alone = export_kind is not None and out is None
+        with render.on_stderr() if alone else contextlib.nullcontext():
+            if lengths_seen is not None:
+                render.note(lengths_seen.describe())
+            render.plan(result, info)
+            render.note(f"launch: {launch}")
+        if alone:
+            print(export_text)
+        elif export_kind is not None:
             render.export_note(export_kind, out, export_text)
 
 

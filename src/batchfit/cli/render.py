@@ -471,6 +471,17 @@ def _gpu_counts(p: Plan) -> None:
     out.print(f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's")
 
 
+@contextlib.contextmanager
+def on_stderr() -> Iterator[None]:
+    """Print what would go to stdout on stderr instead (stdout kept for one file's text)."""
+    global out
+    kept, out = out, err
+    try:
+        yield
+    finally:
+        out = kept
+
+
 def export_note(kind: str, path: Path | None, text: str | None) -> None:
     if path is not None:
         out.print(f"wrote {kind} export to {path}", markup=False)

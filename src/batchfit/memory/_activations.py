@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from batchfit._units import ordinal
 from batchfit.memory.types import Line
 from batchfit.models import Architecture, ModelInfo
 from batchfit.spec import TrainingSetup
@@ -564,7 +565,7 @@ def _partly_checkpointed(
     lines = [
         Line(
             "activations",
-            f"checkpointed layer inputs (every {every}th layer)",
+            f"checkpointed layer inputs (every {ordinal(every)} layer)",
             int(layer_input * n_ckpt),
             f"{n_ckpt} layers x {rg.stream_bytes} B x {arch.hidden_size} x {tokens:,} tokens",
         ),

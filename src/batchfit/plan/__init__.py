@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchfit._batchnorm import batchnorm_warning
-from batchfit._units import human_bytes
+from batchfit._units import human_bytes, ordinal
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
@@ -36,7 +36,6 @@ from batchfit.plan._ladder import (
     Technique,
     apply,
     ladder,
-    ordinal,
     partial_ckpt,
 )
 from batchfit.plan._lr_scaling import (
@@ -250,11 +249,13 @@ def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
     def usable(micro: int) -> int:
         return wanted or largest_divisor_at_most(target.per_gpu, micro)
 
-    full_accum = target.per_gpu // usable(fit.max_micro_batch)
-    full_seconds = target.step_seconds(fit.setup, usable(fit.max_micro_batch))
-    # (checkpointed layers, seconds, alternative, many micro-steps); full is the fallback
-    options: list[tuple[int, float, Alternative | None, bool]] = [
-        (layers, full_seconds, None, False)
+    full_micro = usable(fit.max_micro_batch)
+    full_accum = target.per_gpu // full_micro
+    full_seconds = target.step_seconds(fit.setup, full_micro)
+    # (checkpointed layers, seconds, micro-batch, alternative, many micro-steps, its name);
+    # full checkpointing is the fallback
+    options: list[tuple[int, float, int, Alternative | None, bool, str]] = [
+        (layers, full_seconds, full_micro, None, False, "every layer")
     ]
     everies = [
         every
@@ -281,21 +282,35 @@ def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
         micro = usable(alt.max_micro_batch)
         many = target.per_gpu // micro > max(MAX_QUIET_ACCUM, full_accum)
         seconds = target.step_seconds(alt.setup, micro)
-        options.append((layers // every if every else 0, seconds, alt, many))
-    # the fastest; fewer checkpointed layers only where they are not slower: a partial
-    # option that needs a much smaller micro-batch can lose more to utilisation than it
-    # saves in recompute (1 x H100, 8B: every 2nd layer at 8 x 64, 154 s, against every
-    # layer at 64 x 8, 149 s), and a demanding user takes the faster run
-    quiet = min((o for o in options if not o[3]), key=lambda o: (o[1], o[0]))
-    longest = min((o for o in options if o[3]), key=lambda o: (o[1], o[0]), default=None)
-    chosen = quiet[2]
-    if longest is not None and longest[1] < quiet[1] * (1 - TIME_TOLERANCE):
-        chosen = longest[2]
-    if chosen is None:
+        name = f"every {ordinal(every)} layer" if every else "none"
+        options.append((layers // every if every else 0, seconds, micro, alt, many, name))
+    if len(options) == 1:
         return fit
-    return _Fit(
-        chosen.setup, chosen.techniques, chosen.max_micro_batch, (*fit.alternatives, chosen)
-    )
+    # the fastest, as _widest ranks: within the time model's resolution (TIME_TOLERANCE) of
+    # it, the larger micro-batch, then the fewer checkpointed layers (1 x H100, 8B: every 2nd
+    # layer at 8 x 64, 154 s, against every layer at 64 x 8, 149 s: every layer); an option
+    # past MAX_QUIET_ACCUM micro-steps only when over TIME_TOLERANCE faster than the rest
+    quiet = [o for o in options if not o[4]]
+    fastest = min(o[1] for o in quiet)
+    near = [o for o in quiet if o[1] <= fastest * (1 + TIME_TOLERANCE)]
+    chosen = min(near, key=lambda o: (-o[2], o[0]))
+    longest = min((o for o in options if o[4]), key=lambda o: (o[1], o[0]), default=None)
+    if longest is not None and longest[1] < fastest * (1 - TIME_TOLERANCE):
+        chosen = longest
+    tried = ", ".join(f"{o[5]} {o[1]:.3g} s at {o[2]} x {target.per_gpu // o[2]}" for o in options)
+    faster = [o for o in options if o[1] < chosen[1]]
+    notes = fit.notes
+    if chosen[3] is not None or faster:
+        why = (
+            f"; within {TIME_TOLERANCE:.0%} of the fastest the larger micro-batch is taken"
+            if faster
+            else ""
+        )
+        notes = (*notes, f"checkpointing tried as a dial: {tried}; taken: {chosen[5]}{why}")
+    if chosen[3] is None:
+        return replace(fit, notes=notes)
+    alt = chosen[3]
+    return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, (*fit.alternatives, alt), notes)
 
 
 def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> _Fit:
@@ -347,8 +362,30 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     for k in [*near, *rest, *sorted(set(fitting) - set(exact))]:
         alt = alternatives[k] = target.confirmed(alternatives[k])  # the lines' is a what-if
         if alt.max_micro_batch >= (wanted or 1):
-            return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives))
+            quickest = min(near, key=lambda j: seconds[j], default=k)
+            notes: tuple[str, ...] = ()
+            if k in seconds and seconds[k] > seconds[quickest] * (1 + TIE_NOTE_ABOVE):
+                notes = (_tie_note(alternatives[quickest], seconds[quickest], alt, seconds[k]),)
+            return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives), notes)
     return _Fit(setup, (), base_max, tuple(alternatives))
+
+
+# a faster option passed over within TIME_TOLERANCE is named when it is this much faster
+TIE_NOTE_ABOVE = 0.02
+
+
+def _tie_note(faster: Alternative, seconds: float, taken: Alternative, chosen: float) -> str:
+    """Why an option predicted faster, within ``TIME_TOLERANCE``, was not taken."""
+
+    def names(alt: Alternative) -> str:
+        return " + ".join(t.name for t in alt.techniques) or "the setup as given"
+
+    return (
+        f"{names(faster)} is predicted at {seconds:.3g} s/step against {chosen:.3g} s/step "
+        f"for {names(taken)}: within {TIME_TOLERANCE:.0%} (the time model's resolution) the "
+        "simpler is taken: the parameters on the GPU, the larger micro-batch, no recompute, "
+        "fewer techniques"
+    )
 
 
 def _offloads(alt: Alternative) -> bool:
@@ -418,6 +455,9 @@ def _widest(
         # within the time model's resolution of the fastest, the simpler option
         near = [i for i in pool if seconds[i] <= fastest * (1 + TIME_TOLERANCE)]
         best = min(near, key=tiebreak)
+        q = min(near, key=lambda i: seconds[i])
+        if seconds[best] > seconds[q] * (1 + TIE_NOTE_ABOVE):
+            notes = (*notes, _tie_note(options[q], seconds[q], options[best], seconds[best]))
         if best in checked:
             alt = options[best]
             shown = tuple(options[1:])
@@ -454,9 +494,7 @@ def _ckpt_warnings(setup: TrainingSetup, model: ModelInfo | OwnModel) -> list[st
         f"the plan checkpoints every {ordinal(every)} layer "
         f"({setup.checkpointed_layers(layers)} of {layers}: layers {every - 1}, "
         f"{2 * every - 1}, ...): wrap those layers with "
-        f"torch.utils.checkpoint (torchtune: ac_mode selective, ac_option {every}); "
-        "gradient_checkpointing_enable() and the exports' checkpointing switch wrap every "
-        "layer (fits, slower)"
+        f"torch.utils.checkpoint (torchtune: ac_mode selective, ac_option {every})"
     ]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import reduce
 from typing import Literal
 
+from batchfit._units import ordinal
 from batchfit.frameworks import adapter_defaults
 from batchfit.hardware import GpuSpec
 from batchfit.models import ModelInfo
@@ -59,11 +60,6 @@ PARTIAL_CKPT_EVERY = (2, 3, 4)
 # and axolotl's switch (gradient_checkpointing_enable) wraps every layer, and no export here
 # can name layers, so under those presets the planner keeps full checkpointing
 PARTIAL_CKPT_FRAMEWORKS = frozenset({None, "torchtune"})
-
-
-def ordinal(k: int) -> str:
-    """``2nd``, ``3rd``, ``4th``: for the layer counts in messages."""
-    return {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
 
 
 def partial_ckpt(every: int, num_layers: int | None = None) -> Technique:
