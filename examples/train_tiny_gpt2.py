@@ -13,7 +13,7 @@
 
 ``--write-config FILE`` writes the model's config.json and exits: ``batchfit estimate FILE
 --device cpu -b 16 -s 32 --json`` is then the CPU step this script runs, for ``batchfit
-monitor --plan`` (README, "Watch a run").
+monitor --plan`` (README, "monitor and calibration").
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ CONFIG = {
     "n_embd": 64,
     "n_layer": 2,
     "n_head": 4,
+    "n_inner": 256,
     "bos_token_id": 0,
     "eos_token_id": 0,
 }

@@ -57,6 +57,13 @@ def test_a_write_cut_off_loses_only_its_own_line(data_dir: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(calibration.load()) == 3  # repaired: no warning the second time
+    # another cut-off line in the same second: set aside beside the first, not over it
+    with open(calibration.path(), "a") as f:
+        f.write("half2{")
+    with pytest.warns(UserWarning, match="set aside"):
+        assert len(calibration.load()) == 3
+    asides = sorted(p.read_text() for p in data_dir.glob("calibration.jsonl.corrupt-*"))
+    assert asides == sorted(['{"device": "t4", "estimated_\n', "half2{\n"])
 
 
 def test_auto_headroom_default_percentile_floor_and_device() -> None:

@@ -228,6 +228,8 @@ def _alternative_rows(data: dict[str, Any]) -> list[str]:
         sharded = {"zero1", "zero2", "zero3", "fsdp", "fsdp-cpu-offload"} & set(a["techniques"])
         if data["num_gpus"] > 1 and not sharded:
             name = f"ddp + {name}"
+        if a["techniques"] == [t["name"] for t in data["techniques"]]:
+            name += " *"  # the plan's row
         kind = "changes-training" if "changes-training" in a["kinds"] else "exact"
         cells = [name, kind, str(a["max_micro_batch"] or "none"), _gib(a["device_total_bytes"])]
         if a["step_seconds"]:

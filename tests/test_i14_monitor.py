@@ -21,6 +21,13 @@ PY = sys.executable
 HOLD = "import time; b = bytearray(120 * 2**20); time.sleep({})"
 
 
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # calibration records of these runs go to a folder of the test's, never the user's
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [PY, "-m", "batchfit", "monitor", *args],
@@ -139,6 +146,25 @@ def test_plan_drift_warns_once(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert "above the plan" not in proc.stderr
     assert "of runtime: interpreter, torch" in proc.stderr
+    assert "recorded for `batchfit calibration`" in proc.stderr
+    # a test run kept out of the calibration file
+    proc = _cli("--no-record", "--plan", str(plan), "--", PY, "-c", HOLD.format(0.2))
+    assert proc.returncode == 0 and "recorded" not in proc.stderr
+
+
+def test_the_command_s_code_survives_a_closed_pipe_and_a_start_failure_says_why(
+    tmp_path: Path,
+) -> None:
+    shell = f"{PY} -m batchfit monitor --json -- {PY} -c 'import sys; sys.exit(3)' | head -c 1"
+    proc = subprocess.run(
+        ["bash", "-c", shell + "; exit ${PIPESTATUS[0]}"],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3  # not 0: the reader leaving does not hide the failure
+    proc = _cli("--", str(tmp_path))  # a folder: exit 126 and the reason
+    assert proc.returncode == 126 and "cannot run it" in proc.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     proc = _cli("--plan", str(bad), "--", PY, "-c", "pass")

@@ -226,9 +226,11 @@ def _alternatives(data: dict[str, Any]) -> str:
     )
     for _, a in ordered:
         kinds = a.get("kinds") or []
+        chosen = [t.get("name") for t in data.get("techniques", []) if isinstance(t, dict)]
         cells = [
             escape(_rung_name(a, data))
-            + (" (analytic)" if traced and a.get("engine") == "analytic" else ""),
+            + (" (analytic)" if traced and a.get("engine") == "analytic" else "")
+            + (" *" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
             str(a["max_micro_batch"]) if a.get("max_micro_batch") else "none",
             _gib(a.get("device_total_bytes")),
@@ -246,6 +248,8 @@ def _alternatives(data: dict[str, Any]) -> str:
                     cells.append("-" if not step else _usd(step * steps / 3600 * gpus * price))
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     notes = []
+    if any(" *</td>" in r for r in rows):
+        notes.append("* the plan")
     if traced and any(a.get("engine") == "analytic" for a in alts):
         notes.append("(analytic): the trace cannot run this setup yet; the formulas answered")
     if any(a.get("throughput_source") for a in alts):

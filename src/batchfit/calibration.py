@@ -133,6 +133,10 @@ def load(warn: Callable[[str], None] | None = None) -> list[Record]:
     if not bad:
         return records
     aside = target.with_name(f"{target.name}.corrupt-{int(time.time())}")
+    for n in range(1, 1000):  # two set aside in one second: neither overwrites the other
+        if not aside.exists():
+            break
+        aside = target.with_name(f"{target.name}.corrupt-{int(time.time())}-{n}")
     if not records:
         try:
             target.rename(aside)
@@ -148,9 +152,10 @@ def load(warn: Callable[[str], None] | None = None) -> list[Record]:
         except OSError:
             where = "skipped"
         lines_word = "line" if len(bad) == 1 else "lines"
+        kept = "its record" if len(records) == 1 else f"its {len(records)} records"
         message = (
             f"{len(bad)} {lines_word} of the calibration file {target} could not be read "
-            f"(a write cut off?); {where}, its {len(records)} records kept"
+            f"(a write cut off?); {where}, {kept} kept"
         )
     if warn is not None:
         warn(message)

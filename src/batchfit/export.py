@@ -160,8 +160,8 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
         "machine_rank": 0,
-        "num_machines": 1,
-        "num_processes": plan.num_gpus,
+        "num_machines": nodes_of(plan.num_gpus)[0],
+        "num_processes": plan.num_gpus,  # all machines' together
         "mixed_precision": mixed,
         "use_cpu": False,
         "main_training_function": "main",
@@ -228,22 +228,47 @@ def launch_command(plan: Plan, kind: str | None = None, config_path: str | None 
         'python train.py'
     """
     setup, n = plan.setup, plan.num_gpus
+    nodes, per = nodes_of(n)
+    torchrun = f"torchrun --nproc-per-node {per} train.py"
+    if nodes > 1:  # on each node; the rendezvous is the first node's address
+        torchrun = (
+            f"torchrun --nnodes {nodes} --nproc-per-node {per} --rdzv-backend c10d "
+            "--rdzv-endpoint $MASTER_ADDR:29500 train.py"
+        )
     if kind == "lightning":
-        return "python train.py"
+        return "python train.py" + (" (on each node, MASTER_ADDR and NODE_RANK set)" * (nodes > 1))
     if kind == "hf":
         distributed = "deepspeed" in hf_training_arguments(plan) or setup.sharding == "fsdp"
-        return (
-            f"torchrun --nproc-per-node {n} train.py" if n > 1 or distributed else "python train.py"
-        )
+        return torchrun if n > 1 or distributed else "python train.py"
     if kind == "deepspeed" or (kind is None and is_deepspeed(setup)):
         ds = config_path if kind == "deepspeed" and config_path else "ds_config.json"
+        if nodes > 1:  # the launcher reaches every node listed in the hostfile
+            return (
+                f"deepspeed --hostfile hostfile --num_nodes {nodes} --num_gpus {per} train.py "
+                f"--deepspeed {ds}"
+            )
         return f"deepspeed --num_gpus {n} train.py --deepspeed {ds}"
     if kind == "accelerate" or setup.sharding == "fsdp":
         acc = config_path if kind == "accelerate" and config_path else "accelerate.yaml"
-        return f"accelerate launch --config_file {acc} train.py"
+        rank = " --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR" if nodes > 1 else ""
+        return f"accelerate launch --config_file {acc}{rank} train.py"
     if n > 1:
-        return f"torchrun --nproc-per-node {n} train.py"
+        return torchrun
     return "python train.py"
+
+
+def nodes_of(num_gpus: int) -> tuple[int, int]:
+    """Machines and GPUs on each for ``num_gpus``: one node up to ``GPUS_PER_NODE`` (8), as the
+    time model counts them.
+
+    Example:
+        >>> nodes_of(8), nodes_of(16), nodes_of(12)
+        ((1, 8), (2, 8), (2, 6))
+    """
+    from batchfit.speed import GPUS_PER_NODE
+
+    nodes = -(-num_gpus // GPUS_PER_NODE)
+    return nodes, num_gpus // nodes if num_gpus % nodes == 0 else GPUS_PER_NODE
 
 
 def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
@@ -265,9 +290,11 @@ def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
         strategy = "fsdp"
     else:
         strategy = "ddp" if plan.num_gpus > 1 else "auto"
+    nodes, per = nodes_of(plan.num_gpus)
     return {
         "accelerator": "gpu",
-        "devices": plan.num_gpus,
+        "devices": per,
+        **({"num_nodes": nodes} if nodes > 1 else {}),
         "strategy": strategy,
         "precision": precision,
         "accumulate_grad_batches": plan.grad_accum_steps,

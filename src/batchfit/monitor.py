@@ -86,11 +86,15 @@ class MonitorResult:
     # this process's resident high-water mark once the command started: the most the command
     # can have held before its exec (its pages were ours)
     inherited_bytes: int = 0
+    # the kernel's peak of the largest process in the tree, read when the command was reaped
+    # (0 where it could be batchfit's own pages)
+    reaped_peak: int = 0
+    start_error: str = ""  # why the command could not start (exit code 126)
 
     @property
     def peak_bytes(self) -> int:
         sampled = max((s.total_bytes for s in self.samples), default=0)
-        return max(sampled, max(self.high_water.values(), default=0))
+        return max(sampled, max(self.high_water.values(), default=0), self.reaped_peak)
 
     def process_peaks(self) -> dict[int, int]:
         peaks: dict[int, int] = dict(self.high_water)
@@ -345,8 +349,9 @@ def run(
     except FileNotFoundError:
         result.exit_code = 127
         return result
-    except PermissionError:
+    except OSError as e:  # a folder, no execute permission, not a program (ENOEXEC)
         result.exit_code = 126
+        result.start_error = e.strerror or str(e)
         return result
     result.inherited_bytes = rss_bytes(os.getpid(), "VmHWM")
     try:
@@ -407,7 +412,9 @@ def _reap(proc: subprocess.Popen[bytes], result: MonitorResult) -> bool:
     # be ours (a small command would report batchfit's ~270 MiB), so it is not used.
     grown = usage.ru_maxrss * 1024
     if grown > result.inherited_bytes + INHERITED_SLACK:
-        result.high_water[proc.pid] = max(result.high_water.get(proc.pid, 0), grown)
+        # the largest process of the tree, not necessarily the command itself: it counts
+        # toward the run's peak, not toward any one process's
+        result.reaped_peak = grown
     return True
 
 
@@ -436,8 +443,9 @@ def _sample(
             if (hwm := rss_bytes(pid, "VmHWM")) > 0:
                 result.high_water[pid] = hwm
     for pid in usage:
-        if pid not in result.commands:
-            result.commands[pid] = command_line(pid)
+        # read again each time: a forked worker shows its parent's command line until it
+        # execs its own
+        result.commands[pid] = command_line(pid) or result.commands.get(pid, "")
     if not usage and reader is None:
         return None  # the tree is gone
     shared_once = None

@@ -329,6 +329,11 @@ def _draw_timeline(
     title = (
         f"{info.name}: micro-batch {result.micro_batch_size} x {result.seq_len}"
         + (f", accumulation {grad_accum}" if grad_accum > 1 else "")
+        + (
+            f" ({tl.traced_micro_steps(grad_accum)} drawn; the rest repeat the 2nd)"
+            if grad_accum > tl.traced_micro_steps(grad_accum)
+            else ""
+        )
         + f", {result.setup.precision}, on {gpu.name if gpu else device}"
     )
     if png is not None:
@@ -652,7 +657,12 @@ def _write_report(result: Plan, info: ModelInfo, gpu: GpuSpec, path: Path) -> No
             )
         with tempfile.TemporaryDirectory() as tmp:
             picture = Path(tmp) / "timeline.png"
-            title = f"{info.name}: micro-batch {est.micro_batch_size} x {est.seq_len} on {gpu.name}"
+            accum = result.grad_accum_steps
+            title = (
+                f"{info.name}: micro-batch {est.micro_batch_size} x {est.seq_len}"
+                + (f", accumulation {accum}" if accum > 1 else "")
+                + f", {est.setup.precision}, on {gpu.name}"
+            )
             tl.plot(drawn, picture, title, gpu.memory_bytes)
             png = picture.read_bytes()
     page = _html.report_page(result.to_json(), png)

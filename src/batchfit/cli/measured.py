@@ -110,7 +110,9 @@ def record_calibration(
         if runtime is None:
             note("no calibration record: the runtime baseline could not be measured")
             return False
-        measured = max(result.process_peaks().values(), default=0)
+        # the largest process: its sampled high-water mark, or the tree's largest as the
+        # kernel kept it when the command was reaped
+        measured = max(max(result.process_peaks().values(), default=0), result.reaped_peak)
         device, estimated = "cpu", plan.gpu_figure + runtime
     return calibration.append(
         calibration.Record(
@@ -157,6 +159,13 @@ def monitor(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="PNG of memory over time, written at the end.")
     ] = None,
+    record: Annotated[
+        bool,
+        typer.Option(
+            "--record/--no-record",
+            help="With --plan: add the run to the calibration file (--no-record for a test run).",
+        ),
+    ] = True,
     as_json: JsonO = False,
 ) -> None:
     """Run a training command and watch its memory (GPU per process through NVML, else RSS).
@@ -226,13 +235,23 @@ def monitor(
             log_file.close()
     if result.exit_code == 127 and not result.samples:
         typer.echo(f"batchfit monitor: {command[0]}: command not found", err=True)
+    if result.start_error:
+        typer.echo(f"batchfit monitor: {command[0]}: cannot run it: {result.start_error}", err=True)
     if plot is not None:
         label = "plan + runtime (interpreter, torch)" if runtime else "plan"
         mon.plot(result, plot, limit, planned, label)
-    if plan_file is not None and record_calibration(result, plan_file, command, note, runtime):
+    if (
+        plan_file is not None
+        and record
+        and record_calibration(result, plan_file, command, note, runtime)
+    ):
         typer.echo("batchfit monitor: recorded for `batchfit calibration`", err=True)
     if as_json:
-        _emit_json(result.to_json())
+        try:
+            _emit_json(result.to_json())
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left (`| head`): the command's code still counts
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     else:
         typer.echo(
             f"batchfit monitor: peak {human_bytes(result.peak_bytes)} ({result.source}) over "

@@ -391,12 +391,11 @@ def plan(p: Plan, info: ModelInfo) -> None:
             )
         out.print(table)
         if timed:
+            marked = any(a.techniques == p.techniques for a in p.alternatives)
             out.print(
-                "* the plan; each row is timed at the largest micro-batch that divides the "
-                "per-GPU batch (timed at); run and cost for the whole run"
-                if steps
-                else "* the plan; each row is timed at the largest micro-batch that divides "
-                "the per-GPU batch (timed at)"
+                ("* the plan" if marked else "the plan is the setup as given (no row)")
+                + "; each row is timed at the largest micro-batch that divides the per-GPU "
+                "batch (timed at)" + ("; run and cost for the whole run" if steps else "")
             )
         if traced and any(alt.engine == "analytic" for alt in p.alternatives):
             out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
