@@ -553,3 +553,30 @@ def test_an_export_without_out_is_stdouts_only_text(kind, capsys):
     assert code == 0, err
     json.loads(out)  # nothing but the export
     assert "micro-batch" in err and "launch:" in err  # the plan, on stderr
+
+
+def test_more_gpus_than_a_node_launch_on_several_machines():
+    from batchfit.export import accelerate_config, launch_command, lightning_trainer_kwargs
+    from batchfit.hardware import get_gpu
+    from batchfit.models import resolve_model
+    from batchfit.plan import make_plan
+    from batchfit.spec import TrainingSetup
+
+    p = make_plan(
+        resolve_model("gpt2"),
+        get_gpu("a100-80gb"),
+        TrainingSetup(num_gpus=16, sharding="zero2"),
+        seq_len=1024,
+        global_batch=256,
+        engine="analytic",
+    )
+    assert launch_command(p, "deepspeed") == (
+        "deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 8 train.py --deepspeed "
+        "ds_config.json"
+    )
+    assert "--nnodes 2 --nproc-per-node 8" in launch_command(p, "hf")
+    assert "--machine_rank $NODE_RANK" in launch_command(p, "accelerate")
+    config = accelerate_config(p)
+    assert config["num_machines"] == 2 and config["num_processes"] == 16
+    trainer = lightning_trainer_kwargs(p)
+    assert trainer["devices"] == 8 and trainer["num_nodes"] == 2
