@@ -330,6 +330,11 @@ def _selection_rule(
                 f"MAX_QUIET_ACCUM: a K whose micro-batch needs over 64 micro-steps wins only "
                 f"when over {TIME_TOLERANCE:.0%} faster ({cited})"
             )
+        if gap <= TIME_TOLERANCE + 1e-9:
+            return (
+                f"TIME_TOLERANCE in the checkpointing dial: within {TIME_TOLERANCE:.0%} the "
+                f"larger micro-batch, then fewer checkpointed layers ({cited})"
+            )
         return f"the checkpointing dial (_fewer_layers) stopped before {cited}"
     if (
         gap <= TIME_TOLERANCE + 1e-9
