@@ -13,7 +13,7 @@ ARGS = ["llama-3.2-1b", "--gpu", "h100-80gb", "--seq-len", "2048", "--engine", "
 
 
 def test_estimate_step_counts_the_accumulation(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(["plan", *ARGS, "--global-batch", "64", "--json"], capsys)
+    code, out, err = run_cli(["plan", *ARGS, "--global-batch", "512", "--json"], capsys)
     assert code == 0, err
     plan = json.loads(out)
     micro, accum = plan["micro_batch_size"], plan["grad_accum_steps"]

@@ -352,8 +352,11 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     near.sort(
         key=lambda k: (
             alternatives[k].setup.offload == "optimizer+params",
-            -usable(k),
-            alternatives[k].setup.grad_ckpt,
+            *(
+                (alternatives[k].setup.grad_ckpt, -usable(k))
+                if setup.num_gpus == 1
+                else (-usable(k), alternatives[k].setup.grad_ckpt)
+            ),
             len(alternatives[k].techniques),
             k,
         )
@@ -383,8 +386,8 @@ def _tie_note(faster: Alternative, seconds: float, taken: Alternative, chosen: f
     return (
         f"{names(faster)} is predicted at {seconds:.3g} s/step against {chosen:.3g} s/step "
         f"for {names(taken)}: within {TIME_TOLERANCE:.0%} (the time model's resolution) the "
-        "simpler is taken: the parameters on the GPU, the larger micro-batch, no recompute, "
-        "fewer techniques"
+        "simpler is taken: the parameters on the GPU, no recompute and the larger micro-batch "
+        "(on several GPUs the larger micro-batch first), fewer techniques"
     )
 
 
@@ -411,23 +414,20 @@ def _widest(
     def usable(i: int) -> int:
         return wanted or largest_divisor_at_most(target.per_gpu, options[i].max_micro_batch)
 
-    def tiebreak(i: int) -> tuple[bool, int, bool, int, int, int]:
+    def tiebreak(i: int) -> tuple[bool, int, int, int, int, int]:
         # parameters left on the GPU first: offloaded, every micro-step waits on PCIe, the
-        # time model's least tested assumption (hidden behind compute); then the larger
-        # micro-batch; at one size, recomputing costs more than any collective (full
-        # checkpointing takes 21-23% of throughput, DESIGN.md); then the fewest techniques
-        # (the time model already counts what each sends, and plain DDP beats ZeRO-1 + a
-        # chunked loss by simplicity when both take the same time), then the least sent
+        # time model's least tested assumption (hidden behind compute); then, on several
+        # GPUs, the larger micro-batch (fewer micro-steps, fewer collectives) before no
+        # recompute; on one GPU, where a micro-batch buys only what the time model already
+        # counts, no recompute first (BERT on a T4: plain 64 x 4, not checkpointing at 256
+        # for the same time); then the fewest techniques (plain DDP beats ZeRO-1 + a chunked
+        # loss by simplicity when both take the same time), then the least sent
         alt = options[i]
         params_away = alt.setup.offload == "optimizer+params"
-        return (
-            params_away,
-            -usable(i),
-            alt.setup.grad_ckpt,
-            len(alt.techniques),
-            alt.comm_bytes_per_step,
-            i,
-        )
+        size, recompute = -usable(i), int(alt.setup.grad_ckpt)
+        one_gpu = options[0].setup.num_gpus == 1
+        first, second = (recompute, size) if one_gpu else (size, recompute)
+        return (params_away, first, second, len(alt.techniques), alt.comm_bytes_per_step, i)
 
     checked: set[int] = {0}  # the base's size is searched and confirmed already
     while eligible:
