@@ -346,13 +346,13 @@ def plan(p: Plan, info: ModelInfo) -> None:
             if est.engine == "trace"
             else ""
         )
-        order = "exact first, then by s / step" if timed_any(p) else "exact rungs first"
+        timed = any(a.step_seconds for a in p.alternatives)
+        order = "exact first, then by s / step" if timed else "exact rungs first"
         table = Table(title=f"Alternatives ({order}{how})", title_justify="left")
         table.add_column("techniques", overflow="fold")
         table.add_column("kind", overflow="fold")
         table.add_column("largest micro-batch", justify="right")
         table.add_column("GiB at that size", justify="right")
-        timed = any(a.step_seconds for a in p.alternatives)
         steps, price = p.train_steps, p.gpu_hour_price
         if timed:
             table.add_column("timed at", justify="right")
@@ -408,10 +408,6 @@ def plan(p: Plan, info: ModelInfo) -> None:
     if p.gpu_counts:
         _gpu_counts(p)
     _warn(p.warnings)
-
-
-def timed_any(p: Plan) -> bool:
-    return any(a.step_seconds for a in p.alternatives)
 
 
 def ranked(alternatives: tuple[Alternative, ...]) -> list[Alternative]:

@@ -157,6 +157,11 @@ class _Target:
     engine: str
     measured: Measured | None = None  # --throughput-from: the probe's correction
 
+    def timed_micro(self, max_micro: int, wanted: int | None) -> int:
+        """The micro-batch an option is timed at: the one asked for, else the largest that
+        divides the per-GPU batch and fits."""
+        return wanted or largest_divisor_at_most(self.per_gpu, max_micro)
+
     def max_micro(self, setup: TrainingSetup) -> int:
         args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
         if self.engine == "trace":
@@ -247,7 +252,7 @@ def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
     layers = target.model.arch.num_layers
 
     def usable(micro: int) -> int:
-        return wanted or largest_divisor_at_most(target.per_gpu, micro)
+        return target.timed_micro(micro, wanted)
 
     full_micro = usable(fit.max_micro_batch)
     full_accum = target.per_gpu // full_micro
@@ -342,25 +347,13 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     exact = [k for k in fitting if all(t.kind == "exact" for t in alternatives[k].techniques)]
 
     def usable(k: int) -> int:
-        return wanted or largest_divisor_at_most(target.per_gpu, alternatives[k].max_micro_batch)
+        return target.timed_micro(alternatives[k].max_micro_batch, wanted)
 
     seconds = {k: target.step_seconds(alternatives[k].setup, usable(k)) for k in exact}
     fastest = min(seconds.values(), default=0.0)
-    # within the time model's resolution of the fastest, _widest's order: the parameters
-    # on the GPU, the larger micro-batch, no recompute, the fewest techniques
+    # within the time model's resolution of the fastest, the simpler first (_simpler)
     near = [k for k in exact if seconds[k] <= fastest * (1 + TIME_TOLERANCE)]
-    near.sort(
-        key=lambda k: (
-            alternatives[k].setup.offload == "optimizer+params",
-            *(
-                (alternatives[k].setup.grad_ckpt, -usable(k))
-                if setup.num_gpus == 1
-                else (-usable(k), alternatives[k].setup.grad_ckpt)
-            ),
-            len(alternatives[k].techniques),
-            k,
-        )
-    )
+    near.sort(key=lambda k: (*_simpler(alternatives[k], usable(k), setup.num_gpus), k))
     rest = sorted(set(exact) - set(near), key=lambda k: (seconds[k], k))
     for k in [*near, *rest, *sorted(set(fitting) - set(exact))]:
         alt = alternatives[k] = target.confirmed(alternatives[k])  # the lines' is a what-if
@@ -391,6 +384,20 @@ def _tie_note(faster: Alternative, seconds: float, taken: Alternative, chosen: f
     )
 
 
+def _simpler(alt: Alternative, micro: int, num_gpus: int) -> tuple[int, int, int, int]:
+    """The order among options within ``TIME_TOLERANCE`` of the fastest, simplest first.
+
+    Parameters left on the GPU first: offloaded, every micro-step waits on PCIe, the time
+    model's least tested assumption (hidden behind compute). Then, on several GPUs, the larger
+    micro-batch (fewer micro-steps, fewer collectives) before no recompute; on one GPU, where
+    a micro-batch buys only what the time model already counts, no recompute first (BERT on a
+    T4: plain 64 x 4, not checkpointing at 256 for the same time). Then the fewest techniques
+    (plain DDP beats ZeRO-1 + a chunked loss by simplicity when both take the same time)."""
+    size, recompute = -micro, int(alt.setup.grad_ckpt)
+    first, second = (recompute, size) if num_gpus == 1 else (size, recompute)
+    return (int(alt.setup.offload == "optimizer+params"), first, second, len(alt.techniques))
+
+
 def _offloads(alt: Alternative) -> bool:
     return any(t.name in OFFLOADS for t in alt.techniques)
 
@@ -412,22 +419,13 @@ def _widest(
     eligible = {i for i, a in enumerate(options) if all(t.kind == "exact" for t in a.techniques)}
 
     def usable(i: int) -> int:
-        return wanted or largest_divisor_at_most(target.per_gpu, options[i].max_micro_batch)
+        return target.timed_micro(options[i].max_micro_batch, wanted)
 
-    def tiebreak(i: int) -> tuple[bool, int, int, int, int, int]:
-        # parameters left on the GPU first: offloaded, every micro-step waits on PCIe, the
-        # time model's least tested assumption (hidden behind compute); then, on several
-        # GPUs, the larger micro-batch (fewer micro-steps, fewer collectives) before no
-        # recompute; on one GPU, where a micro-batch buys only what the time model already
-        # counts, no recompute first (BERT on a T4: plain 64 x 4, not checkpointing at 256
-        # for the same time); then the fewest techniques (plain DDP beats ZeRO-1 + a chunked
-        # loss by simplicity when both take the same time), then the least sent
+    def tiebreak(i: int) -> tuple[int, ...]:
+        # _simpler's order, then the least sent (the time model already counts what each
+        # sends; at equal time the one that sends less)
         alt = options[i]
-        params_away = alt.setup.offload == "optimizer+params"
-        size, recompute = -usable(i), int(alt.setup.grad_ckpt)
-        one_gpu = options[0].setup.num_gpus == 1
-        first, second = (recompute, size) if one_gpu else (size, recompute)
-        return (params_away, first, second, len(alt.techniques), alt.comm_bytes_per_step, i)
+        return (*_simpler(alt, usable(i), options[0].setup.num_gpus), alt.comm_bytes_per_step, i)
 
     checked: set[int] = {0}  # the base's size is searched and confirmed already
     while eligible:
