@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv demo test lint bench catalog docs clean
+.PHONY: venv demo test lint bench bench-docs catalog docs clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ lint: venv
 
 bench: venv
 	$(BIN)/python benchmarks/latency.py
+
+# docs/benchmarks.md's tables from benchmarks/data/*.json (runs no benchmark; twice changes nothing)
+bench-docs: venv
+	$(BIN)/python benchmarks/report.py
 
 catalog: venv
 	$(BIN)/python scripts/gen_catalog.py

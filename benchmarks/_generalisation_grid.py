@@ -230,8 +230,8 @@ def predicted_seconds(case: Case) -> float:
 
 
 def screen_bytes(case: Case) -> int:
-    """The analytic estimate; where batchfit cannot read the model yet (BART before issue
-    #10's config fix), weights, gradients and two fp32 states (16 B/param) plus fp32 logits,
+    """The analytic estimate; where batchfit cannot read the model yet (BART before
+    the config check), weights, gradients and two fp32 states (16 B/param) plus fp32 logits,
     their gradient and softmax (12 B per token and vocabulary entry)."""
     from batchfit.errors import UsageError
     from batchfit.memory.estimate import estimate

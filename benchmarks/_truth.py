@@ -1,20 +1,20 @@
 """Ground truth: one real CPU training step's peak memory, measured in this fresh process.
 
-Run by benchmarks (never imported by the package). Method (issue #3, warm-up changed in #10): a
-warm-up step of a 1-layer copy of the model at the case's own micro-batch and sequence first. It
-loads what a process keeps once it has run a step of these shapes: kernels, thread pools, and MKL's
-GEMM buffer cache (MKL's "fast memory manager" keeps each thread's packing buffers for the life of
-the process: 16.6 MiB for a 512-wide model with a 50k vocabulary on 2 threads, none with
-``MKL_DISABLE_FAST_MM=1``; every layer of a stack has the same GEMM shapes, so one layer loads them
-all). With the old warm-up at a tiny size this cache was half loaded and the other half (about
-10.5 MiB) landed in the truth as a constant the step does not allocate again. Then, with glibc
-returning freed blocks (MALLOC_MMAP_THRESHOLD_=65536, set by the parent), the kernel's high-water
-mark is reset (/proc/self/clear_refs, "5") and the model is built and trained for two steps so
-optimizer state exists. Truth = VmHWM - VmRSS before the model is built.
+Run by benchmarks (never imported by the package). Method: a warm-up step of a 1-layer copy of the
+model at the case's own micro-batch and sequence first. It loads what a process keeps once it has
+run a step of these shapes: kernels, thread pools, and MKL's GEMM buffer cache (MKL's "fast memory
+manager" keeps each thread's packing buffers for the life of the process: 16.6 MiB for a 512-wide
+model with a 50k vocabulary on 2 threads, none with ``MKL_DISABLE_FAST_MM=1``; every layer of a
+stack has the same GEMM shapes, so one layer loads them all). With the old warm-up at a tiny size
+this cache was half loaded and the other half (about 10.5 MiB) landed in the truth as a constant the
+step does not allocate again. Then, with glibc returning freed blocks (MALLOC_MMAP_THRESHOLD_=65536,
+set by the parent), the kernel's high-water mark is reset (/proc/self/clear_refs, "5") and the model
+is built and trained for two steps so optimizer state exists. Truth = VmHWM - VmRSS before the model
+is built.
 
 The model, optimizer and batches are built as batchfit builds them (``step_parts``: the setup
 applied), but the loop is written here, apart from batchfit's own loop code, since it is the
-ground truth (issue #10). ``loop`` picks which of the two loops users run:
+ground truth. ``loop`` picks which of the two loops users run:
 
 - ``trainer`` (HF Trainer, TRL, Lightning): ``loss = model(**batch).loss`` inside autocast, so
   the outputs (logits) die before backward; ``del batch``; ``loss.backward()``.
@@ -90,7 +90,7 @@ def main() -> None:
     info = resolve_model(spec["model"], spec.get("task"))
     loop = spec.get("loop", "trainer")
     # the loop is part of the setup too: a chunked loss under keep-outputs returns every chunk's
-    # logits for the loop to hold (issue #11)
+    # logits for the loop to hold
     fields = {**spec["setup"], "loop": loop}
     setup = TrainingSetup(**fields).resolved(device="cpu", bf16_supported=True)
 

@@ -1,6 +1,6 @@
 """Time per optimizer step: ``Accumulator`` (and ``MicroBatcher``) against the hand-written loop.
 
-Goal (issue #5): the Accumulator at most 1% slower than the loop it replaces. All loops do the
+Goal: the Accumulator at most 1% slower than the loop it replaces. All loops do the
 same work on one small model: a 2-layer GPT-2 (n_embd 128), global batch 16 x 64
 tokens in 4 micro-batches of 4, token-mean loss over padded sequences, clipping at 1.0, AdamW,
 fp32, on the CPU. The hand-written loop knows the global token count up front and divides each
@@ -232,7 +232,7 @@ def main() -> int:
         )
     body = "\n".join(
         [
-            "## Accumulator overhead (issue #5; goal: at most 1% slower than a hand-written loop)",
+            "## Accumulator overhead (goal: at most 1% slower than a hand-written loop)",
             "",
             f"2-layer GPT-2 (n_embd 128), global batch {GLOBAL} x {SEQ_LEN} tokens as "
             f"{GLOBAL // MICRO} micro-batches of {MICRO}, padded token-mean loss, clip 1.0, "

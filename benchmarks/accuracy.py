@@ -1,4 +1,4 @@
-"""Accuracy of the estimators against real CPU training steps (issue #3).
+"""Accuracy of the estimators against real CPU training steps.
 
 For each case: truth = a real CPU step in a fresh subprocess (see _truth.py for the method),
 repeated to show the noise; trace = ``batchfit estimate --engine trace --device cpu``; analytic =
@@ -40,7 +40,7 @@ class Case:
     setup: dict[str, Any] = field(default_factory=dict)
     task: str | None = None
     # These hand-picked cases train with the hand loop that holds the outputs through backward
-    # (the HF course loop, nanoGPT): their numbers predate the setup's loop (issue #10).
+    # (the HF course loop, nanoGPT): their numbers predate the setup's loop.
     loop: str = "keep-outputs"
 
 
@@ -177,7 +177,7 @@ def render(rows: list[dict[str, Any]], repeat: int) -> str:
         return f"{value / GIB:.3f} ({value / truth - 1:+.1%})"
 
     lines = [
-        "## Estimator accuracy against real CPU steps (issue #3)",
+        "## Estimator accuracy against real CPU steps",
         "",
         f"Truth: a real CPU training step (2 steps, AdamW state allocated) in a fresh process, "
         f"median of {repeat} runs (spread shown), peak RSS from the kernel's high-water mark "

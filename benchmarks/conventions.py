@@ -1,4 +1,4 @@
-"""Framework conventions (issue #11) against real CPU steps: chunked and fused losses, 16-bit
+"""Framework conventions against real CPU steps: chunked and fused losses, 16-bit
 LoRA adapters, an fp32 frozen base under autocast, and the litgpt / torchtune presets.
 
 The cases were fixed before any was measured (none of them is a case the code was debugged on:
@@ -105,7 +105,7 @@ CASES = [
     ),
 ]
 
-# Image models (issue #11), fixed before any was measured, none debugged on: the unit tests use
+# Image models, fixed before any was measured, none debugged on: the unit tests use
 # a 2-layer ViT. Only the trace models image models (the formulas read token shapes).
 IMAGE_CASES = [
     Case("vit-small fp32 adamw", str(CFG / "img-vit-small.json"), 16, 224, {"precision": "fp32"}),
@@ -184,7 +184,7 @@ def _error(estimate: float | None, truth: float) -> str:
 
 def render(rows: list[tuple[Case, float, float, float | None]], seconds: float) -> str:
     lines = [
-        "## Framework conventions and image models against real CPU steps (issue #11)",
+        "## Framework conventions and image models against real CPU steps",
         "",
         "Cases fixed before any was measured (`benchmarks/conventions.py`), none of them one the "
         "code was debugged on; truth: a real CPU step in a fresh process (`_truth.py`, peak RSS, "
@@ -225,7 +225,7 @@ def render(rows: list[tuple[Case, float, float, float | None]], seconds: float) 
         "models, and batchfit refuses --engine analytic for image models. The image cases were "
         "fixed before the first run and not debugged on. ConvNeXt's -2.6% is memory outside "
         "tensors: oneDNN's scratch buffers and blocked-layout copies for the depthwise 7x7 "
-        "convolutions on the CPU. Measured in the same session, the real step with "
+        "convolutions on the CPU. Measured in the same run, the real step with "
         "`torch.backends.mkldnn.enabled = False` peaks 21 MB lower (1.142 GB against 1.163 GB), "
         "which puts the trace at -0.8%. On CUDA the matching cost is cuDNN's convolution "
         "workspace, and batchfit says there that it is not counted."

@@ -1,4 +1,4 @@
-"""Predicted vs measured CPU training step time across micro-batch sizes (issue #13's benchmark).
+"""Predicted vs measured CPU training step time across micro-batch sizes .
 
 The probe's two models (``search_vs_peers.py``: the GPT-2-like one the probe was developed
 against, seq 256, and the Llama-like one held out from it, seq 512) and six small generalisation
@@ -308,7 +308,7 @@ def report(data: dict[str, Any], rows: list[dict[str, Any]], notes: list[str]) -
     cpu = rows[0]["cpu"]
     threads = data["threads"]
     body = [
-        "## CPU step time: predicted vs measured (issue #13)",
+        "## CPU step time: predicted vs measured",
         "",
         "`python benchmarks/cpu_step_time.py` — real fp32 AdamW training steps (trainer loop, "
         "PyTorch's per-parameter AdamW, the CPU default) on this machine "

@@ -1,5 +1,5 @@
 """Per-rank memory of sharded steps: the trace (one process, fake process group) against real
-CPU ranks under torchrun (gloo), FSDP2 and DDP, 2 and 4 ranks (issue #12).
+CPU ranks under torchrun (gloo), FSDP2 and DDP, 2 and 4 ranks.
 
 Debug cases (GPT-2, the cases the FSDP2 trace and DDP buckets were built on) are reported apart
 from the evaluation cases, drawn at random from ``SEED`` (20261126, fixed before any result was

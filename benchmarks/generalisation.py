@@ -1,4 +1,4 @@
-"""Generalisation of the estimators: a seeded random grid of cases against real CPU steps (#10).
+"""Generalisation of the estimators: a seeded random grid of cases against real CPU steps.
 
 accuracy.py's 12 cases were picked by hand and the developers tuned on them; they are reported
 here apart, as the "debug cases". The grid is drawn at random instead: its ``SEED`` (20261123, in
@@ -314,7 +314,7 @@ def build_rows(
 
 def render(grid_rows: list[Row], debug_rows: list[Row], meta: str) -> str:
     lines = [
-        "## Generalisation: a seeded random grid against real CPU steps (issue #10)",
+        "## Generalisation: a seeded random grid against real CPU steps",
         "",
         f"{len(grid_rows)} cases drawn by `benchmarks/generalisation.py` from `random.Random"
         f"({SEED})` (the seed fixed before any result was seen; the grid pinned in "

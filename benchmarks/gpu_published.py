@@ -196,14 +196,14 @@ def main() -> int:
 
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "## `--gpu` estimates against published GPU measurements (issue #3)",
+        "## `--gpu` estimates against published GPU measurements",
         "",
         "Published single-GPU measurements with their sources in "
         "`benchmarks/data/gpu_measurements.json`; compared with the figure of the same kind "
         "(allocated -> `peak_bytes`, reserved -> `reserved_bytes`, nvidia-smi or unknown -> "
-        "`device_total_bytes`). No GPU was available to this project: these are the only CUDA "
-        "checks so far. Each row runs with the conventions of its framework at the time it was "
-        "measured (issue #11: loop, loss, adapter dtype, fp32 outputs; `CONVENTIONS` in the "
+        "`device_total_bytes`). Real CUDA steps measured on one H100 are compared further down. "
+        "Each row runs with the conventions of its framework at the time it was "
+        "measured (loop, loss, adapter dtype, fp32 outputs; `CONVENTIONS` in the "
         "script cites the code each follows). torchtune and litgpt rows still run their own "
         "Llama code, not the HF model batchfit traces, and some torchtune rows compile the model "
         "and offload activations, which batchfit does not model. Produced by "

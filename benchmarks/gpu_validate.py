@@ -393,7 +393,7 @@ def summarise_snapshot(trace: list[dict[str, Any]], top: int = 30) -> dict[str, 
     }
 
 
-# Step time against micro-batch and checkpointing, one model per process (issue #13's time
+# Step time against micro-batch and checkpointing, one model per process (the time
 # model needs achieved throughput by model width and micro-batch): (model, task, seq, precision,
 # [(micro, grad_ckpt), ...]).
 SWEEPS: list[tuple[str, str, int, str, list[tuple[int, bool]]]] = [
@@ -407,6 +407,27 @@ SWEEPS: list[tuple[str, str, int, str, list[tuple[int, bool]]]] = [
     ("qwen2.5-0.5b", "causal-lm", 1024, "amp-bf16", [(1, False), (4, False), (16, False)]),
     ("gpt2", "causal-lm", 1024, "fp32", [(4, False), (16, False)]),
 ]
+
+
+def sweep_table(raw: dict[str, Any]) -> str:
+    """The step-time sweeps of a raw file as a table: median step, tokens/s and model TFLOP/s
+    (6 x parameters x tokens, no attention term)."""
+    rows = [
+        "| model | precision | micro x seq | checkpointing | step s | tokens/s | model TFLOP/s |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    for key in sorted(k for k in raw["results"] if k.startswith("sweep")):
+        sweep = raw["results"][key]
+        for point in sweep["points"]:
+            step = statistics.median(point["step_seconds"])
+            tokens = point["micro"] * sweep["seq"]
+            tflops = 6 * sweep["total_params"] * tokens / step / 1e12
+            rows.append(
+                f"| {sweep['model']} | {sweep['precision']} | {point['micro']} x {sweep['seq']} "
+                f"| {'yes' if point['grad_ckpt'] else 'no'} | {step:.3f} | {tokens / step:,.0f} "
+                f"| {tflops:.0f} |"
+            )
+    return "\n".join(rows)
 
 
 def child_sweep(index: int, device: str) -> dict[str, Any]:
@@ -511,10 +532,10 @@ def measure(
         result["wall_seconds"] = round(time.perf_counter() - t0, 2)
         raw["results"][key] = result
         save()
-        brief = "error: " + result["error"] if "error" in result else "ok"
+        status = "error: " + result["error"] if "error" in result else "ok"
         if result.get("oom"):
-            brief = "OOM"
-        print(f"{key}: {brief} ({result['wall_seconds']} s)", flush=True)
+            status = "OOM"
+        print(f"{key}: {status} ({result['wall_seconds']} s)", flush=True)
     return raw_path
 
 
@@ -655,8 +676,7 @@ def compare(raw_path: Path, gpu_name: str, write: bool, section: str = "gpu-vali
             f"{versions.get('torch')}, CUDA {versions.get('cuda')}, transformers "
             f"{versions.get('transformers')}); estimates for `--gpu {gpu_name}` made afterwards "
             "on the CPU machine with its own versions. Cases drawn by "
-            f"`random.Random({raw['seed']})` before any was measured (which were debugged on: the "
-            "text above). "
+            f"`random.Random({raw['seed']})` before any was measured. "
             "Each case: a fresh process, the model built on the GPU as batchfit builds it, two "
             "steps of the HF Trainer loop (memory), three more (time, median).",
             "",

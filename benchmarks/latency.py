@@ -1,8 +1,8 @@
 """Wall time of whole `batchfit` processes (import time counts), median of repeated runs.
 
-Goals: under 1.0 s for the analytic engine on catalog models (issue #2); `plan` from the trace
+Goals: under 1.0 s for the analytic engine on catalog models; `plan` from the trace
 cold < 6 s and warm < 0.5 s, `gpus MODEL` over all catalog GPUs cold < 12 s and warm < 1 s
-(issue #10). "cold" runs each get an empty trace cache (BATCHFIT_CACHE_DIR); "warm" runs share
+"cold" runs each get an empty trace cache (BATCHFIT_CACHE_DIR); "warm" runs share
 one that a first run filled.
 
     python benchmarks/latency.py [--repeat 9] [--cold-repeat 3] [--only SUBSTR] [--no-write]
@@ -86,15 +86,15 @@ def main() -> int:
         rows.append((label, statistics.median(times), min(times), max(times)))
         print(f"{statistics.median(times):7.3f} s  {label}", flush=True)
     lines = [
-        "## Start-up latency (issue #2)",
+        "## Start-up latency",
         "",
         f"Whole processes, median of {args.repeat} runs after one warm-up ({args.cold_repeat} "
         "for cold runs, each with an empty trace cache); "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}. Goals: under 1.0 s for the analytic engine "
-        "(issue #2), under 5 s for one trace (issue #3; importing torch and one transformers "
+        f"Python {platform.python_version()}. Goals: under 1.0 s for the analytic engine, "
+        "under 5 s for one trace (importing torch and one transformers "
         "model class is most of it), `plan` cold < 6 s / warm < 0.5 s and `gpus MODEL` cold "
-        "< 12 s / warm < 1 s (issue #10). Produced by `python benchmarks/latency.py`.",
+        "< 12 s / warm < 1 s. Produced by `python benchmarks/latency.py`.",
         "",
         "| command | median s | min s | max s |",
         "|---|---:|---:|---:|",

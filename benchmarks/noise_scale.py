@@ -255,7 +255,7 @@ def main() -> int:
     rows_c = overhead(args.overhead_steps)
     body = "\n".join(
         [
-            "## Gradient noise scale (issue #13; goals: within 15% of the closed form, any "
+            "## Gradient noise scale (goals: within 15% of the closed form, any "
             "split, 2 ranks; overhead at most 3%)",
             "",
             f"Linear regression, d = {DIM}, x ~ N(0, diag(0.5..2)), σ = {SIGMA:g}, at a fixed "

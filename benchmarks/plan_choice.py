@@ -15,7 +15,7 @@ The 30 evaluation cases are drawn with ``random.Random(20261128)`` (fixed before
 was seen) from catalog decoder LLMs of 0.4-14B parameters plus gpt2 and bert-large-uncased,
 ten data-centre GPUs, 1/2/4/8 GPUs, sequence 512-4096 (within a model's learned positions),
 a global batch in samples or tokens, and AMP bf16 where the GPU has bf16, else AMP fp16 or
-fp32 (drawn). The debug cases are those the planner was developed on (issue #13's dial tests,
+fp32 (drawn). The debug cases are those the planner was developed on (the dial tests,
 the golden plans): reported apart.
 
 Runs in seconds (analytic engine); a progress line per case on stderr.
@@ -593,6 +593,27 @@ def _summary_text(title: str, s: dict[str, Any]) -> str:
             f"{', '.join(s['chosen_missing_from_candidates'])}"
         )
     return "\n".join(lines) + "\n"
+
+
+HELD_OUT = (
+    "none: the 30 evaluation cases were drawn by `random.Random(20261128)` before any result was "
+    "seen, but the planner was changed after the first run over them; the 9 debug cases are "
+    "those it was developed on."
+)
+
+
+def doc_section(data: dict[str, Any]) -> str:
+    """The page's tables for a saved run (``data/plan_choice.json``), without evaluating again."""
+    return "\n".join(
+        [
+            f"#### Evaluation cases (random.Random({data['seed']}))\n",
+            table(data["evaluation"]["cases"]),
+            _summary_text("Evaluation", data["evaluation"]["summary"]),
+            "#### Debug cases (the planner was developed on these)\n",
+            table(data["debug"]["cases"]),
+            _summary_text("Debug", data["debug"]["summary"]).rstrip("\n"),
+        ]
+    )
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

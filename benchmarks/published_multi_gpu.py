@@ -109,15 +109,16 @@ def setup_text(p: dict[str, Any]) -> str:
 
 def render(rows: list[dict[str, Any]], seconds: float) -> str:
     lines = [
-        "## Per-GPU estimates against published multi-GPU runs (issue #12)",
+        "## Per-GPU estimates against published multi-GPU runs",
         "",
         "Published per-GPU memory of FSDP2 (torchtitan), FSDP1 (torchtune) and DeepSpeed ZeRO "
         "runs, each with its source, quote and what was read in the framework's code in "
         "`benchmarks/data/published_multi_gpu.json`. batchfit ran the trace engine "
         '(`device="cuda"`, the run\'s GPU from the catalog); the figure compared is the one of the '
         "published kind: allocated -> `peak_bytes`, reserved -> `reserved_bytes`, unknown -> "
-        "`device_total_bytes` (all three are listed, the compared one in bold). No GPU was used: "
-        "these are the only multi-GPU CUDA checks so far. Rows marked [b] used torchtitan's "
+        "`device_total_bytes` (all three are listed, the compared one in bold). batchfit has "
+        "no multi-GPU CUDA run of its own: these are its only multi-GPU CUDA checks. "
+        "Rows marked [b] used torchtitan's "
         "op-level selective checkpointing, which batchfit has no option for: they show full "
         "checkpointing "
         "(the lower bound) and, in brackets, no checkpointing (the upper bound), and stay out of "

@@ -1,4 +1,4 @@
-"""Predicted vs published training throughput (issue #13's benchmark).
+"""Predicted vs published training throughput .
 
 Every run in benchmarks/data/published_throughput.json is a published tokens/s per GPU figure
 with the setup that produced it (source, quote, the framework's config) and the batchfit
@@ -39,7 +39,7 @@ from _report import write_section  # noqa: E402
 
 DATA = HERE / "data" / "published_throughput.json"
 SECTION = "throughput-published"
-# issue #13's targets, per half
+# the targets, per half
 TARGET_MEDIAN = 0.15
 TARGET_WORST = 0.35
 
