@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import accuracy  # noqa: E402
 from _generalisation_grid import DATA, SEED, grid, shape, write_json  # noqa: E402
-from _report import DOC, write_section  # noqa: E402
+from _report import render_blocks, results_path, write_section  # noqa: E402
 from _truth import autocast  # noqa: E402
 from accuracy import Case  # noqa: E402
 
@@ -116,9 +116,9 @@ def measure(
 
 
 def published_debug_truths() -> dict[str, float]:
-    """accuracy.py's truths (median of its runs) as docs/benchmarks.md's accuracy table has them."""
-    text = DOC.read_text() if DOC.exists() else ""
-    section = text.split("<!-- accuracy:start -->")[-1].split("<!-- accuracy:end -->")[0]
+    """accuracy.py's truths (median of its runs) as its results file has them."""
+    path = results_path("accuracy")
+    section = render_blocks(json.loads(path.read_text())["blocks"]) if path.exists() else ""
     found = {}
     for line in section.splitlines():
         m = re.match(r"\| (.+?) \| \d+ x \d+ \| ([\d.]+) \(", line)
