@@ -128,7 +128,7 @@ def write_section(name: str, body: str, held_out: str | None = None) -> None:
         "section": name,
         "script": f"`benchmarks/{script}`",
         "measured": (
-            f"{datetime.date.today().isoformat()}, {platform.machine()}, "
+            f"{datetime.date.today().isoformat()} on {platform.machine()}, "
             f"{os.cpu_count()} CPU cores, Python {platform.python_version()}"
         ),
         "held_out": held_out or old.get("held_out", "cases not marked held out."),
