@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests._cli import run_cli
-from tests.cli.test_probe import TINY
+from tests._tiny import PROBE_GPT2
 
 NUMBERS = [
     "1",
@@ -194,7 +194,7 @@ _KEYS = ["n_layer", "n_embd", "n_head", "vocab_size", "n_positions"]
 
 @st.composite
 def bad_config(draw: st.DrawFn) -> dict:
-    config = dict(TINY)  # the probe tests' tiny GPT-2, then spoiled
+    config = dict(PROBE_GPT2)  # the probe tests' tiny GPT-2, then spoiled
     for key in draw(st.lists(st.sampled_from(_KEYS), min_size=1, max_size=2, unique=True)):
         config[key] = draw(st.sampled_from(_BAD))
     if draw(st.booleans()):

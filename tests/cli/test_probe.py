@@ -4,22 +4,13 @@ import pytest
 import torch
 
 from tests._cli import run_cli
-
-TINY = {
-    "model_type": "gpt2",
-    "n_layer": 2,
-    "n_embd": 64,
-    "n_head": 4,
-    "vocab_size": 512,
-    "n_positions": 256,
-    "architectures": ["GPT2LMHeadModel"],
-}
+from tests._tiny import PROBE_GPT2
 
 
 @pytest.mark.slow
 def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(TINY))
+    cfg.write_text(json.dumps(PROBE_GPT2))
     code, out, _ = run_cli(
         [
             "probe",

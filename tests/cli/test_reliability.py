@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests._cli import run_cli
-from tests.cli.test_probe import TINY
+from tests._tiny import PROBE_GPT2
 
 # children import batchfit from where this process does
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HF_HUB_OFFLINE": "1"}
@@ -30,7 +30,7 @@ def _one_line_error(code, out, err, needle=""):
 
 def _config(folder: Path) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(TINY))
+    (folder / "config.json").write_text(json.dumps(PROBE_GPT2))
     return folder
 
 

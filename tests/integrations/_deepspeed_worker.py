@@ -30,7 +30,7 @@ def run(
     import deepspeed
 
     from batchfit.integrations.deepspeed import DeepSpeedMicroBatcher
-    from tests.train._tiny import wide_batches, wide_mlp
+    from tests._tiny import wide_batches, wide_mlp
 
     model = wide_mlp()
     config = {

@@ -19,6 +19,7 @@ from batchfit.integrations.hf import PeakMemoryCallback, StepMemory
 from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
+from tests._tiny import example_gpt2
 
 
 def test_logs_carry_the_latest_steps_peak_and_speed() -> None:
@@ -63,15 +64,6 @@ def test_a_cuda_run_with_a_plan_becomes_a_calibration_record(
     assert record.measured_bytes - record.estimated_bytes == 99
 
 
-def _tiny_gpt2(n_embd: int = 64) -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(vocab_size=96, n_positions=64, n_embd=n_embd, n_layer=2, n_head=4)
-    )
-
-
 def _trainer(model: Any, callback: PeakMemoryCallback, tmp_path: Path) -> Any:
     from transformers import Trainer, TrainingArguments
 
@@ -94,7 +86,7 @@ def _trainer(model: Any, callback: PeakMemoryCallback, tmp_path: Path) -> Any:
 @pytest.mark.slow
 def test_a_real_trainer_logs_each_step_and_refuses_another_models_plan(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
-    model = _tiny_gpt2()
+    model = example_gpt2()
     model.config.to_json_file(config)
     plan = make_plan(
         resolve_model(str(config)),
@@ -116,4 +108,4 @@ def test_a_real_trainer_logs_each_step_and_refuses_another_models_plan(tmp_path:
     assert all(h["peak_memory_gib"] > 0 and h["samples_per_s"] > 0 for h in logged)
 
     with pytest.raises(ValueError, match=r"the plan is for .*config\.json \(110.3K parameters\)"):
-        _trainer(_tiny_gpt2(n_embd=128), PeakMemoryCallback(plan), tmp_path)
+        _trainer(example_gpt2(n_embd=128), PeakMemoryCallback(plan), tmp_path)

@@ -21,7 +21,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from batchfit import calibration
 from batchfit.hardware import get_gpu
@@ -29,7 +28,7 @@ from batchfit.integrations.lightning import PeakMemoryCallback, StepMemory
 from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
-from tests._tiny import TINY_GPT2
+from tests._tiny import TINY_GPT2, example_gpt2
 
 # the tiny GPT-2 of examples/train_tiny_gpt2.py
 CONFIG = TINY_GPT2
@@ -39,8 +38,7 @@ SEQ, MICRO, ACCUM, STEPS = 32, 4, 2, 3
 class TinyGpt2(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = GPT2LMHeadModel(GPT2Config(**CONFIG))
+        self.net = example_gpt2()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch

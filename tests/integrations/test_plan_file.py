@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from batchfit import calibration
 from batchfit.hardware import get_gpu
@@ -25,7 +24,7 @@ from batchfit.integrations import hf
 from batchfit.models import resolve_model
 from batchfit.plan import Plan, make_plan
 from batchfit.spec import TrainingSetup
-from tests._tiny import TINY_GPT2
+from tests._tiny import TINY_GPT2, example_gpt2
 
 CONFIG = TINY_GPT2
 
@@ -48,11 +47,6 @@ def _plan_file(plan: Plan, path: Path) -> Path:
     """What `batchfit plan ... --json > plan.json` writes (the CLI adds `versions`)."""
     path.write_text(json.dumps({**plan.to_json(), "versions": {"batchfit": "0.1.0"}}))
     return path
-
-
-def _model(n_embd: int = 64) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(**{**CONFIG, "n_embd": n_embd}))
 
 
 def _record_run(callback: Any, peak: int) -> list[calibration.Record]:
@@ -88,7 +82,7 @@ def test_a_plan_file_gives_the_same_peak_check_and_record(
     )
     assert by_file.device == "t4" and by_file.measured_bytes == plan.peak_bytes + 99
 
-    from_file.check_model_against_plan(_model())  # the planned model: accepted
+    from_file.check_model_against_plan(example_gpt2())  # the planned model: accepted
 
 
 def test_a_plan_file_for_another_model_is_refused_naming_both(tmp_path: Path) -> None:
@@ -97,7 +91,7 @@ def test_a_plan_file_for_another_model_is_refused_naming_both(tmp_path: Path) ->
     path = _plan_file(_plan(tmp_path, n_embd=128), tmp_path / "plan.json")
     args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"the plan is for .*config-128\.json \(.*\) but the") as e:
-        Trainer(model=_model(), args=args, callbacks=[hf.PeakMemoryCallback(path)])
+        Trainer(model=example_gpt2(), args=args, callbacks=[hf.PeakMemoryCallback(path)])
     assert "\n" not in str(e.value) and "GPT2LMHeadModel" in str(e.value)
 
 
@@ -109,7 +103,7 @@ def test_a_catalog_plan_file_checks_the_model_by_its_catalog_count(tmp_path: Pat
     )  # fmt: skip
     callback = hf.PeakMemoryCallback(_plan_file(plan, tmp_path / "plan.json"))
     with pytest.raises(ValueError, match=r"the plan is for gpt2 \(124\.4M parameters\)"):
-        callback.check_model_against_plan(_model())
+        callback.check_model_against_plan(example_gpt2())
 
 
 def test_a_plan_file_whose_model_is_not_here_is_not_checked(
@@ -122,7 +116,7 @@ def test_a_plan_file_whose_model_is_not_here_is_not_checked(
     path.write_text(json.dumps(data))
     callback = hf.PeakMemoryCallback(path)
     with caplog.at_level(logging.INFO, logger="batchfit.integrations.hf"):
-        callback.check_model_against_plan(_model(n_embd=128))  # not refused: not checkable
+        callback.check_model_against_plan(example_gpt2(n_embd=128))  # not refused: not checkable
     assert "the model is not checked against the plan" in caplog.text
 
 
@@ -136,7 +130,7 @@ def test_a_plan_file_carries_its_parameter_count_so_any_machine_checks_it(
     path.write_text(json.dumps(data))
     callback = hf.PeakMemoryCallback(path)
     with pytest.raises(ValueError, match="elsewhere"):
-        callback.check_model_against_plan(_model(n_embd=128))
+        callback.check_model_against_plan(example_gpt2(n_embd=128))
 
 
 @pytest.mark.parametrize(
@@ -204,9 +198,9 @@ def test_lightning_takes_a_plan_file_too(tmp_path: Path, monkeypatch: pytest.Mon
     path = _plan_file(plan, tmp_path / "plan.json")
     callback = bl.PeakMemoryCallback(path)
     assert callback.expected_peak_bytes == plan.peak_bytes
-    callback.check_model_against_plan(_model())
+    callback.check_model_against_plan(example_gpt2())
     with pytest.raises(ValueError, match=r"the plan is for .*config-64\.json"):
-        callback.check_model_against_plan(_model(n_embd=128))
+        callback.check_model_against_plan(example_gpt2(n_embd=128))
     callback._cuda = True
     callback.history.append(bl.StepMemory(1, plan.peak_bytes + 7, 1.0, 8.0))
     callback.on_train_end(SimpleNamespace(is_global_zero=True), SimpleNamespace())

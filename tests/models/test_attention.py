@@ -17,35 +17,13 @@ from batchfit.models._arch import (
 )
 from batchfit.spec import TrainingSetup
 from tests._cli import run_cli
-
-# microsoft/deberta-v3-base's config.json, narrowed to 2 layers of width 64 to stay quick.
-DEBERTA_V3 = {
-    "model_type": "deberta-v2",
-    "architectures": ["DebertaV2ForMaskedLM"],
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "intermediate_size": 256,
-    "vocab_size": 1000,
-    "max_position_embeddings": 512,
-    "relative_attention": True,
-    "position_buckets": 256,
-    "norm_rel_ebd": "layer_norm",
-    "share_att_key": True,
-    "pos_att_type": ["p2c", "c2p"],
-    "position_biased_input": False,
-    "type_vocab_size": 0,
-    "layer_norm_eps": 1e-7,
-    "hidden_act": "gelu",
-    "max_relative_positions": -1,
-    "pad_token_id": 0,
-}
+from tests._tiny import TINY_DEBERTA_V3
 
 
 @pytest.fixture
 def deberta(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(DEBERTA_V3))
+    path.write_text(json.dumps(TINY_DEBERTA_V3))
     return str(path)
 
 

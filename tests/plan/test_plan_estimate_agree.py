@@ -12,6 +12,7 @@ from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
 from tests._cli import plan_setup_flags, run_cli
+from tests._tiny import DEBERTA_V3_BASE
 
 pytestmark = pytest.mark.slow
 
@@ -35,30 +36,6 @@ CASES = [
         ["--task", "classification"],
     ),
 ]
-
-
-# microsoft/deberta-v3-base's config.json (the keys that shape it)
-DEBERTA_V3_BASE = {
-    "model_type": "deberta-v2",
-    "architectures": ["DebertaV2ForMaskedLM"],
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "intermediate_size": 3072,
-    "vocab_size": 128100,
-    "max_position_embeddings": 512,
-    "relative_attention": True,
-    "position_buckets": 256,
-    "norm_rel_ebd": "layer_norm",
-    "share_att_key": True,
-    "pos_att_type": ["p2c", "c2p"],
-    "position_biased_input": False,
-    "type_vocab_size": 0,
-    "layer_norm_eps": 1e-7,
-    "hidden_act": "gelu",
-    "max_relative_positions": -1,
-    "pad_token_id": 0,
-}
 
 
 def _json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:

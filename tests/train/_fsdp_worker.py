@@ -67,7 +67,7 @@ def _vmdata() -> int:
 
 def native(rank: int, world: int, out: Path) -> list[dict[str, Any]]:
     from batchfit.train import Accumulator, cross_entropy_sum
-    from tests.train._tiny import linear_stack, token_batches
+    from tests._tiny import linear_stack, token_batches
 
     model = sharded(linear_stack())
     for module in model.modules():
@@ -112,7 +112,7 @@ class _Messages(logging.Handler):
 
 def batcher_run(rank: int, out: Path, name: str, micro: int, limit: bool) -> list[dict[str, Any]]:
     from batchfit.train import Accumulator, MicroBatcher
-    from tests.train._tiny import wide_batches, wide_mlp, wide_step_fn
+    from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
     model = sharded(wide_mlp())
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=WIDE_LR))

@@ -29,7 +29,7 @@ def _status(field: str) -> int:
 
 def main() -> None:
     from batchfit.train import Accumulator, MicroBatcher
-    from tests.train._tiny import wide_batches, wide_mlp, wide_step_fn
+    from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
     mode, budget_mib, out = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._tiny import VOCAB, linear_stack, token_batches
 from tests._torchrun import torchrun
 from tests.train._fsdp_worker import CLIP
-from tests.train._tiny import VOCAB, linear_stack, token_batches
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from batchfit.train import Accumulator, MicroBatcher, StepResult
-from tests.train._tiny import wide_batches, wide_mlp, wide_step_fn
+from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_MIB = 64
