@@ -1,5 +1,5 @@
 """The calibration loop: records, a corrupt file, the automatic headroom, `batchfit calibration`,
-and `monitor --plan` recording a GPU run (issue #14, part 4)."""
+and `monitor --plan` recording a GPU run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Variable lengths (issue #11): --lengths FILE[:WEIGHT] and --padding longest|max|packed."""
+"""Variable lengths: --lengths FILE[:WEIGHT] and --padding longest|max|packed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""batchfit.profile_memory: a measured block, split as an estimate is (issue #14, part 3)."""
+"""batchfit.profile_memory: a measured block, split as an estimate is."""
 
 from __future__ import annotations
 

@@ -1,3 +1,5 @@
+"""``TrainingSetup``: defaults, contradictions refused, precision resolved by the device."""
+
 import dataclasses
 
 import pytest

@@ -1,3 +1,6 @@
+"""The catalog: its models and GPUs, their sources and published sizes, and how names, hub ids
+and config files resolve to them."""
+
 import json
 import re
 import subprocess

@@ -1,4 +1,4 @@
-"""A current catalog (issue #11): the families people fine-tune now, MoE traced, Gemma 3's
+"""A current catalog: the families people fine-tune now, MoE traced, Gemma 3's
 layer pattern paired up in the trace."""
 
 from __future__ import annotations

@@ -1,3 +1,6 @@
+"""The CLI's contract: JSON and human output of each command, one-line errors with exit 2, and
+a fast path that does not import torch."""
+
 import json
 import subprocess
 import sys
@@ -184,7 +187,7 @@ def test_export_to_file(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_fast_path_does_not_import_torch():
-    # DESIGN.md: the analytic engine on a catalog model must not import torch (a warm trace
+    # the analytic engine on a catalog model must not import torch (a warm trace
     # cache neither: tests/test_cache.py).
     code = (
         "import sys\n"

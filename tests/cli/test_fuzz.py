@@ -186,8 +186,7 @@ def test_any_arguments_exit_0_or_2_with_one_line(capsys, args):
     _check(args, capsys)
 
 
-# Bad config.json files: the values are validated where the config is read (models.py, another
-# branch of issue #9); until that lands some of these give tracebacks.
+# Bad config.json files: the values are validated where the config is read (batchfit.models).
 _BAD = [math.nan, math.inf, -1, 0, 1e300, "12", None, {"a": 1}, 2.5, True, [1]]
 _KEYS = ["n_layer", "n_embd", "n_head", "vocab_size", "n_positions"]
 

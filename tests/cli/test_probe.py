@@ -1,3 +1,5 @@
+"""``batchfit probe``: real steps under a budget, its table and plot, and the plan it reports."""
+
 import json
 
 import pytest

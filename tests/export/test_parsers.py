@@ -1,4 +1,4 @@
-"""Every export kind loads into the real parser it is written for (DESIGN.md "Exports").
+"""Every export kind loads into the real parser it is written for.
 
 hf -> ``transformers.TrainingArguments`` (+ ``peft.LoraConfig`` / ``BitsAndBytesConfig``);
 lightning -> ``lightning.pytorch.Trainer``; accelerate -> accelerate's own config-file loader;
@@ -294,7 +294,7 @@ def test_hf_export_is_accepted_without_a_warning(
     plan: Plan, tmp_path, monkeypatch: pytest.MonkeyPatch
 ):
     """No deprecated argument: `gradient_checkpointing` (a FutureWarning) and the `fsdp` string
-    (a logged deprecation) were both written before issue #9."""
+    (a logged deprecation) were both written once."""
     transformers = pytest.importorskip("transformers")
     logged: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)

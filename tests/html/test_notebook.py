@@ -1,6 +1,5 @@
 """The example notebook, executed by a real kernel, converted to HTML and loaded in headless
-Chromium: the estimate's and the plan's own renderings show, and nothing fails to load
-(issue #14, part 6)."""
+Chromium: the estimate's and the plan's own renderings show, and nothing fails to load."""
 
 from __future__ import annotations
 

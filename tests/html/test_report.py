@@ -1,5 +1,5 @@
 """HTML views: Jupyter's `_repr_html_`, the self-contained report page, and a real headless
-browser loading it (issue #14, part 6)."""
+browser loading it."""
 
 from __future__ import annotations
 
@@ -348,7 +348,7 @@ def test_a_probe_result_has_a_footer() -> None:
 
 def test_every_step_time_on_the_page_has_one_format() -> None:
     """The time line, the alternatives' and the GPU counts' ``s / step`` show a step time
-    alike: three significant figures, as the terminal does (trial #14: the page mixed them)."""
+    alike: three significant figures, as the terminal does (never a mix of formats)."""
     plan = {
         **_plan_json(),
         "step_seconds": 12.345,

@@ -1,5 +1,5 @@
 """PeakMemoryCallback: the step's peak and samples/s in the Trainer's logs, and a CUDA run
-with a plan recorded for `batchfit calibration` (issue #14, parts 3 and 4)."""
+with a plan recorded for `batchfit calibration`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Lightning's PeakMemoryCallback in a real (tiny, CPU) fit: each optimizer step's peak and
 samples/s reach the configured logger (a CSV file here), a drift above the plan is warned, a
-plan from another model is refused, and a CPU run leaves no calibration record (issue #14,
-parts 3 and 4)."""
+plan from another model is refused, and a CPU run leaves no calibration record."""
 
 from __future__ import annotations
 

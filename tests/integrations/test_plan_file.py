@@ -1,7 +1,7 @@
 """The callbacks take the file `batchfit plan ... --json` wrote as well as a `Plan`: the same
 expected peak, the same model check, the same calibration record; a file that is not a plan
 is refused in one line naming it; a run on another GPU than the plan's leaves no calibration
-record and says why (issue #14, parts 3 and 4)."""
+record and says why."""
 
 from __future__ import annotations
 

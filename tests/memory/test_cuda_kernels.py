@@ -1,4 +1,4 @@
-"""The CUDA emulation keeps what an H100 kept (benchmarks/data/gpu_validate_h100.json, issue #11):
+"""The CUDA emulation keeps what an H100 kept (benchmarks/data/gpu_validate_h100.json):
 SDPA under autocast on 16-bit copies, its output in (batch, seq, heads, dim) memory, a boolean
 mask turned into a saved 16-bit bias, dropout's bool mask."""
 

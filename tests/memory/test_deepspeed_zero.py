@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO accounting (issue #12, part 2): batchfit's model states against DeepSpeed's own
+"""DeepSpeed ZeRO accounting: batchfit's model states against DeepSpeed's own
 estimators, the 16-bit layout under ``bf16.enabled``, and one source for buckets and config.
 
 DeepSpeed's ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
@@ -147,7 +147,7 @@ def table() -> list[dict[str, Any]]:
 
 
 def test_llama8b_bf16_deepspeed_keeps_16bit_weights_and_gradients():
-    """The issue's symptom: ZeRO-2 + offload with bf16 counted fp32 weights and gradients."""
+    """ZeRO-2 + offload with bf16 keeps 16-bit weights and gradients, not fp32 ones."""
     model = resolve_model("llama-3.1-8b")
     setup = TrainingSetup(precision="amp-bf16", sharding="zero2", offload="optimizer")
     est = estimate_analytic(

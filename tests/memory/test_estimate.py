@@ -1,3 +1,5 @@
+"""``estimate``: engine choice, own modules, and what falls back to the formulas."""
+
 import pytest
 import torch
 from torch._subclasses import fake_tensor

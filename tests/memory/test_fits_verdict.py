@@ -1,4 +1,4 @@
-"""A verdict "fits" needs the whole device total, uncapped, with memory to spare (issue 10)."""
+"""A verdict "fits" needs the whole device total, uncapped, with memory to spare."""
 
 import dataclasses
 
@@ -29,7 +29,7 @@ QLORA_3060 = [
     "--engine",
     "analytic",
     "--loop",
-    "keep-outputs",  # the loop the issue measured with (the logits outlive forward)
+    "keep-outputs",  # the loop whose logits outlive forward
 ]
 
 

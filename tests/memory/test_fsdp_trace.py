@@ -1,5 +1,4 @@
-"""FSDP2 traced per rank under a fake process group, DDP's buckets, and the tracker's resizes
-(issue #12, part 1)."""
+"""FSDP2 traced per rank under a fake process group, DDP's buckets, and the tracker's resizes."""
 
 from __future__ import annotations
 

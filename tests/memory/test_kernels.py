@@ -1,4 +1,4 @@
-"""kernels.emulation acts only inside its ``with`` and leaves the process clean (issue 10)."""
+"""kernels.emulation acts only inside its ``with`` and leaves the process clean."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The loss and dtype conventions of issue #11: ``--loss chunked|fused``, ``--lora-dtype``,
+"""The loss and dtype conventions: ``--loss chunked|fused``, ``--lora-dtype``,
 ``--frozen-dtype``. The losses must compute what the full loss computes (value and gradients),
 and their dry run must allocate what the real CPU step allocates."""
 

@@ -1,4 +1,4 @@
-"""QLoRA traced (issue #11): bitsandbytes' 4-bit linear emulated on fake and real tensors."""
+"""QLoRA traced: bitsandbytes' 4-bit linear emulated on fake and real tensors."""
 
 from __future__ import annotations
 

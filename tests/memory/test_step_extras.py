@@ -1,4 +1,4 @@
-"""What a real step allocates that its tensors alone do not show (#10): the CPU bf16 fallback
+"""What a real step allocates that its tensors alone do not show: the CPU bf16 fallback
 matmul's fp32 accumulator, and autograd's in-place gradient sum. Each rule is checked against
 the process's real high-water mark in a fresh process, then against the tracker."""
 

@@ -1,4 +1,4 @@
-"""The step as a picture and as a PyTorch memory snapshot (issue #14, part 1)."""
+"""The step as a picture and as a PyTorch memory snapshot."""
 
 from __future__ import annotations
 

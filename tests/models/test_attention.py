@@ -1,4 +1,4 @@
-"""--attention auto resolves to what the model class supports (issue 10: DeBERTa has no SDPA)."""
+"""--attention auto resolves to what the model class supports (DeBERTa has no SDPA)."""
 
 import json
 

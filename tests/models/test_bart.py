@@ -1,4 +1,4 @@
-"""BART-family configs are read: encoder_layers, encoder_attention_heads, ... (issue 10)."""
+"""BART-family configs are read: encoder_layers, encoder_attention_heads, ..."""
 
 import json
 

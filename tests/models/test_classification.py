@@ -1,4 +1,4 @@
-"""GPT-2-style classification gets a pad token (= eos) where its config has none (issue 10)."""
+"""GPT-2-style classification gets a pad token (= eos) where its config has none."""
 
 import json
 

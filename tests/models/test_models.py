@@ -1,3 +1,6 @@
+"""Parameter counts: LoRA against peft, tied embeddings, heads and quantised layers; the
+task read from the config; LoRA targets."""
+
 import json
 
 import pytest
@@ -8,7 +11,7 @@ from tests._cli import run_cli
 
 
 def test_lora_count_llama_31_8b_exact():
-    # issue #2: r=16 on q_proj, v_proj = 6,815,744
+    # r=16 on q_proj, v_proj = 6,815,744
     assert resolve_model("llama-3.1-8b").lora_params(16, ["q_proj", "v_proj"]) == 6_815_744
 
 

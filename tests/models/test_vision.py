@@ -1,4 +1,4 @@
-"""Image models (issue #11): --task image-classification with --image-size, the catalog's
+"""Image models: --task image-classification with --image-size, the catalog's
 vision models, torchvision by name, and BatchNorm warnings on every path that picks a size."""
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ FAKE_TORCHVISION = textwrap.dedent(
 def fake_torchvision(tmp_path, monkeypatch):
     """A stand-in torchvision package with torchvision's model-registry API (``list_models``,
     ``get_model(name, weights=None, num_classes=N)``): the real one does not import beside
-    the CPU torch 2.13 build this suite runs on (DESIGN.md)."""
+    the CPU torch 2.13 build this suite runs on."""
     package = tmp_path / "fake_site" / "torchvision"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("from torchvision import models\n")

@@ -1,5 +1,5 @@
 """`batchfit monitor` on the CPU: the kernel's high-water mark, shared pages counted once across
-a process tree, and a calibration record against a CPU estimate (issue #14, Done when)."""
+a process tree, and a calibration record against a CPU estimate."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`batchfit monitor`: real child processes, their memory, exit codes, signals and files
-(issue #14, part 2)."""
+"""`batchfit monitor`: real child processes, their memory, exit codes, signals and files."""
 
 from __future__ import annotations
 

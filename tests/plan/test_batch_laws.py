@@ -1,4 +1,4 @@
-"""Issue #13 part 4(a): the global batch and peak LR from published batch-size scaling laws."""
+"""The global batch and peak LR from published batch-size scaling laws."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Checkpointing as a dial (--grad-ckpt-every K) in both engines and the time model, and
---compile as a time-only option (issue #13, part 2)."""
+--compile as a time-only option."""
 
 from __future__ import annotations
 

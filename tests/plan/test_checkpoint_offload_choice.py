@@ -1,4 +1,4 @@
-"""Issue #13 (part 2): checkpointing as a dial in the planner, offload in the time ranking on
+"""Checkpointing as a dial in the planner, offload in the time ranking on
 several GPUs, and one rule per row in ``batchfit gpus``."""
 
 from __future__ import annotations

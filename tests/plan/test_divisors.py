@@ -1,4 +1,4 @@
-"""Divisors by factoring (issue #9): exact, and fast whatever the size of the batch."""
+"""Divisors by factoring: exact, and fast whatever the size of the batch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``plan --num-gpus auto`` (issues #12 part 3, #13 part 2): one plan per GPU count up to a
+"""``plan --num-gpus auto``: one plan per GPU count up to a
 limit, each ranked by the time model, and the count where more GPUs stop paying for
 themselves. The analytic engine answers (the trace is not the subject)."""
 

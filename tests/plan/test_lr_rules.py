@@ -1,4 +1,4 @@
-"""Issue #13 part 3: the LR follows the batch with Malladi et al.'s β/ε adjustments offered,
+"""The LR follows the batch with Malladi et al.'s β/ε adjustments offered,
 and stops growing at the critical batch when one is known."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An own nn.Module gets the full plan (issue #11): micro-batch, accumulation, LR, ladder."""
+"""An own nn.Module gets the full plan: micro-batch, accumulation, LR, ladder."""
 
 from __future__ import annotations
 

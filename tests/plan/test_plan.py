@@ -1,3 +1,5 @@
+"""``make_plan``: the micro-batch, accumulation, learning rate, ladder and time of a plan."""
+
 import functools
 
 import pytest
@@ -21,7 +23,7 @@ LLAMA_1B = resolve_model("llama-3.2-1b")  # a rotary model: 4096-token samples
 
 
 def test_contract_gpt2_rtx3060():
-    # Issue #2: 8 accumulation steps, 32768 tokens per step.
+    # the contract: 8 accumulation steps, 32768 tokens per step.
     p = make_plan_analytic(
         GPT2,
         get_gpu("rtx-3060"),
@@ -181,7 +183,7 @@ def test_fit_table_covers_every_gpu():
     ],
 )
 def test_non_finite_learning_rate_inputs_are_refused(base_lr, base_batch, flag):
-    # Issue #9: inf/nan were accepted and `plan --json` printed Infinity / NaN.
+    # inf/nan must be refused: `plan --json` would print Infinity / NaN.
     with pytest.raises(ValueError, match=f"{flag} must be a finite positive number"):
         scale_learning_rate(base_lr, base_batch, 64, "adamw")
     with pytest.raises(UsageError, match=flag):
@@ -210,7 +212,7 @@ def test_a_learning_rate_that_overflows_when_scaled_is_refused() -> None:
 
 
 def test_the_lr_unit_trap_is_gone():
-    """Issue #13: --base-batch 256 with a target in tokens was read as 256 tokens (64 x the LR,
+    """--base-batch 256 with a target in tokens was read as 256 tokens (64 x the LR,
     silently). It is 256 samples now; a base far from the target warns with the numbers."""
     kw = {"seq_len": 4096, "global_batch_tokens": 1048576, "base_lr": 3e-4}
     samples = make_plan_analytic(
@@ -236,7 +238,7 @@ def test_the_lr_unit_trap_is_gone():
 
 def test_the_run_has_a_time_a_cost_and_ranked_candidates():
     """--train-tokens and --gpu-hour-price give the run's time and cost; candidates lists the
-    plan, then the alternatives that fit, fastest first, with the same keys (issue #13)."""
+    plan, then the alternatives that fit, fastest first, with the same keys."""
     p = make_plan_analytic(
         resolve_model("llama-3.1-8b"),
         get_gpu("h100-80gb"),
@@ -270,7 +272,7 @@ def test_the_run_has_a_time_a_cost_and_ranked_candidates():
 
 def test_fused_adamw_is_the_first_exact_rung():
     """Pure bf16 8B on an H100: foreach AdamW's fp32 temporary of every parameter does not
-    fit beside the model; the fused kernel, which costs no time, does (issue #13)."""
+    fit beside the model; the fused kernel, which costs no time, does."""
     p = make_plan_analytic(
         resolve_model("llama-3.1-8b"),
         get_gpu("h100-80gb"),

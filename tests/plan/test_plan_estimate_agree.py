@@ -1,5 +1,6 @@
-"""One answer per question (issue #10): a plan's micro-batch fits by its own ``estimate`` (same
-flags), and the next size up does not, on the cases that gave a T4 student an OOM before."""
+"""One answer per question: a plan's micro-batch fits by its own ``estimate`` (same
+flags), and the next size up does not, on cases at the
+edge of a T4's memory."""
 
 from __future__ import annotations
 
@@ -89,13 +90,13 @@ def test_a_ladder_rung_the_plan_takes_is_confirmed_and_its_hint_reproduces_it(ca
     """llama-2-7b on a T4 needs offload and more: once LoRA, whose lines through
     micro-batch 1 and 2 overpredicted its largest size (5 at 15.03 GiB, short of the card)
     before the chosen rung was traced at its answer; since DeepSpeed's 16-bit layout is
-    counted (issue #12), the exact ZeRO-3 parameter offload (ZeRO-Infinity) fits first. The
+    counted, the exact ZeRO-3 parameter offload (ZeRO-Infinity) fits first. The
     plan's setup, as flags, gives its figures."""
     flags = ["--gpu", "t4", "--seq-len", "512"]
     plan = _json(
         ["plan", "llama-2-7b", *flags, "--global-batch", "40", "--headroom", "100MiB"], capsys
     )
-    # since issue #13's dial, the time model may checkpoint fewer layers, or none once the
+    # with checkpointing as a dial, the time model may checkpoint fewer layers, or none once the
     # parameters are offloaded too
     every = plan["setup"]["grad_ckpt_every"]
     ckpt = (

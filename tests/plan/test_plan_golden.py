@@ -1,7 +1,7 @@
 """The planner's logic on the analytic engine is pinned: ``make_plan(...).to_json()`` and
 ``fit_table`` rows for varied cases against a reviewed capture (``tests/data/plan_golden.json``;
-first taken before issue #9's refactor, re-taken for issue #10's deliberate changes: the trainer
-loop frees the logits, alternatives that do not fit show their whole device total).
+re-taken for deliberate changes only, e.g. the trainer loop frees the logits, alternatives that
+do not fit show their whole device total).
 
 Re-capture (only for a deliberate change of plans, reviewed in the diff):
 ``PYTHONPATH=src python -m tests.plan.test_plan_golden``

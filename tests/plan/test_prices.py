@@ -1,5 +1,5 @@
 """The default GPU-hour price table (``catalog/prices.json``): dated, sourced, approximate; a
-plan's cost uses it unless ``--gpu-hour-price`` says otherwise (issue #13, part 2)."""
+plan's cost uses it unless ``--gpu-hour-price`` says otherwise."""
 
 import datetime
 import json

@@ -1,4 +1,4 @@
-"""Plans that use the GPUs (issue #12, part 3): on several GPUs the planner compares DDP,
+"""Plans that use the GPUs: on several GPUs the planner compares DDP,
 ZeRO-1/2/3 and FSDP2 (each with the ladder's lean loss and checkpointing) and takes the largest
 micro-batch, then the least communication; the exports and the launch line describe that run.
 The analytic engine answers (the trace is not the subject)."""
@@ -42,7 +42,7 @@ def llama8b_8x() -> Plan:
 
 
 def test_8x_h100_shards_and_runs_a_large_micro_batch(llama8b_8x: Plan):
-    """Issue #12: ZeRO-1 at micro-batch 1 although its own table said ZeRO-2 fits 7."""
+    """Not ZeRO-1 at micro-batch 1 where the plan's own table says ZeRO-2 fits 7."""
     names = {t.name for t in llama8b_8x.techniques}
     assert names & SHARDED
     assert llama8b_8x.micro_batch_size > 1
@@ -50,7 +50,7 @@ def test_8x_h100_shards_and_runs_a_large_micro_batch(llama8b_8x: Plan):
 
 
 def test_more_gpus_never_train_slower_per_gpu(llama8b_8x: Plan):
-    """Issue #12 found 4 GPUs planned better than 8; ranked by time (issue #13), 8 GPUs each
+    """4 GPUs must not plan better than 8; ranked by time, 8 GPUs each
     train at least as fast as 4 do, within the time model's tie band."""
     four = _plan("llama-3.1-8b", "h100-80gb", 4)
     per_gpu = [p.speed_json()["tokens_per_s_per_gpu"] or 0.0 for p in (llama8b_8x, four)]
@@ -75,7 +75,7 @@ def test_no_exact_option_is_faster(llama8b_8x: Plan):
 
 
 def test_3b_on_4x_a100_40gb_is_not_micro_batch_1():
-    """Issue #12: micro-batch 1 with checkpointing + ZeRO-1 where ZeRO-3/FSDP allow more."""
+    """Not micro-batch 1 with checkpointing + ZeRO-1 where ZeRO-3/FSDP allow more."""
     plan = _plan("llama-3.2-3b", "a100-40gb", 4)
     assert plan.micro_batch_size >= 16
     assert {t.name for t in plan.techniques} & SHARDED

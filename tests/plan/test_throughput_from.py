@@ -1,5 +1,6 @@
 """``plan --throughput-from PROBE.json``: a real probe's measured steps replace the step-time
-model's, and a probe of something else is refused (issue #13, part 1 and Bad input).
+model's, and a probe of something else is refused, and an
+implausible one is named.
 
 The probe runs for real, on this machine's CPU, on a tiny GPT-2. ``plan`` plans for a catalog
 GPU (``--gpu``) and refuses a CPU probe, so the matching cases copy the real probe's file and

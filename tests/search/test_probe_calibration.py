@@ -1,4 +1,4 @@
-"""The probe's calibration record (issue #14, part 4): a real probe's largest measured peak
+"""The probe's calibration record: a real probe's largest measured peak
 beside the trace's estimate for the same setup and micro-batch. Only CUDA's records are kept
 (a CPU peak is resident memory); the record is built here by the same code on the CPU."""
 

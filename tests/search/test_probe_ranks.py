@@ -1,5 +1,5 @@
 """The probe on several torchrun ranks (gloo): they agree under different budgets, a dead rank
-ends the probe with its number and leaves no process behind (issue #12, part 5)."""
+ends the probe with its number and leaves no process behind."""
 
 from __future__ import annotations
 

@@ -1,3 +1,6 @@
+"""The micro-batch search: it never reports an untested size, survives real OOMs under an OS
+limit with flat memory, agrees across ranks, and fits a memory law to start high."""
+
 import json
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""The step-time model on the CPU (issue #13): a catalog CPU profile, a prediction that exists,
+"""The step-time model on the CPU: a catalog CPU profile, a prediction that exists,
 is positive and grows with the micro-batch, and matches the formula worked by hand."""
 
 from __future__ import annotations

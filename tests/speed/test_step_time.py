@@ -1,4 +1,4 @@
-"""The step-time model (``batchfit.speed``, issue #13's first part) against the H100 sweeps it
+"""The step-time model (``batchfit.speed``) against the H100 sweeps it
 was calibrated on, and its contract in estimate/plan JSON."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_estimate_and_plan_json_carry_the_time(capsys):
     plan = _json(capsys, "plan", *workload, "--gpu", "a100-40gb", "--global-batch", "64")
     assert plan["step_seconds"] > est["step_seconds"]  # accumulation: several micro-steps
     cpu = _json(capsys, "estimate", *workload, "-b", "8", "--device", "cpu")
-    # no GPU: timed on this machine's CPU profile where one was measured (issue #13)
+    # no GPU: timed on this machine's CPU profile where one was measured
     from batchfit.hardware import host_cpu
 
     assert (cpu["step_seconds"] is None) == (host_cpu() is None)

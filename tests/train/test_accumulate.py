@@ -1,5 +1,4 @@
-"""``Accumulator``: any micro-batching of a global batch gives the full-batch step (DESIGN.md,
-"Gradient accumulation").
+"""``Accumulator``: any micro-batching of a global batch gives the full-batch step.
 
 Exactness is checked on parameters after several optimizer steps, against a hand-written
 full-batch step with PyTorch's own mean losses. AdamW runs with ``lr=1e-3, eps=1e-6``: Adam

@@ -29,7 +29,7 @@ LR = 0.5
 def fsdp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     with pytest.MonkeyPatch.context() as mp:
-        # DESIGN.md: freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget.
+        # freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget.
         mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
         proc = torchrun(Path(__file__).with_name("_fsdp_worker.py"), out, attempts=3)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -1,5 +1,5 @@
-"""``Accumulator(..., noise_scale=True)``: the gradient noise scale B_simple (DESIGN.md, "Gradient
-noise scale"; McCandlish et al. 2018, appendix A).
+"""``Accumulator(..., noise_scale=True)``: the gradient noise scale B_simple (McCandlish et al.
+2018, appendix A).
 
 Two kinds of checks: the hooks' sums equal a reference built from explicit per-micro-batch
 gradients (``torch.autograd.grad``) to rounding, whatever the model (tied embeddings, reentrant

@@ -1,5 +1,5 @@
 """``MicroBatcher``: an out-of-memory error redoes the global batch at half the micro-batch,
-and the result equals a run at that size from the start (DESIGN.md, "OOM facts").
+and the result equals a run at that size from the start.
 
 The real OOMs come from PyTorch's CPU allocator under an OS limit (``RLIMIT_DATA``), in a child
 process (``_oom_child.py``) run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks leave
