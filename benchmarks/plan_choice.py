@@ -120,7 +120,8 @@ class Case:
 
 
 DEBUG_CASES = (
-    # tests/test_i13_planner_dial.py: the dial (1 GPU), the offload margin (2 GPUs), and 8
+    # tests/plan/test_checkpoint_offload_choice.py: the dial (1 GPU), the offload margin
+    # (2 GPUs), and 8
     Case("debug-llama8b-1xh100", "llama-3.1-8b", "h100-80gb", 1, 2048, "auto",
          global_batch_tokens=1048576),
     Case("debug-llama8b-2xh100", "llama-3.1-8b", "h100-80gb", 2, 2048, "auto",
@@ -129,10 +130,10 @@ DEBUG_CASES = (
          global_batch_tokens=1048576),
     Case("debug-mistral7b-v100-fp32", "mistral-7b", "v100-32gb", 1, 2048, "fp32",
          global_batch=16, optimizer="adam"),
-    # tests/test_plan_estimate_agree.py (headroom 100 MiB there)
+    # tests/plan/test_plan_estimate_agree.py (headroom 100 MiB there)
     Case("debug-llama2-7b-t4", "llama-2-7b", "t4", 1, 512, "auto", global_batch=40,
          headroom_bytes=100 * 2**20),
-    # tests/test_plan_golden.py
+    # tests/plan/test_plan_golden.py
     Case("debug-gpt2-t4", "gpt2", "t4", 1, 512, "auto", global_batch=32),
     Case("debug-llama8b-a100-40", "llama-3.1-8b", "a100-40gb", 1, 4096, "auto",
          global_batch_tokens=1048576),

@@ -1,8 +1,8 @@
 """Regenerate ``catalog/derived.json``: exact parameter tables of the catalog models.
 
 Each catalog config is built with transformers on the meta device for the tasks it serves, so
-``plan`` and ``estimate --engine analytic`` need no model build. tests/test_catalog.py checks
-that regenerating gives the same data.
+``plan`` and ``estimate --engine analytic`` need no model build.
+tests/catalog/test_catalog.py checks that regenerating gives the same data.
 
     python scripts/gen_catalog.py            # rewrite the file
     python scripts/gen_catalog.py --check    # exit 1 if the file is stale

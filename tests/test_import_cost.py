@@ -1,9 +1,11 @@
+"""``import batchfit`` stays cheap: importlib.metadata loads only when versions are asked for."""
+
 import subprocess
 import sys
 
 
 def test_import_batchfit_does_not_load_importlib_metadata():
-    # importlib.metadata was most of `import batchfit` (issue #9): only versions() needs it.
+    # importlib.metadata was most of `import batchfit` : only versions() needs it.
     code = (
         "import sys, batchfit\n"
         "assert 'importlib.metadata' not in sys.modules, 'importlib.metadata imported'\n"

@@ -1,3 +1,5 @@
+"""``TrainingSetup``: defaults, contradictions refused, precision resolved by the device."""
+
 import dataclasses
 
 import pytest
@@ -51,3 +53,11 @@ def test_lists_become_tuples():
     setup = TrainingSetup(method="lora", lora_targets=["q_proj", "v_proj"])  # type: ignore[arg-type]
     assert setup.lora_targets == ("q_proj", "v_proj")
     hash(setup)
+
+
+def test_pure_bf16_presets_on_a_gpu_without_bf16():
+    t4 = dict(device="cuda", bf16_supported=False)
+    tune = TrainingSetup(framework="torchtune", method="lora", lora_dtype="bf16").resolved(**t4)
+    assert (tune.precision, tune.lora_dtype) == ("fp32", "fp32")
+    lit = TrainingSetup(framework="litgpt", method="lora", lora_dtype="bf16").resolved(**t4)
+    assert (lit.precision, lit.lora_dtype) == ("amp-fp16", "fp32")

@@ -1,3 +1,5 @@
+"""Byte sizes and counts: parsed from the user's text, refused when malformed, and formatted."""
+
 import pytest
 
 from batchfit._units import gib, human_count, parse_count, parse_size

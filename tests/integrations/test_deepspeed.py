@@ -3,7 +3,7 @@
 both in the same step, the engine's config is rebuilt around the same ``train_batch_size``,
 and the parameters equal a run at the smaller micro-batch from the start.
 
-One ``torchrun`` launch runs both stages (``_i12_deepspeed_worker.py``); the tests read its
+One ``torchrun`` launch runs both stages (``_deepspeed_worker.py``); the tests read its
 output.
 """
 
@@ -27,9 +27,9 @@ def ds_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deepspeed")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DS_ACCELERATOR", "cpu")
-        # DESIGN.md: freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget.
+        # freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget.
         mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-        proc = torchrun(Path(__file__).with_name("_i12_deepspeed_worker.py"), out, attempts=3)
+        proc = torchrun(Path(__file__).with_name("_deepspeed_worker.py"), out, attempts=3)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out
 

@@ -16,7 +16,7 @@ from batchfit.integrations.hf import PeakMemoryCallback, training_arguments
 from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
-from tests.train._tiny import MAX_LEN, VOCAB, tiny_gpt2
+from tests._tiny import MAX_LEN, VOCAB, tiny_gpt2_lm
 
 # The planner's logic, on the fast analytic engine (the trace engine's plans: test_fit.py,
 # test_plan_estimate_agree.py).
@@ -40,7 +40,7 @@ def _train(tmp_path: Path, callback: PeakMemoryCallback, steps: int = 3) -> None
         logging_strategy="no",
         disable_tqdm=True,
     )
-    Trainer(model=tiny_gpt2(), args=args, train_dataset=data, callbacks=[callback]).train()
+    Trainer(model=tiny_gpt2_lm(), args=args, train_dataset=data, callbacks=[callback]).train()
 
 
 def test_logs_peak_and_throughput_per_step(

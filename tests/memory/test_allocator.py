@@ -1,3 +1,5 @@
+"""The caching-allocator model: rounding, pools, reuse, fragmentation and expandable segments."""
+
 from batchfit.memory.allocator import CachingAllocator, round_size, segment_size, simulate
 
 MIB = 1 << 20

@@ -1,3 +1,5 @@
+"""The analytic engine's formulas against published numbers and measured constants."""
+
 import dataclasses
 
 import pytest
@@ -34,7 +36,7 @@ def run(model, micro=1, seq=512, device="cuda", gpu="a100-80gb", accum=1, **setu
     [("bf16", 2, 2, 4), ("amp-bf16", 4, 4, 8), ("fp32", 4, 4, 8), ("fp16", 2, 2, 12)],
 )
 def test_bytes_per_parameter_llama_31_8b(precision, w, g, o):
-    # Issue #2 contract; fp16 = fp16 weights + fp32 master + Adam (ZeRO paper, K = 12).
+    # the contract; fp16 = fp16 weights + fp32 master + Adam (ZeRO paper, K = 12).
     est = run(LLAMA8B, accum=2, precision=precision)
     n = LLAMA8B.total_params
     assert est.components["weights"] == w * n
@@ -85,7 +87,7 @@ def test_qlora_nf4_double_quant_constant():
 
 
 def test_llama2_layer_constant_matches_measured_45_sbh():
-    # DESIGN.md: HF Llama measured about 45*s*b*h per layer with SDPA in 16-bit.
+    # HF Llama measured about 45*s*b*h per layer with SDPA in 16-bit.
     arch = resolve_model("llama-2-7b").arch
     terms = act.layer_terms(
         arch, act.Regime.of("bf16"), "sdpa", 2048, act.trainable_roles("llama", None)
@@ -102,7 +104,7 @@ def test_eager_adds_six_bytes_per_score_in_bf16():
     sdpa = sum(v for _, v in act.layer_terms(arch, rg, "sdpa", 2048, roles))
     lse = 4 * arch.num_heads
     assert eager - sdpa == 6 * arch.num_heads * 2048 - lse
-    assert (eager - sdpa + lse) / arch.hidden_size == 96  # DESIGN.md: 96*sbh at s=2048
+    assert (eager - sdpa + lse) / arch.hidden_size == 96  # 96*sbh at s=2048
 
 
 def test_fp32_adamw_foreach_peaks_near_20_bytes_per_param():
@@ -186,7 +188,7 @@ def test_estimates_grow_with_batch_and_sequence(
 
 
 def test_reserve_is_not_capped_by_the_card():
-    # Issue 10: a reserve cut to the card's size made a full card "fit"; the total is uncapped.
+    # a reserve cut to the card's size would make a full card "fit": the total is uncapped.
     from batchfit.memory._device import device_totals
 
     gpu = get_gpu("t4")

@@ -1,8 +1,12 @@
+"""``estimate``: engine choice, own modules, and what falls back to the formulas."""
+
 import pytest
 import torch
 from torch._subclasses import fake_tensor
 
+import batchfit
 from batchfit.errors import UsageError
+from batchfit.hardware import get_gpu
 from batchfit.memory import _hf_trace
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
@@ -90,3 +94,41 @@ def test_a_micro_batch_beyond_any_device_is_refused_in_one_line(engine):
     # the trace overflowed torch's storage size; the analytic engine printed 1.8e31 bytes
     with pytest.raises(UsageError, match=r"tokens in one micro-batch, beyond any device"):
         estimate(GPT2, TrainingSetup(), micro_batch_size=10**18, seq_len=128, engine=engine)
+
+
+def test_own_module_estimate_warns_on_batchnorm_and_reports_the_image_side():
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 30 * 30, 10),
+        )
+
+    est = batchfit.estimate(
+        net,
+        TrainingSetup(),
+        gpu=get_gpu("t4"),
+        batch_fn=lambda: torch.randn(8, 3, 32, 32),
+        loss_fn=lambda out, batch: out.sum(),
+    )
+    assert (est.micro_batch_size, est.seq_len) == (8, 32)
+    assert any("BatchNorm" in w for w in est.warnings)
+
+
+def test_own_module_in_pure_bf16_takes_fp32_inputs():
+    import torch
+
+    import batchfit
+
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    est = batchfit.estimate(
+        net,
+        TrainingSetup(precision="bf16"),
+        gpu=get_gpu("a100-40gb"),
+        batch_fn=lambda: torch.randn(8, 64),
+        loss_fn=lambda out, batch: out.float().sum(),
+    )
+    assert est.peak_bytes > 0

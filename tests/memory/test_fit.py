@@ -1,3 +1,6 @@
+"""Fitting the largest micro-batch from a few traces: the affine memory law, its moment lines,
+and the limit."""
+
 import pytest
 
 from batchfit.hardware import get_gpu

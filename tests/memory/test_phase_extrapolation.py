@@ -1,4 +1,4 @@
-"""Depth extrapolation per peak moment (issue #10): equal to full-depth traces where the peak
+"""Depth extrapolation per peak moment: equal to full-depth traces where the peak
 moves, and monotone in the micro-batch and the sequence length."""
 
 import json

@@ -1,3 +1,6 @@
+"""The dry-run trace: it allocates what real CPU tensors do, by category and phase, with
+checkpointing, LoRA, autocast, kernel emulation and extrapolation over depth."""
+
 import json
 
 import pytest
@@ -189,7 +192,7 @@ def test_cuda_emulation_drops_the_score_matrix(tiny):
 
 
 def test_unsupported_setups_fall_back_to_analytic():
-    # MoE is traced since issue #11; fp16 with an fp32 master copy is not yet
+    # MoE is traced; fp16 with an fp32 master copy is not yet
     est = estimate(
         resolve_model("gpt2"),
         TrainingSetup(precision="fp16"),

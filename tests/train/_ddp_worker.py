@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.train._tiny import TokenBatch
+from tests._tiny import TokenBatch
 
 LR = 0.5
 
@@ -36,7 +36,7 @@ def shard(batch: TokenBatch, rank: int, world: int) -> TokenBatch:
 
 def main() -> None:
     from batchfit.train import Accumulator, MicroBatcher, cross_entropy_sum
-    from tests.train._tiny import linear_stack, token_batches
+    from tests._tiny import linear_stack, token_batches
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -32,8 +32,8 @@ SLICES["fsdp"], SLICES["fsdp-batcher"] = SLICES["ddp"], SLICES["ddp-batcher"]
 
 def run(name: str, rank: int, world: int) -> list[float | None]:
     from batchfit.train import Accumulator, MicroBatcher, cross_entropy_sum
-    from tests.train._i12_fsdp_worker import sharded
-    from tests.train._tiny import linear_stack, token_batches
+    from tests._tiny import linear_stack, token_batches
+    from tests.train._fsdp_worker import sharded
 
     model: Any = linear_stack()
     model = sharded(model) if name.startswith("fsdp") else DistributedDataParallel(model)

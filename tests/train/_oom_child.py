@@ -1,7 +1,7 @@
 """Child process of the real-OOM tests: a ``MicroBatcher`` under an ``RLIMIT_DATA`` budget.
 
-Run with ``MALLOC_MMAP_THRESHOLD_=65536`` (DESIGN.md: freed blocks go back to the OS, so the
-limit behaves like a GPU's memory). ``python _oom_child.py MODE BUDGET_MIB OUT_DIR``:
+Run with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed blocks go back to the OS, so the limit
+behaves like a GPU's memory). ``python _oom_child.py MODE BUDGET_MIB OUT_DIR``:
 
 - ``recover``: two global batches of 32 starting at micro-batch 16; saves the parameters.
 - ``repeat``: 21 global batches of 16, each with a fresh batcher at micro-batch 16 that runs
@@ -29,7 +29,7 @@ def _status(field: str) -> int:
 
 def main() -> None:
     from batchfit.train import Accumulator, MicroBatcher
-    from tests.train._tiny import wide_batches, wide_mlp, wide_step_fn
+    from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
     mode, budget_mib, out = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -1,5 +1,4 @@
-"""``Accumulator``: any micro-batching of a global batch gives the full-batch step (DESIGN.md,
-"Gradient accumulation").
+"""``Accumulator``: any micro-batching of a global batch gives the full-batch step.
 
 Exactness is checked on parameters after several optimizer steps, against a hand-written
 full-batch step with PyTorch's own mean losses. AdamW runs with ``lr=1e-3, eps=1e-6``: Adam
@@ -20,13 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchfit.train import Accumulator, class_weights, cross_entropy_sum
-from tests.train._tiny import (
+from tests._tiny import (
     VOCAB,
     accumulated_steps,
     full_batch_steps,
     linear_stack,
     logits_of,
-    tiny_gpt2,
+    tiny_gpt2_lm,
     token_batches,
 )
 
@@ -34,7 +33,7 @@ BATCHES = token_batches(3, 8)
 WEIGHTS = class_weights(
     torch.cat([labels for _, labels in BATCHES]), VOCAB, scheme="effective_number"
 )
-MODELS = {"linear-stack": linear_stack, "gpt2-2layer": tiny_gpt2}
+MODELS = {"linear-stack": linear_stack, "gpt2-2layer": tiny_gpt2_lm}
 
 
 def adamw(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests._tiny import full_batch_steps, linear_stack, token_batches
 from tests._torchrun import torchrun
 from tests.train._ddp_worker import LR, shard
-from tests.train._tiny import full_batch_steps, linear_stack, token_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 

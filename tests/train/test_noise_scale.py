@@ -1,5 +1,5 @@
-"""``Accumulator(..., noise_scale=True)``: the gradient noise scale B_simple (DESIGN.md, "Gradient
-noise scale"; McCandlish et al. 2018, appendix A).
+"""``Accumulator(..., noise_scale=True)``: the gradient noise scale B_simple (McCandlish et al.
+2018, appendix A).
 
 Two kinds of checks: the hooks' sums equal a reference built from explicit per-micro-batch
 gradients (``torch.autograd.grad``) to rounding, whatever the model (tied embeddings, reentrant
@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from batchfit.train import Accumulator, cross_entropy_sum
 from batchfit.train.noise import estimate_terms
-from tests.train._tiny import linear_stack, logits_of, tiny_gpt2, token_batches
+from tests._tiny import linear_stack, logits_of, tiny_gpt2_lm, token_batches
 
 LossFn = Callable[[nn.Module, int], tuple[torch.Tensor, float]]
 
@@ -82,10 +82,10 @@ def test_hooks_equal_explicit_micro_batch_gradients(sizes: list[int]) -> None:
 def test_tied_embeddings_count_the_summed_gradient() -> None:
     """GPT-2's ``wte`` is both the input embedding and the output layer: autograd adds the two
     uses before the hook, so the norm is of the sum, not a sum of norms."""
-    model = tiny_gpt2()
+    model = tiny_gpt2_lm()
     assert model.lm_head.weight is model.transformer.wte.weight
     loss_fn = _token_loss([3, 3, 2])
-    expected = _reference(tiny_gpt2(), loss_fn, 3)
+    expected = _reference(tiny_gpt2_lm(), loss_fn, 3)
     assert expected is not None
     assert _measured(model, loss_fn, 3) == pytest.approx(expected, rel=1e-4)
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from batchfit.train import Accumulator, cross_entropy_sum
+from tests._tiny import linear_stack, token_batches
 from tests._torchrun import torchrun
 from tests.train._ddp_worker import LR, shard
 from tests.train._gns_worker import SLICES
-from tests.train._tiny import linear_stack, token_batches
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """``MicroBatcher``: an out-of-memory error redoes the global batch at half the micro-batch,
-and the result equals a run at that size from the start (DESIGN.md, "OOM facts").
+and the result equals a run at that size from the start.
 
 The real OOMs come from PyTorch's CPU allocator under an OS limit (``RLIMIT_DATA``), in a child
 process (``_oom_child.py``) run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks leave
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from batchfit.train import Accumulator, MicroBatcher, StepResult
-from tests.train._tiny import wide_batches, wide_mlp, wide_step_fn
+from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_MIB = 64

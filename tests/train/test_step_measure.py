@@ -1,4 +1,4 @@
-"""StepResult measures its step: seconds, peak memory, throughput (issue #14, part 3)."""
+"""StepResult measures its step: seconds, peak memory, throughput."""
 
 from __future__ import annotations
 

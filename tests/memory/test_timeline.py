@@ -1,0 +1,308 @@
+"""The step as a picture and as a PyTorch memory snapshot."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchfit.hardware import get_gpu
+from batchfit.memory import timeline
+from batchfit.memory._trace_estimate import estimate_trace
+from batchfit.memory._trace_result import CATEGORIES
+from batchfit.memory.analytic import resolve_setup
+from batchfit.models import resolve_model
+from batchfit.spec import TrainingSetup
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 256,
+    "vocab_size": 3000,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cuda_timeline(tiny: str) -> timeline.StepTimeline:
+    model, gpu = resolve_model(tiny), get_gpu("t4")
+    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
+    return timeline.step_timeline(
+        model, setup, micro_batch_size=2, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2
+    )
+
+
+def test_the_timeline_is_the_estimates_dry_run(tiny: str) -> None:
+    model = resolve_model(tiny)
+    setup = resolve_setup(model, TrainingSetup(), "cpu", None)
+    tl = timeline.step_timeline(
+        model, setup, micro_batch_size=2, seq_len=64, device="cpu", gpu=None
+    )
+    est = estimate_trace(
+        model,
+        TrainingSetup(),
+        micro_batch_size=2,
+        seq_len=64,
+        device="cpu",
+        gpu=None,
+        full_depth=True,
+    )
+    assert tl.peak_bytes == est.peak_bytes
+    assert all(len(s) == len(tl.events) for s in tl.series.values())
+    assert {p for _, p in tl.phases} >= {"forward", "backward", "optimizer-step", "zero-grad"}
+    assert tl.reserved is None  # no allocator on the CPU
+
+
+def test_cuda_timeline_draws_the_reserve_and_accumulation(
+    cuda_timeline: timeline.StepTimeline,
+) -> None:
+    tl = cuda_timeline
+    assert tl.reserved is not None
+    totals = [sum(tl.series[c][i] for c in CATEGORIES) for i in range(len(tl.events))]
+    assert all(r >= t for r, t in zip(tl.reserved, totals, strict=True))
+    # two steps of two micro-steps: four forwards
+    assert sum(1 for _, p in tl.phases if p == "forward") == 4
+    assert "later micro-step" in tl.peak_label
+
+
+def test_plot_writes_a_png(cuda_timeline: timeline.StepTimeline, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "t.png"
+    timeline.plot(cuda_timeline, path, "tiny", get_gpu("t4").memory_bytes)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_snapshot_replays_to_the_same_peak_and_pytorch_reads_it(
+    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+) -> None:
+    path = tmp_path / "s.pickle"
+    timeline.write_snapshot(cuda_timeline, path, "cuda")
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    live = peak = 0
+    sizes = {}
+    for entry in snap["device_traces"][0]:
+        if entry["action"] == "alloc":
+            sizes[entry["addr"]] = entry["size"]
+            live += entry["size"]
+        elif entry["action"] == "free_completed":
+            live -= sizes.pop(entry["addr"])
+        peak = max(peak, live)
+    assert peak == cuda_timeline.peak_bytes
+    # PyTorch's own reader (it runs without a GPU)
+    for args in (
+        ["stats", str(path)],
+        ["trace_plot", str(path), "-o", str(tmp_path / "t.html")],
+        ["segment_plot", str(path), "-o", str(tmp_path / "s.html")],
+    ):
+        proc = _memory_viz(*args)
+        assert proc.returncode == 0, proc.stderr[-1000:]
+    assert (tmp_path / "t.html").stat().st_size > 1000
+    assert (tmp_path / "s.html").stat().st_size > 1000
+
+
+def _memory_viz(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.cuda._memory_viz", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_snapshot_holds_what_the_step_leaves_allocated(
+    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+) -> None:
+    """As a real ``_snapshot()`` after a step: weights and optimizer state stay allocated;
+    zero_grad(set_to_none=True) freed the gradients; the activations are gone."""
+    from torch.cuda._memory_viz import Bytes
+
+    tl = cuda_timeline
+    end = {c: tl.series[c][-1] for c in CATEGORIES}
+    assert end["weights"] > 0 and end["optimizer_state"] > 0
+    assert end["gradients"] == 0 and end["activations"] == 0
+    path = tmp_path / "s.pickle"
+    timeline.write_snapshot(tl, path, "cuda")
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+    assert all(b["state"] == "active_allocated" for b in blocks)
+    assert sum(b["requested_size"] for b in blocks) == sum(end.values())
+    held = {c: sum(b["requested_size"] for b in blocks if b["frames"][0]["name"] == c) for c in end}
+    assert held == end
+    # the trace replays from nothing to that state
+    live: dict[int, int] = {}
+    for entry in snap["device_traces"][0]:
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry["size"]
+        elif entry["action"] == "free_completed":
+            del live[entry["addr"]]
+    assert sorted(live) == sorted(b["address"] for b in blocks)
+    proc = _memory_viz("stats", str(path))
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert f"total_allocated: {Bytes(sum(end.values()))}\n" in proc.stdout
+    assert "total_allocated: 0.0B" not in proc.stdout
+
+
+def test_snapshot_frames_name_the_module_and_phase(
+    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+) -> None:
+    """What trace_plot's hover shows for an allocation: its module, category and phase."""
+    path = tmp_path / "s.pickle"
+    timeline.write_snapshot(cuda_timeline, path, "cuda")
+    html = tmp_path / "t.html"
+    assert _memory_viz("trace_plot", str(path), "-o", str(html)).returncode == 0
+    # the page carries the snapshot as base64 (its script draws it): read it back from there
+    payload = re.search(r'"base64": "([^"]+)"', html.read_text())
+    assert payload is not None
+    snap = pickle.loads(base64.b64decode(payload.group(1)))
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    assert all(e["frames"] for e in allocs)
+    files = {f["filename"] for e in allocs for f in e["frames"]}
+    assert {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn", "lm_head"} <= files
+    phases = {f.partition(" ")[0] for f in files}
+    assert {"setup", "forward", "backward", "optimizer-step"} <= phases
+    # accumulation: micro-steps are named; the activations of the module say so
+    mlp = [e for e in allocs if e["frames"][0]["filename"] == "transformer.h.0.mlp.c_fc"]
+    assert {e["frames"][0]["name"] for e in mlp} == {"activations"}
+    assert {e["frames"][1]["filename"] for e in mlp} >= {
+        "forward (step 2, micro-step 1)",
+        "forward (step 2, micro-step 2)",
+    }
+
+
+def test_peak_label_groups_a_stacks_layers(cuda_timeline: timeline.StepTimeline) -> None:
+    """The two layers' modules are one line each (``transformer.h.*.mlp.act: 2 x 1.0 MiB``),
+    not one line a layer; each line gives its size."""
+    text = timeline.peak_modules_text(cuda_timeline.top_modules)
+    lines = text.splitlines()[1:]
+    assert len(lines) == len(cuda_timeline.top_modules) > 0
+    assert "transformer.h.0." not in text and "transformer.h.1." not in text
+    assert "transformer.h.*.mlp.act: 2 × " in text
+    for line, group in zip(lines, cuda_timeline.top_modules, strict=True):
+        if group.count == 1:
+            assert line == f"  {group.name}: {group.total_bytes / (1 << 20):.1f} MiB"
+        elif group.each_bytes is not None:
+            assert line == f"  {group.name}: {group.count} × {group.each_bytes / (1 << 20):.1f} MiB"
+        else:
+            assert line == f"  {group.name}: {group.count} layers, " + (
+                f"{group.total_bytes / (1 << 20):.1f} MiB"
+            )
+    totals = [g.total_bytes for g in cuda_timeline.top_modules]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_group_modules_ranks_groups_by_their_total() -> None:
+    by_module = {
+        **{f"model.layers.{i}.mlp.act_fn": 84 << 20 for i in range(12)},  # 12 x 84 MiB
+        **{f"model.layers.{i}.self_attn": (100 + i) << 20 for i in range(12)},  # sizes differ
+        "lm_head": 900 << 20,  # more than any one layer, less than twelve
+        "model.layers.3.mlp.experts.7": 1 << 20,  # only the first index is the layer's
+        "model.layers.5.mlp.experts.7": 1 << 20,
+        "model.layers.5.mlp.experts.6": 1 << 20,
+    }
+    groups = timeline.group_modules(by_module)
+    assert [(g.name, g.count, g.total_bytes, g.each_bytes) for g in groups] == [
+        ("model.layers.*.self_attn", 12, sum(range(100, 112)) << 20, None),
+        ("model.layers.*.mlp.act_fn", 12, 12 * 84 << 20, 84 << 20),
+        ("lm_head", 1, 900 << 20, 900 << 20),
+        ("model.layers.*.mlp.experts.7", 2, 2 << 20, 1 << 20),
+        ("model.layers.5.mlp.experts.6", 1, 1 << 20, 1 << 20),
+    ]
+    assert timeline.peak_modules_text(groups[:3]).splitlines() == [
+        "most activation memory:",
+        "  model.layers.*.self_attn: 12 layers, 1.24 GiB",
+        "  model.layers.*.mlp.act_fn: 12 × 84.0 MiB",
+        "  lm_head: 900.0 MiB",
+    ]
+
+
+def test_the_peak_label_hides_nothing_drawn(cuda_timeline: timeline.StepTimeline) -> None:
+    """The label box sits above the curve, the reserve and the GPU's line (the y axis leaves
+    it room); the legend is outside the axes."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot as plt
+    from matplotlib.text import Annotation
+
+    tl, gpu_bytes = cuda_timeline, 2 * cuda_timeline.peak_bytes  # the GPU's line near the top
+    fig = timeline.figure(tl, "tiny", gpu_bytes)
+    try:
+        fig.tight_layout()  # as _plots.save lays it out
+        fig.canvas.draw()
+        (ax,) = fig.axes
+        (label,) = [t for t in ax.texts if isinstance(t, Annotation)]
+        box = label.get_bbox_patch().get_window_extent()
+        assert tl.reserved is not None
+        top_bytes = max(gpu_bytes, *tl.reserved, tl.peak_bytes)
+        top_px = ax.transData.transform((0, top_bytes / 2**30))[1]
+        assert top_px < box.y0
+        assert box.y1 <= ax.get_window_extent().y1  # still inside the axes
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1
+    finally:
+        plt.close(fig)
+
+
+def test_each_traced_step_runs_at_most_two_micro_steps(tiny: str) -> None:
+    """What the report's caption says: accumulating 4, each of the two traced optimizer steps
+    runs 2 micro-steps (forwards); the later ones are not traced."""
+    model, gpu = resolve_model(tiny), get_gpu("t4")
+    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
+    tl = timeline.step_timeline(
+        model, setup, micro_batch_size=1, seq_len=32, device="cuda", gpu=gpu, grad_accum_steps=4
+    )
+    phases = [p for _, p in tl.phases]
+    assert phases.count("optimizer-step") == 2
+    assert phases.count("forward") == 2 * timeline.traced_micro_steps(4) == 4
+    assert timeline.traced_micro_steps(1) == 1
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchfit", "estimate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "BATCHFIT_NO_CACHE": "1"},
+    )
+
+
+def test_cli_refuses_what_it_cannot_draw_before_the_work(tiny: str, tmp_path: Path) -> None:
+    proc = _cli(tiny, "-b", "2", "-s", "64", "--timeline", str(tmp_path / "no" / "t.png"))
+    assert proc.returncode == 2 and "--timeline" in proc.stderr
+    proc = _cli(
+        tiny,
+        "-b",
+        "2",
+        "-s",
+        "64",
+        "--gpu",
+        "t4",
+        "--num-gpus",
+        "2",
+        "--sharding",
+        "zero2",
+        "--snapshot",
+        str(tmp_path / "s.pickle"),
+    )
+    assert proc.returncode == 2 and "analytic engine answered" in proc.stderr
+    assert not (tmp_path / "s.pickle").exists()

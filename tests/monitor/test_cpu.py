@@ -1,0 +1,167 @@
+"""`batchfit monitor` on the CPU: the kernel's high-water mark, shared pages counted once across
+a process tree, and a calibration record against a CPU estimate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchfit import calibration, monitor
+from tests._cli import run_cli
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="monitor reads /proc")
+MIB = 2**20
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_gpt2.py"
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def test_a_peak_between_two_samples_is_not_missed() -> None:
+    # 300 MiB held for 50 ms, then freed, between samples 1 s apart: VmHWM keeps it
+    spike = (
+        "import time; time.sleep(0.2); b = b'x' * (300 * 2**20); time.sleep(0.05); del b; "
+        "time.sleep(2.5)"
+    )
+    result = monitor.run([sys.executable, "-c", spike], interval=1.0, gpu=False)
+    assert result.exit_code == 0
+    assert max(s.total_bytes for s in result.samples) < 200 * MIB  # the samples missed it
+    assert result.peak_bytes >= 300 * MIB
+    assert max(result.process_peaks().values()) >= 300 * MIB
+
+
+def test_a_small_command_is_not_given_batchfits_own_memory() -> None:
+    # the child shares this process's pages between fork and exec: its ru_maxrss counts them
+    result = monitor.run(
+        [sys.executable, "-c", "import time; time.sleep(0.6)"], interval=0.1, gpu=False
+    )
+    assert result.peak_bytes < 100 * MIB
+
+
+def test_growth_after_the_last_sample_is_kept_when_it_is_the_commands() -> None:
+    # the command outgrows this process's own high-water mark, then exits before the next
+    # sample: only its ru_maxrss (reaped with wait4) can tell, and it cannot be ours
+    ours = monitor.rss_bytes(os.getpid(), "VmHWM")
+    size = ours + 300 * MIB
+    grow = f"import time; time.sleep(0.3); b = b'x' * {size}"
+    result = monitor.run([sys.executable, "-c", grow], interval=30.0, gpu=False)
+    assert result.exit_code == 0
+    assert max(s.total_bytes for s in result.samples) < 200 * MIB  # sampled before it grew
+    assert result.peak_bytes >= size
+
+
+def test_pages_a_forked_worker_shares_count_once() -> None:
+    # a parent touches 200 MiB, then forks: each process's RSS holds the 200 MiB, PSS half
+    fork = (
+        "import os, time; b = b'x' * (200 * 2**20); pid = os.fork(); time.sleep(1.2)\n"
+        "if pid: os.waitpid(pid, 0)\n"
+    )
+    result = monitor.run([sys.executable, "-c", fork], interval=0.2, gpu=False)
+    assert result.exit_code == 0
+    both = [s for s in result.samples if len(s.processes) == 2]
+    assert both, "the sampler never saw the forked worker"
+    rss_sum = max(sum(s.processes.values()) for s in both)
+    counted = max(s.total_bytes for s in both)
+    assert rss_sum > 400 * MIB
+    assert 200 * MIB < counted < 280 * MIB  # the shared 200 MiB once, two small runtimes
+
+
+def _cpu_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    # the step examples/train_tiny_gpt2.py runs: its config, micro-batch 16 of 32 tokens
+    config = tmp_path / "config.json"
+    subprocess.run([sys.executable, str(EXAMPLE), "--write-config", str(config)], check=True)
+    code, out, err = run_cli(
+        ["estimate", str(config), "--device", "cpu", "-b", "16", "-s", "32", "--json"], capsys
+    )
+    assert code == 0, err
+    plan = tmp_path / "estimate.json"
+    plan.write_text(out)
+    return plan
+
+
+@pytest.mark.slow
+def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = _cpu_estimate(tmp_path, capsys)
+    own = tmp_path / "maxrss"
+    # the run reports its own resident peak at its end (the kernel's VmHWM, read by the run,
+    # not sampled by the monitor). Not getrusage: its ru_maxrss also counts the pages the
+    # child held before exec, which were this test process's (torch, transformers: ~1 GiB)
+    wrapper = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '2']\n"
+        "try:\n"
+        f"    runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+        "finally:\n"
+        "    hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')]\n"
+        f"    open({str(own)!r}, 'w').write(hwm[0])\n"
+    )
+    code, out, err = run_cli(
+        [
+            "monitor",
+            "--json",
+            "--interval",
+            "0.5",
+            "--plan",
+            str(plan),
+            "--",
+            sys.executable,
+            "-c",
+            wrapper,
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    summary = json.loads(out)
+    independent = int(own.read_text()) * 1024  # KiB on Linux
+    assert summary["peak_bytes"] == pytest.approx(independent, rel=0.03)
+    (record,) = calibration.load()
+    assert record.device == "cpu" and record.source == "monitor"
+    estimate = json.loads(plan.read_text())["device_total_bytes"]
+    assert record.estimated_bytes > estimate + 100 * MIB  # the estimate plus torch's runtime
+    assert record.measured_bytes == pytest.approx(independent, rel=0.03)
+    assert "recorded for `batchfit calibration`" in err
+    # the plan's line and its drift limit start from the runtime baseline, measured once
+    assert err.count("measuring what") == 1
+    assert "above the plan" not in err
+
+
+def test_a_gpu_plan_measured_as_rss_says_why_there_is_no_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "gpt2", "gpu": "t4", "peak_bytes": 2**30}))
+    code, _, err = run_cli(
+        [
+            "monitor",
+            "--interval",
+            "0.05",
+            "--plan",
+            str(plan),
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.2)",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert "no calibration record: the plan is for a GPU (t4)" in err
+    assert calibration.load() == []
+
+
+def test_cpu_records_never_set_a_gpu_headroom() -> None:
+    cpu = [calibration.Record("monitor", "m", "s", "cpu", 100, 150) for _ in range(6)]
+    gpu = [calibration.Record("monitor", "m", "s", "t4", 100, 104) for _ in range(6)]
+    assert calibration.auto_headroom(cpu + gpu, "a100-80gb").fraction == pytest.approx(0.04)
+    assert calibration.auto_headroom(cpu, "t4").records == 0
+    assert calibration.auto_headroom(cpu + gpu, "cpu").fraction == pytest.approx(0.5)

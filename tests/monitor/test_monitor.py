@@ -1,0 +1,334 @@
+"""`batchfit monitor`: real child processes, their memory, exit codes, signals and files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchfit import monitor
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+# a child that holds 120 MiB (touched, so resident) for a while
+HOLD = "import time; b = bytearray(120 * 2**20); time.sleep({})"
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # calibration records of these runs go to a folder of the test's, never the user's
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "batchfit", "monitor", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        check=False,
+    )
+
+
+def test_run_samples_the_childs_memory_and_keeps_its_exit_code() -> None:
+    result = monitor.run([PY, "-c", HOLD.format(0.6)], interval=0.05, gpu=False)
+    assert result.exit_code == 0
+    assert result.source == "rss"
+    assert result.peak_bytes >= 120 * 2**20
+    assert len(result.samples) >= 3
+    data = result.to_json()
+    assert data["peak_bytes"] == result.peak_bytes and data["samples"] == len(result.samples)
+    assert data["processes"] and data["processes"][0]["command"].startswith(PY)
+
+
+def test_exit_codes_as_a_shell_gives_them() -> None:
+    assert (
+        monitor.run([PY, "-c", "import sys; sys.exit(3)"], interval=0.05, gpu=False).exit_code == 3
+    )
+    killed = monitor.run(
+        [PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        interval=0.05,
+        gpu=False,
+    )
+    assert killed.exit_code == 128 + signal.SIGKILL
+    assert monitor.run(["no-such-command-batchfit"], gpu=False).exit_code == 127
+
+
+def test_grandchildren_are_counted() -> None:
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {HOLD.format(0.6)!r}])"
+    result = monitor.run([PY, "-c", code], interval=0.05, gpu=False)
+    assert len(result.process_peaks()) >= 2
+    assert result.peak_bytes >= 120 * 2**20
+
+
+def test_cli_writes_log_plot_and_json(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    log, png = tmp_path / "m.jsonl", tmp_path / "m.png"
+    proc = _cli(
+        "--interval",
+        "0.05",
+        "--log",
+        str(log),
+        "--plot",
+        str(png),
+        "--json",
+        "--",
+        PY,
+        "-c",
+        HOLD.format(0.5),
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["exit_code"] == 0 and data["peak_bytes"] >= 120 * 2**20
+    lines = log.read_text().splitlines()
+    assert len(lines) == data["samples"]
+    assert json.loads(lines[0]).keys() >= {"seconds", "bytes", "processes"}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failing_command_still_leaves_log_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    log, png = tmp_path / "m.jsonl", tmp_path / "m.png"
+    proc = _cli("--log", str(log), "--plot", str(png), "--", "no-such-command-batchfit")
+    assert proc.returncode == 127
+    assert "command not found" in proc.stderr
+    assert log.exists() and png.exists()
+    proc = _cli("--interval", "0.05", "--log", str(log), "--", PY, "-c", "import sys; sys.exit(5)")
+    assert proc.returncode == 5 and log.read_text()
+
+
+def test_unwritable_output_is_refused_before_the_command_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    proc = _cli(
+        "--log",
+        str(tmp_path / "missing" / "m.jsonl"),
+        "--",
+        PY,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--log" in proc.stderr
+    assert "does not exist" in proc.stderr
+    assert not marker.exists()
+    # a file where a folder should be is named as such, not as a missing folder
+    (tmp_path / "plan.json").write_text("{}")
+    for plot in ("plan.json/x.png", "plan.json/deeper/x.png"):
+        proc = _cli("--plot", str(tmp_path / plot), "--", PY, "-c", "pass")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+        assert "plan.json is a file, not a folder" in proc.stderr
+
+
+def test_plan_drift_warns_once(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    # a GPU plan of 10 MiB with 10 MiB headroom: the 120 MiB child passes it
+    figures = {"model": "gpt2", "peak_bytes": 10 * 2**20, "headroom_wanted_bytes": 10 * 2**20}
+    plan.write_text(json.dumps({**figures, "gpu": "t4"}))
+    proc = _cli(
+        "--interval", "0.05", "--plan", str(plan), "--json", "--", PY, "-c", HOLD.format(0.5)
+    )
+    assert proc.returncode == 0
+    assert proc.stderr.count("above the plan for gpt2") == 1
+    assert json.loads(proc.stdout)["drifted_at_seconds"] is not None
+    # a CPU estimate counts tensors only: its line starts from what a Python with torch
+    # holds (~300 MiB), so the same child stays below it
+    plan.write_text(json.dumps(figures))
+    proc = _cli("--interval", "0.05", "--plan", str(plan), "--", PY, "-c", HOLD.format(0.5))
+    assert proc.returncode == 0
+    assert "above the plan" not in proc.stderr
+    assert "of runtime: interpreter, torch" in proc.stderr
+    assert "recorded for `batchfit calibration`" in proc.stderr
+    # a test run kept out of the calibration file
+    proc = _cli("--no-record", "--plan", str(plan), "--", PY, "-c", HOLD.format(0.2))
+    assert proc.returncode == 0 and "recorded" not in proc.stderr
+
+
+def test_the_command_s_code_survives_a_closed_pipe_and_a_start_failure_says_why(
+    tmp_path: Path,
+) -> None:
+    shell = f"{PY} -m batchfit monitor --json -- {PY} -c 'import sys; sys.exit(3)' | head -c 1"
+    proc = subprocess.run(
+        ["bash", "-c", shell + "; exit ${PIPESTATUS[0]}"],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3  # not 0: the reader leaving does not hide the failure
+    proc = _cli("--", str(tmp_path))  # a folder: exit 126 and the reason
+    assert proc.returncode == 126 and "cannot run it" in proc.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = _cli("--plan", str(bad), "--", PY, "-c", "pass")
+    assert proc.returncode == 2 and "not JSON" in proc.stderr
+
+
+def test_sigint_reaches_the_command_and_leaves_no_orphan(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    proc = subprocess.Popen(
+        [PY, "-m", "batchfit", "monitor", "--interval", "0.1", "--", PY, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 128 + signal.SIGINT  # the child's KeyboardInterrupt
+    time.sleep(0.2)
+    assert (
+        not Path(f"/proc/{child}").exists()
+        or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ('{"micro_batch_size": 4, "trials": []}', "has no peak_bytes"),  # a probe's JSON
+        ('["peak_bytes"]', "has no peak_bytes"),
+        ('{"peak_bytes": null}', "has no peak_bytes"),
+        ('{"peak_bytes": true}', "peak_bytes is true, not a number of bytes"),
+        ('{"peak_bytes": -5}', "peak_bytes is -5, not a number of bytes"),
+        ('{"peak_bytes": 5, "device_total_bytes": "x"}', 'device_total_bytes is "x"'),
+        ('{"peak_bytes": 5, "headroom_wanted_bytes": 1.5}', "headroom_wanted_bytes is 1.5"),
+        ("\udcff", "not JSON"),
+    ],
+)
+def test_a_file_that_is_not_a_plan_is_refused_in_one_line(
+    tmp_path: Path, content: str, needle: str
+) -> None:
+    from batchfit.cli.measured import read_plan
+    from batchfit.errors import UsageError
+
+    path = tmp_path / "plan.json"
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))
+    with pytest.raises(UsageError, match=needle) as e:
+        read_plan(path)
+    assert "\n" not in str(e.value)
+
+
+def _group_alive(pgid: int) -> list[str]:
+    """Command lines of the live processes (zombies are dead) in process group ``pgid``."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            alive.append(monitor.command_line(int(entry.name)))
+    return alive
+
+
+def _wait_for(path: Path) -> str:
+    deadline = time.monotonic() + 30
+    while not path.exists() or not path.read_text().endswith("\n"):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_reaches_the_whole_group_and_leaves_nothing(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    # bash passes neither signal on to the python it runs: only a signal to the group reaches it
+    pgfile = tmp_path / "pgid"
+    code = (
+        f"import os, time; open({str(pgfile)!r}, 'w').write(f'{{os.getpgrp()}}\\n'); time.sleep(60)"
+    )
+    script = f'{PY} -c "{code}" ; echo done'
+    proc = subprocess.Popen(
+        [PY, "-m", "batchfit", "monitor", "--interval", "0.1", "--", "bash", "-c", script],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        pgid = int(_wait_for(pgfile))
+        assert pgid != os.getpgrp()  # a group of its own
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=20) == 128 + signum
+        assert time.monotonic() - sent < 10
+        assert _group_alive(pgid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_what_the_command_leaves_running_is_ended_even_if_it_ignores_sigterm(
+    tmp_path: Path,
+) -> None:
+    pidfile = tmp_path / "pid"
+    stubborn = (
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(60)"
+    )
+    script = f'{PY} -c "{stubborn}" & while [ ! -s {pidfile} ]; do sleep 0.05; done; exit 4'
+    started = time.monotonic()
+    result = monitor.run(["bash", "-c", script], interval=0.05, gpu=False)
+    assert result.exit_code == 4
+    assert time.monotonic() - started < monitor.GRACE_SECONDS + 20
+    pid = int(pidfile.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_json_stdout_is_the_object_alone(tmp_path: Path) -> None:
+    code = "print('step 1 loss 2.5', flush=True)"
+    proc = _cli("--interval", "0.05", "--json", "--", PY, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["exit_code"] == 0
+    assert "step 1 loss 2.5" in proc.stderr
+
+
+@pytest.mark.parametrize("option", ["--log", "--plot"])
+def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path: Path, option: str) -> None:
+    marker = tmp_path / "ran"
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    run_marker = ("--", PY, "-c", f"open({str(marker)!r}, 'w')")
+    targets = [str(fifo), "/dev/full"]
+    if Path("/sys").is_dir():  # sysfs takes no new file, not even from root
+        targets.append("/sys/batchfit-monitor.png")
+    for target in targets:
+        proc = _cli(option, target, *run_marker, timeout=30)
+        assert proc.returncode == 2, (target, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and option in proc.stderr, proc.stderr
+        assert not marker.exists(), target
+
+
+def test_a_symlinked_output_is_written_through(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    (tmp_path / "real").mkdir()
+    png, log = tmp_path / "run.png", tmp_path / "run.jsonl"
+    png.symlink_to(tmp_path / "real" / "run.png")
+    log.symlink_to(tmp_path / "real" / "run.jsonl")
+    proc = _cli("--interval", "0.05", "--plot", str(png), "--log", str(log), "--", PY, "-c", "")
+    assert proc.returncode == 0, proc.stderr
+    assert png.is_symlink() and log.is_symlink()
+    assert (tmp_path / "real" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "real" / "run.jsonl").read_text()
+
+
+def test_no_command_and_a_zero_interval_say_what_to_do() -> None:
+    proc = _cli()
+    assert proc.returncode == 2 and "give the command after --" in proc.stderr
+    proc = _cli("--interval", "0", "--", PY, "-c", "")
+    assert proc.returncode == 2 and "must be greater than 0" in proc.stderr

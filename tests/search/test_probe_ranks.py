@@ -1,0 +1,159 @@
+"""The probe on several torchrun ranks (gloo): they agree under different budgets, a dead rank
+ends the probe with its number and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchfit.errors import RankFailure, UsageError
+from batchfit.search import _probe, _ranks
+from batchfit.spec import TrainingSetup
+
+TINY = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 512,
+    "vocab_size": 4000,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+MIB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _spec(model: str, sharding: str, **extra: Any) -> dict[str, Any]:
+    setup = TrainingSetup(num_gpus=2, sharding=sharding)  # type: ignore[arg-type]
+    spec = _probe.make_spec(model, setup, "cpu", 64, 600 * MIB, "max", 24, 2, nproc=2)
+    return {**spec, **extra}
+
+
+def _probe_processes() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"batchfit.search._probe" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_ranks_under_different_budgets_agree(tiny: str, sharding: str) -> None:
+    """Rank 0 has room for every size up to 24 (600 MiB), rank 1 for a few (60 MiB): both
+    run the same trials and end on the same sizes, the tight rank's, below 24."""
+    spec = _spec(tiny, sharding, rank_budgets=[600 * MIB, 60 * MIB])
+    final, ranks = _ranks.launch(spec, _probe.child_env(), lambda _line: None)
+    assert final is not None and "result" in final, final
+    assert [r["rank"] for r in sorted(ranks, key=lambda r: r["rank"])] == [0, 1]
+    assert ranks[0]["micro_batch_size"] == ranks[1]["micro_batch_size"]
+    assert ranks[0]["max_fitting_micro_batch"] == ranks[1]["max_fitting_micro_batch"]
+    result = final["result"]
+    assert 1 <= result["max_fitting_micro_batch"] < 24
+    assert any("2 ranks (gloo)" in note for note in result["notes"])
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_probe_naming_it(tiny: str) -> None:
+    """SIGKILL rank 1 once the trials start: the probe raises RankFailure naming rank 1,
+    and no probe process is left."""
+    before = set(_probe_processes())
+    killed: list[int] = []
+
+    def on_line(message: dict[str, Any]) -> None:
+        if "start" not in message or killed:
+            return
+        for pid in set(_probe_processes()) - before:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"RANK=1" in environ:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    with pytest.raises(RankFailure, match=r"rank 1 died \(killed by signal 9"):
+        _probe.run_ranks(_spec(tiny, "ddp"), on_line)
+    assert killed
+    deadline = time.monotonic() + 10
+    while set(_probe_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_probe_processes()) - before
+
+
+@pytest.mark.slow
+def test_cli_probe_with_two_ranks(tiny: str) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchfit",
+            "probe",
+            tiny,
+            "--device",
+            "cpu",
+            "--seq-len",
+            "64",
+            "--memory-budget",
+            "400MiB",
+            "--nproc",
+            "2",
+            "--sharding",
+            "fsdp",
+            "--max-micro-batch",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert 1 <= data["micro_batch_size"] <= 16
+    assert any("FSDP2" in note for note in data["notes"])
+
+
+def test_probe_refuses_sharding_without_ranks_and_deepspeed_ranks() -> None:
+    from batchfit.cli.app import _ranks_setup
+
+    with pytest.raises(UsageError, match="--nproc"):
+        _ranks_setup(TrainingSetup(sharding="fsdp"), 1, "cpu")
+    with pytest.raises(UsageError, match="DeepSpeed"):
+        _ranks_setup(TrainingSetup(sharding="zero2"), 2, "cpu")
+    with pytest.raises(UsageError, match="disagrees"):
+        _ranks_setup(TrainingSetup(num_gpus=4), 2, "cpu")
+    assert _ranks_setup(TrainingSetup(), 2, "cpu").sharding == "ddp"
+
+
+def test_torchruns_failure_report_becomes_one_line() -> None:
+    report = (
+        "Root Cause (first observed failure):\n[0]:\n  time : x\n  host : localhost\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 123)\n"
+    )
+    assert _ranks.failure(report, 1) == (
+        "rank 1 died (killed by signal 9 (SIGKILL), out of memory?): the probe has no result"
+    )
+    assert "exit code 3" in _ranks.failure("rank : 0\nexitcode : 3\n", 1)
+    assert _ranks.failure("", 7) == "the probe's ranks failed: exit code 7"

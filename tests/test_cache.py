@@ -1,0 +1,161 @@
+"""The disk cache of dry-run results: it answers warm runs without torch and never fails one."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchfit import _cache
+from batchfit.hardware import get_gpu
+from batchfit.memory.estimate import estimate
+from batchfit.models import resolve_model
+from batchfit.spec import TrainingSetup
+
+KEY = {"model": "m", "config": {"n_layer": 2}, "micro": 4}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BATCHFIT_NO_CACHE", raising=False)
+    return tmp_path
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(root.glob("ns/*.json"))
+
+
+def test_roundtrip_and_key_parts(cache_dir):
+    assert _cache.load("ns", KEY) is None
+    _cache.store("ns", KEY, {"v": 1})
+    assert _cache.load("ns", KEY) == {"v": 1}
+    assert _cache.load("ns", {**KEY, "micro": 5}) is None
+
+
+def test_a_version_change_is_a_miss(cache_dir, monkeypatch):
+    _cache.store("ns", KEY, {"v": 1})
+    versions = dict(_cache._versions())
+    monkeypatch.setattr(_cache, "_versions", lambda: {**versions, "torch": "99.0"})
+    assert _cache.load("ns", KEY) is None
+
+
+@pytest.mark.parametrize(
+    "content", [b"\x00\xff garbage", b'{"key": "x", "val', b"[1, 2]", b'{"key": 1, "value": {}}']
+)
+def test_a_corrupt_file_is_ignored_and_rewritten(cache_dir, content, caplog):
+    _cache.store("ns", KEY, {"v": 1})
+    (path,) = _files(cache_dir)
+    path.write_bytes(content)
+    with caplog.at_level(logging.INFO, logger="batchfit.cache"):
+        assert _cache.load("ns", KEY) is None
+    assert "cache:" in caplog.text
+    _cache.store("ns", KEY, {"v": 2})
+    assert _cache.load("ns", KEY) == {"v": 2}
+
+
+def test_a_directory_in_place_of_the_file_is_a_miss(cache_dir):
+    _cache.store("ns", KEY, {"v": 1})
+    (path,) = _files(cache_dir)
+    path.unlink()
+    path.mkdir()
+    assert _cache.load("ns", KEY) is None
+    _cache.store("ns", KEY, {"v": 2})  # cannot replace a directory: nothing happens
+
+
+def test_an_unwritable_cache_never_fails(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(blocker / "cache"))
+    _cache.store("ns", KEY, {"v": 1})  # mkdir under a file: OSError, swallowed
+    assert _cache.load("ns", KEY) is None
+
+
+def test_disabled_by_the_switch_and_by_the_environment(cache_dir, monkeypatch):
+    with _cache.disabled():
+        _cache.store("ns", KEY, {"v": 1})
+        assert _cache.load("ns", KEY) is None
+    assert not _files(cache_dir)
+    _cache.store("ns", KEY, {"v": 1})
+    monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
+    assert _cache.load("ns", KEY) is None
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import sys\n"
+        "from batchfit.cli import main\n"
+        "code = 0\n"
+        "try:\n"
+        f"    main({args!r})\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_a_warm_plan_needs_no_torch_and_gives_the_same_answer(tmp_path):
+    env = {**os.environ, "BATCHFIT_CACHE_DIR": str(tmp_path)}
+    env.pop("BATCHFIT_NO_CACHE", None)
+    args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "256", "--global-batch", "32", "--json"]
+    cold, warm = _cli(args, env), _cli(args, env)
+    assert "TORCH" in cold.stderr.split()
+    assert "NO-TORCH" in warm.stderr.split()
+    assert json.loads(cold.stdout) == json.loads(warm.stdout)
+    # --no-cache traces again (torch comes back) and agrees
+    fresh = _cli([*args, "--no-cache"], env)
+    assert "TORCH" in fresh.stderr.split()
+    assert (
+        json.loads(fresh.stdout)["micro_batch_size"] == json.loads(cold.stdout)["micro_batch_size"]
+    )
+
+
+@pytest.mark.slow
+def test_a_corrupt_cache_never_fails_a_command(tmp_path):
+    env = {**os.environ, "BATCHFIT_CACHE_DIR": str(tmp_path)}
+    args = ["estimate", "gpt2", "--gpu", "t4", "-s", "128", "-b", "2", "--json"]
+    first = _cli(args, env)
+    for path in tmp_path.rglob("*.json"):
+        path.write_text("{ broken")
+    again = _cli(args, env)
+    assert again.returncode == 0, again.stderr
+    assert (
+        json.loads(again.stdout)["device_total_bytes"]
+        == json.loads(first.stdout)["device_total_bytes"]
+    )
+
+
+@pytest.mark.slow
+def test_a_trace_leaves_the_config_as_it_was_so_the_cache_hits(tmp_path, monkeypatch):
+    # transformers added rope_theta to llama-3.2's rope_scaling dict in place: the cache key
+    # at store time differed from the one at load time, and every run traced again
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BATCHFIT_NO_CACHE", raising=False)
+    info = resolve_model("llama-3.2-1b")
+    before = copy.deepcopy(info.config)
+    kw = {"micro_batch_size": 1, "seq_len": 128, "gpu": get_gpu("t4"), "engine": "trace"}
+    first = estimate(info, TrainingSetup(), **kw)  # type: ignore[arg-type]
+    assert info.config == before
+    stored = sorted(tmp_path.rglob("*.json"))
+    assert stored
+    again = estimate(resolve_model("llama-3.2-1b"), TrainingSetup(), **kw)  # type: ignore[arg-type]
+    assert sorted(tmp_path.rglob("*.json")) == stored  # a hit: nothing new written
+    assert again.peak_bytes == first.peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("value", "off"), [("1", True), ("yes", True), ("0", False), ("", False)])
+def test_any_no_cache_value_but_a_false_one_switches_the_cache_off(monkeypatch, value, off):
+    monkeypatch.setenv("BATCHFIT_NO_CACHE", value)
+    assert _cache.enabled() is not off

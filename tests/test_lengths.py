@@ -1,0 +1,124 @@
+"""Variable lengths: --lengths FILE[:WEIGHT] and --padding longest|max|packed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchfit.errors import UsageError
+from batchfit.lengths import workload
+from tests._cli import run_cli
+
+
+@pytest.fixture
+def files(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("# one task\n64\n128\n\n96\n")
+    long = tmp_path / "long.json"
+    long.write_text(json.dumps({"200": 10, "700": 1}))
+    return str(short), str(long)
+
+
+def test_memory_follows_the_longest_sample_not_the_number_of_datasets(files):
+    short, long = files
+    one = workload([short], "longest", None)
+    assert (one.seq_len, one.longest, one.mean, one.samples) == (128, 128, 96.0, 3)
+    mixed = workload([short, long], "longest", None)
+    assert mixed.seq_len == 700  # the longest sample of any dataset in the mixture
+    # a second dataset no longer than the first changes the mean, not the worst micro-batch
+    same_longest = workload([short, short], "longest", None)
+    assert same_longest.seq_len == one.seq_len
+    assert workload([short, long], "longest", 512).seq_len == 512  # truncation
+    assert workload([short], "max", 512).seq_len == 512
+    packed = workload([short, long], "packed", 1024)
+    assert (packed.seq_len, packed.mean) == (1024, 1024.0)
+
+
+def test_mixture_weights_move_the_mean(files):
+    short, long = files
+    even = workload([short, long], "longest", None).mean
+    heavy = workload([short, f"{long}:9"], "longest", None).mean
+    assert heavy > even
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "has no lengths"),
+        ("12\nabc\n", "line 2: 'abc' is not a length"),
+        ("12\n0\n", "line 2: a length must be positive"),
+        ("12\n-5\n", "a length must be positive"),
+        ("[1, 2]", "line 1"),
+        ('{"12": "x"}', "entry '12'"),
+        ('{"12": 3', "not valid JSON"),
+    ],
+)
+def test_bad_length_files_are_one_line_naming_the_line(tmp_path, content, message, capsys):
+    path = tmp_path / "bad.txt"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        workload([str(path)], "longest", None)
+    code, out, err = run_cli(
+        ["estimate", "gpt2", "-b", "1", "--lengths", str(path), "--engine", "analytic"], capsys
+    )
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lengths", "/nonexistent/lengths.txt"], "is not a readable file"),
+        (["--padding", "packed", "-s", "64"], "--padding needs --lengths"),
+        ([], "give --seq-len"),
+        (["--lengths", "LENGTHS", "--padding", "packed"], "needs --seq-len"),
+        (["--lengths", "LENGTHS", "--padding", "ragged"], "--padding 'ragged' is not one of"),
+        (["--lengths", "TOO_LONG"], "more than gpt2's 1024 learned positions"),
+    ],
+)
+def test_cli_length_options_are_checked(tmp_path, args, message, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n")
+    too_long = tmp_path / "long.txt"
+    too_long.write_text("5000\n")
+    args = [{"LENGTHS": str(lengths), "TOO_LONG": str(too_long)}.get(a, a) for a in args]
+    code, out, err = run_cli(["estimate", "gpt2", "-b", "1", "--engine", "analytic", *args], capsys)
+    assert code == 2 and not out and message in err, err
+
+
+def test_plan_and_estimate_use_the_worst_micro_batch(files, capsys):
+    short, long = files
+    base = ["--engine", "analytic", "--json", "--lengths", short, "--lengths", long]
+    code, out, err = run_cli(["plan", "gpt2", "--gpu", "t4", "--global-batch", "32", *base], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["seq_len"] == 700 and plan["lengths"]["seq_len_for_memory"] == 700
+    code, out, err = run_cli(["estimate", "gpt2", "-b", "4", *base], capsys)
+    est = json.loads(out)
+    code, out, err = run_cli(
+        ["estimate", "gpt2", "-b", "4", "-s", "700", "--engine", "analytic", "--json"], capsys
+    )
+    assert est["peak_bytes"] == json.loads(out)["peak_bytes"]
+
+
+def test_a_token_target_needs_fixed_tokens_per_sample(files, capsys):
+    short, _ = files
+    args = ["plan", "gpt2", "--gpu", "t4", "--global-batch-tokens", "65536", "-s", "1024"]
+    code, out, err = run_cli([*args, "--lengths", short, "--engine", "analytic"], capsys)
+    assert code == 2 and "dynamic padding" in err
+    code, out, err = run_cli(
+        [*args, "--lengths", short, "--padding", "packed", "--engine", "analytic", "--json"],
+        capsys,
+    )
+    assert code == 0 and json.loads(out)["tokens_per_step"] == 65536
+
+
+def test_lengths_messages_name_the_real_problem(tmp_path, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n2000\n")
+    code, _, err = run_cli(
+        ["estimate", "gpt2", "-b", "2", "--lengths", str(lengths), "--seq-len", "2048"], capsys
+    )
+    assert code == 2 and "--seq-len 2048 is more than gpt2's 1024" in err
+    code, _, err = run_cli(["estimate", "gpt2", "-b", "2", "--lengths", f"{lengths}:abc"], capsys)
+    assert code == 2 and "the weight after ':'" in err
