@@ -1,4 +1,4 @@
-from batchfit.memory.allocator import CachingAllocator, round_size, segment_size, simulate
+from batchfit.memory.device.allocator import CachingAllocator, round_size, segment_size, simulate
 
 MIB = 1 << 20
 

@@ -3,8 +3,8 @@ import torch
 from torch._subclasses import fake_tensor
 
 from batchfit.errors import UsageError
-from batchfit.memory import _hf_trace
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Any, Literal, get_args
 
 from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
 from batchfit.hardware import CpuSpec, GpuSpec, host_cpu
+from batchfit.memory.formulas.analytic import estimate_analytic
+from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
+from batchfit.speed import step_time
 
 Engine = Literal["analytic", "trace"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -167,7 +171,8 @@ def estimate(
                 f"engine={engine!r} needs a catalog or config model (its formulas read the "
                 "architecture); an own nn.Module is estimated by engine='trace'"
             )
-        from batchfit.memory._module_trace import estimate_module
+        # lazy: the module engine imports torch (~1 s), which the formulas never need
+        from batchfit.memory.trace.module import estimate_module
 
         return estimate_module(
             model,
@@ -203,19 +208,13 @@ def estimate(
             "model, estimated by the trace (--engine trace, the default)"
         )
     if engine == "trace":
-        from batchfit.memory._trace_estimate import estimate_trace
-
         result = estimate_trace(model, setup, **kwargs)
     else:
-        from batchfit.memory.analytic import estimate_analytic
-
         result = estimate_analytic(model, setup, **kwargs)
     guessed = model.guessed_targets_warning(setup.lora_targets) if setup.is_lora else None
     if guessed and guessed not in result.warnings:  # the formulas say it; the trace does not
         warnings.append(guessed)
     if warnings:
-        from dataclasses import replace
-
         result = replace(result, warnings=(*warnings, *result.warnings))
     return _with_step_time(result, model, gpu if device == "cuda" else host_cpu(), grad_accum_steps)
 
@@ -230,9 +229,6 @@ def _with_step_time(
     or on the CPU where this machine's CPU has a catalog profile."""
     if gpu is None:
         return result
-    from dataclasses import asdict, replace
-
-    from batchfit.speed import step_time
 
     predicted = step_time(
         model, result.setup, gpu, micro_batch_size=result.micro_batch_size, seq_len=result.seq_len

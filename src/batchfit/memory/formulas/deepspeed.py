@@ -19,13 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit._units import human_count
-from batchfit.memory._params import Params, _frozen_base, optimizer_state_bytes
-from batchfit.memory._sharding import Sharded
+from batchfit.memory.formulas._params import Params, _frozen_base, optimizer_state_bytes
+from batchfit.memory.formulas._sharding import Sharded
 from batchfit.memory.types import Line
 from batchfit.models import ModelInfo
-from batchfit.spec import TrainingSetup
-
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+from batchfit.spec import TrainingSetup, is_deepspeed, zero_stage
 
 
 @dataclass(frozen=True)
@@ -47,16 +45,6 @@ class ZeroSettings:
 
 
 ZERO = ZeroSettings()
-
-
-def is_deepspeed(setup: TrainingSetup) -> bool:
-    """Whether ``setup`` runs DeepSpeed's ZeRO optimizer (``--sharding zero1|zero2|zero3``)."""
-    return setup.sharding in ZERO_STAGES
-
-
-def zero_stage(setup: TrainingSetup) -> int:
-    """The ZeRO stage of ``setup`` (0 when it is not DeepSpeed)."""
-    return ZERO_STAGES.get(setup.sharding, 0)
 
 
 def model_bytes(precision: str) -> int:
@@ -147,7 +135,7 @@ def deepspeed_states(model: ModelInfo, setup: TrainingSetup, params: Params) -> 
 
     Example:
         >>> from batchfit.models import resolve_model
-        >>> from batchfit.memory._params import parameters
+        >>> from batchfit.memory.formulas._params import parameters
         >>> m = resolve_model("gpt2")
         >>> s = TrainingSetup(precision="amp-bf16", sharding="zero2", num_gpus=4)
         >>> ds = deepspeed_states(m, s, parameters(m, s))
