@@ -177,12 +177,7 @@ def step_time(
     flops = step_flops(model, setup, seq_len)
     layers, recompute_share = flops.layers, flops.recompute_share
     flops_per_token, model_flops_per_token = flops.per_token, flops.model_per_token
-    width = arch.hidden_size
-    if setup.precision == "fp32":
-        util = U_FP32
-    else:
-        half = HALF_WIDTH * min(1.0, (HALF_WIDTH_TOKENS / tokens) ** 0.5)
-        util = U_MAX.get(gpu.architecture, 0.5) * width / (width + half)
+    util = _utilisation(setup, gpu, arch.hidden_size, tokens)
     # DeepSpeed's stages run the 16-bit module without autocast (memory/formulas/deepspeed.py), but
     # its engine's per-parameter hooks cost launches too: counted as autocast's
     amp = setup.precision in ("amp-bf16", "amp-fp16")
@@ -200,29 +195,14 @@ def step_time(
     update = opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     comm_micro = comm_step = 0.0
     if link is not None:
-        moved = traffic(setup, model.total_params, int(trainable))
-        ring = (setup.num_gpus - 1) / setup.num_gpus / (link * 1e9 * COLLECTIVE_EFFICIENCY)
-        compute_micro = launch + compute
-        comm_micro = _exposed((moved.micro_gather + moved.micro_reduce) * ring, compute_micro)
-        last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
-        comm_step = _exposed(last, compute_micro * backward_share)
-        comm_step += moved.after_step_gather * ring
-    offload = fetch = accumulate = 0.0
-    if setup.offload != "none":  # the CPU updates the offloaded state
-        offload, update = _offload_seconds(model, setup, gpu, trainable / shard), 0.0
-        # accumulating, the 16-bit gradient partition goes down to CPU RAM and the sum so far
-        # comes back up in each micro-step but the last, beside backward's compute
-        moved_accum = 2 * 2 * trainable / shard
-        accumulate = _exposed(
-            moved_accum / _host_bytes_per_s(gpu), (launch + compute) * backward_share
+        comm_micro, comm_step = _comm_seconds(
+            model, setup, link, trainable, launch + compute, backward_share
         )
-    if setup.offload == "optimizer+params":
-        # ZeRO-Infinity / FSDP's CPU offload keep the parameters on the host: every
-        # micro-step copies this rank's partition up for forward, again for backward and for
-        # each recomputed layer, prefetched beside compute
-        copies = 2 + recompute_share
-        fetched = (2 if setup.precision != "fp32" else 4) * model.total_params / shard * copies
-        fetch = _exposed(fetched / _host_bytes_per_s(gpu), launch + compute)
+    offload, fetch, accumulate = _offload_parts(
+        model, setup, gpu, trainable, shard, launch + compute, backward_share, recompute_share
+    )
+    if setup.offload != "none":  # the CPU updates the offloaded state
+        update = 0.0
     return StepTime(
         micro_seconds=launch + compute + comm_micro + fetch,
         optimizer_seconds=update + comm_step + offload,
@@ -235,6 +215,64 @@ def step_time(
         offload_micro_seconds=fetch,
         offload_accum_seconds=accumulate,
     )
+
+
+def _utilisation(setup: TrainingSetup, gpu: GpuSpec, width: int, tokens: int) -> float:
+    """Share of the dense peak the step's matmuls reach: a constant in fp32; in 16-bit the
+    generation's ceiling, scaled by the width over the width plus the half-width (wider with
+    fewer tokens)."""
+    if setup.precision == "fp32":
+        return U_FP32
+    half: float = HALF_WIDTH * min(1.0, (HALF_WIDTH_TOKENS / tokens) ** 0.5)
+    return U_MAX.get(gpu.architecture, 0.5) * width / (width + half)
+
+
+def _comm_seconds(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    link: float,
+    trainable: float,
+    compute_micro: float,
+    backward_share: float,
+) -> tuple[float, float]:
+    """Communication compute does not hide: per micro-step, and once per optimizer step."""
+    moved = traffic(setup, model.total_params, int(trainable))
+    ring = (setup.num_gpus - 1) / setup.num_gpus / (link * 1e9 * COLLECTIVE_EFFICIENCY)
+    comm_micro = _exposed((moved.micro_gather + moved.micro_reduce) * ring, compute_micro)
+    last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
+    comm_step = _exposed(last, compute_micro * backward_share)
+    comm_step += moved.after_step_gather * ring
+    return comm_micro, comm_step
+
+
+def _offload_parts(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    trainable: float,
+    shard: int,
+    compute_micro: float,
+    backward_share: float,
+    recompute_share: float,
+) -> tuple[float, float, float]:
+    """CPU offload's seconds: the CPU's update (per step), the parameters' copies up (per
+    micro-step), and the gradients' round trip while accumulating (per micro-step but the
+    last)."""
+    offload = fetch = accumulate = 0.0
+    if setup.offload != "none":
+        offload = _offload_seconds(model, setup, gpu, trainable / shard)
+        # accumulating, the 16-bit gradient partition goes down to CPU RAM and the sum so far
+        # comes back up in each micro-step but the last, beside backward's compute
+        moved_accum = 2 * 2 * trainable / shard
+        accumulate = _exposed(moved_accum / _host_bytes_per_s(gpu), compute_micro * backward_share)
+    if setup.offload == "optimizer+params":
+        # ZeRO-Infinity / FSDP's CPU offload keep the parameters on the host: every
+        # micro-step copies this rank's partition up for forward, again for backward and for
+        # each recomputed layer, prefetched beside compute
+        copies = 2 + recompute_share
+        fetched = (2 if setup.precision != "fp32" else 4) * model.total_params / shard * copies
+        fetch = _exposed(fetched / _host_bytes_per_s(gpu), compute_micro)
+    return offload, fetch, accumulate
 
 
 def collective_gb_s(gpu: GpuSpec, num_gpus: int) -> float | None:
