@@ -31,12 +31,13 @@ from batchfit.memory.formulas import activations as act
 from batchfit.memory.formulas._params import (
     NF4_BYTES_PER_PARAM,
     ParamBytes,
+    Params,
     optimizer_state_bytes,
     param_bytes,
     parameters,
 )
 from batchfit.memory.formulas._peak import peak
-from batchfit.memory.formulas._sharding import shard_and_offload
+from batchfit.memory.formulas._sharding import Sharded, shard_and_offload
 from batchfit.memory.formulas.deepspeed import compute_precision, deepspeed_states
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
@@ -95,17 +96,7 @@ def estimate_analytic(
         >>> est.components["weights"] / est.total_params  # fp32
         4.0
     """
-    setup = resolve_setup(model, setup, device, gpu)
-    if setup.attention == "sdpa" and model.arch.model_type in act.EAGER_ONLY_TYPES:
-        setup = replace(setup, attention="eager")
-    deepspeed = is_deepspeed(setup)
-    # DeepSpeed casts the module to 16-bit and runs it without autocast (engine.py)
-    rg = act.Regime.of(compute_precision(setup.precision) if deepspeed else setup.precision, device)
-    params = parameters(model, setup)
-    if deepspeed:
-        sharded = deepspeed_states(model, setup, params)
-    else:
-        sharded = shard_and_offload(model, setup, params, rg.compute_bytes)
+    setup, rg, params, sharded = _model_states(model, setup, device, gpu)
     lines = [*sharded.lines] if sharded.own_lines else [*params.lines, *sharded.lines]
     fixed = sharded.fixed
     if device == "cuda":
@@ -159,6 +150,25 @@ def estimate_analytic(
         device=device,
         gpu=gpu,
     )
+
+
+def _model_states(
+    model: ModelInfo, setup: TrainingSetup, device: Device, gpu: GpuSpec | None
+) -> tuple[TrainingSetup, act.Regime, Params, Sharded]:
+    """The setup as it runs, its precision regime, the parameters' bytes and what one GPU keeps
+    of the model states (sharded, offloaded; DeepSpeed's own layout under ZeRO)."""
+    setup = resolve_setup(model, setup, device, gpu)
+    if setup.attention == "sdpa" and model.arch.model_type in act.EAGER_ONLY_TYPES:
+        setup = replace(setup, attention="eager")
+    deepspeed = is_deepspeed(setup)
+    # DeepSpeed casts the module to 16-bit and runs it without autocast (engine.py)
+    rg = act.Regime.of(compute_precision(setup.precision) if deepspeed else setup.precision, device)
+    params = parameters(model, setup)
+    if deepspeed:
+        sharded = deepspeed_states(model, setup, params)
+    else:
+        sharded = shard_and_offload(model, setup, params, rg.compute_bytes)
+    return setup, rg, params, sharded
 
 
 def _device_lines(totals: DeviceTotals, device: Device, gpu: GpuSpec | None) -> list[Line]:
