@@ -31,6 +31,7 @@ lint: venv
 	$(BIN)/ruff check src tests benchmarks scripts examples
 	$(BIN)/ruff format --check src tests benchmarks scripts examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: venv
 	$(BIN)/python benchmarks/latency.py

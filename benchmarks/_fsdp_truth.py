@@ -36,7 +36,8 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from torch.distributed.device_mesh import init_device_mesh
 
-    from batchfit.memory import _fsdp, _hf_trace
+    from batchfit.memory.trace import fsdp as _fsdp
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
 

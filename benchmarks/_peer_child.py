@@ -45,7 +45,8 @@ def main() -> None:
     import torch
 
     from batchfit._oom import is_oom
-    from batchfit.memory import _hf_trace, trace
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.search._probe import warm_up
     from batchfit.spec import TrainingSetup

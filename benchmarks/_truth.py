@@ -81,7 +81,7 @@ def train(
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from batchfit.memory import _hf_trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
 

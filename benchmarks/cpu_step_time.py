@@ -136,7 +136,7 @@ def measure_model(name: str, tmp: Path, steps: int) -> list[dict[str, Any]]:
     import torch
     from _truth import train
 
-    from batchfit.memory import _hf_trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
 
     torch.manual_seed(0)

@@ -34,9 +34,11 @@ def run(name: str, precision: str, ranks: int, micro: int, seq: int) -> dict[str
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from batchfit.memory import _fsdp, _hf_trace, trace
-    from batchfit.memory.analytic import resolve_setup
     from batchfit.memory.estimate import estimate
+    from batchfit.memory.formulas.analytic import resolve_setup
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import fsdp as _fsdp
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
 

@@ -134,7 +134,7 @@ ESTIMATORS = ("trace", "analytic", *PEERS)
 def estimates(case: Case) -> dict[str, float] | None:
     """accuracy.py's predictions for ``case`` (trace, analytic, peers), or None where batchfit
     cannot estimate it (the reason is printed)."""
-    from batchfit.memory._hf_trace import TRACE_LIMITS
+    from batchfit.memory.trace.hf import TRACE_LIMITS
 
     failures: tuple[type[Exception], ...] = (*TRACE_LIMITS, RuntimeError)
     try:
@@ -149,7 +149,8 @@ def graph_stats(case: Case) -> dict[str, int]:
     candidates for what the memory outside tensor storages scales with."""
     import torch
 
-    from batchfit.memory import _hf_trace, trace
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
 

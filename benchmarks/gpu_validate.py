@@ -266,7 +266,7 @@ def child_case(spec: dict[str, Any], device: str) -> dict[str, Any]:
     """One case's real steps: memory through two steps, then the time of three more."""
     import torch
 
-    from batchfit.memory import _hf_trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
 
@@ -436,7 +436,7 @@ def child_sweep(index: int, device: str) -> dict[str, Any]:
 
     import torch
 
-    from batchfit.memory import _hf_trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
 

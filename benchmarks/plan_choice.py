@@ -39,7 +39,7 @@ from typing import Any
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec, get_gpu
-from batchfit.memory.analytic import resolve_setup
+from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.models import ModelInfo, catalog_names, resolve_model
 from batchfit.plan import DEFAULT_HEADROOM_BYTES, _Target, make_plan
 from batchfit.plan._ladder import OFFLOAD_MARGIN, PARTIAL_CKPT_EVERY, TIME_TOLERANCE, lean_loss

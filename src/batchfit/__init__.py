@@ -17,6 +17,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+import batchfit.views.html  # noqa: F401  (registers the pages behind the values' _repr_html_)
 from batchfit._version import __version__
 
 if TYPE_CHECKING:

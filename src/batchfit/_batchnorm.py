@@ -14,6 +14,7 @@ SMALL_MICRO_BATCH = 16
 
 def has_batchnorm(model: Any) -> bool:
     """Whether an ``nn.Module`` holds a BatchNorm layer (1d/2d/3d, synced or lazy)."""
+    # lazy: torch (~1 s): plans and estimates of catalog models never need it
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return any(isinstance(m, _BatchNorm) for m in model.modules())

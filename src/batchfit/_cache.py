@@ -27,6 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import platformdirs
+
 log = logging.getLogger("batchfit.cache")
 
 MAX_ENTRIES = 2000  # per namespace; the oldest go first beyond it
@@ -57,7 +59,6 @@ def cache_dir() -> Path:
     override = os.environ.get("BATCHFIT_CACHE_DIR")
     if override:
         return Path(override)
-    import platformdirs
 
     return Path(platformdirs.user_cache_dir("batchfit"))
 

@@ -81,7 +81,7 @@ def release_memory() -> None:
 
 
 def _malloc_trim() -> None:
-    # glibc keeps freed heap pages; under RLIMIT_DATA they still count (DESIGN.md, OOM facts).
+    # glibc keeps freed heap pages; under RLIMIT_DATA they still count.
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None)  # musl and other libcs have none
     if trim is not None:

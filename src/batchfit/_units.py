@@ -13,7 +13,7 @@ BYTES_IN_GIB = 1024**3
 # No machine holds an exbibyte: a larger size is a typo, and would overflow OS limits.
 MAX_SIZE_BYTES = 2**60
 
-# DESIGN.md: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
+# KB/MB/GB are powers of 10 (SI), KiB/MiB/GiB powers of 2 (IEC 80000-13).
 _SIZE_UNITS = {
     "": 1,
     "B": 1,

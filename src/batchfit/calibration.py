@@ -1,7 +1,7 @@
 """The calibration loop: every time a measured peak sits beside an estimate for the same setup
 (``monitor --plan``, the probe, the training callbacks with a plan), one record is appended to a
 local file; ``batchfit calibration`` shows the errors, and ``plan --headroom auto`` takes its
-headroom from them (issue #14, part 4).
+headroom from them.
 
 The file is JSON lines in the user's data dir (``platformdirs.user_data_dir("batchfit")``,
 ``BATCHFIT_DATA_DIR`` to move it): one record per measurement, never rewritten. A file that
@@ -20,6 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import platformdirs
+
+from batchfit._version import __version__
 
 FILE_NAME = "calibration.jsonl"
 # the headroom a plan keeps when it has no records, and the least it keeps with them
@@ -65,15 +69,12 @@ def path() -> Path:
     override = os.environ.get("BATCHFIT_DATA_DIR")
     if override:
         return Path(override) / FILE_NAME
-    import platformdirs
 
     return Path(platformdirs.user_data_dir("batchfit")) / FILE_NAME
 
 
 def append(record: Record) -> bool:
     """Add ``record``; False (and no error) where the file cannot be written."""
-    from batchfit._version import __version__
-
     filled = record
     if not record.torch or not record.batchfit:
         filled = Record(**{**asdict(record), "batchfit": __version__, "torch": _torch_version()})
@@ -97,6 +98,7 @@ def append(record: Record) -> bool:
 
 
 def _torch_version() -> str:
+    # lazy: importlib.metadata is most of `import batchfit`'s cost (email, zipfile, csv)
     import importlib.metadata
 
     try:

@@ -9,10 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from batchfit._units import ordinal
 from batchfit.errors import UsageError
-from batchfit.memory._deepspeed import is_deepspeed, precision_config, zero_optimization
+from batchfit.memory.formulas.deepspeed import precision_config, zero_optimization
 from batchfit.plan import Plan
-from batchfit.spec import TrainingSetup
+from batchfit.spec import TrainingSetup, is_deepspeed
+from batchfit.speed import GPUS_PER_NODE
 
 EXPORT_KINDS: tuple[str, ...] = ("hf", "deepspeed", "accelerate", "lightning")
 
@@ -127,7 +129,7 @@ def _as_deepspeed(setup: TrainingSetup) -> TrainingSetup:
 def deepspeed_config(plan: Plan) -> dict[str, Any]:
     """A DeepSpeed config; ``train_batch_size`` = micro x accumulation x world size.
 
-    The ZeRO section and the precision come from ``memory._deepspeed``, the module that
+    The ZeRO section and the precision come from ``memory.formulas.deepspeed``, the module that
     counts the plan's memory: the buckets written here are the buckets counted there.
     """
     setup = _as_deepspeed(plan.setup)
@@ -265,8 +267,6 @@ def nodes_of(num_gpus: int) -> tuple[int, int]:
         >>> nodes_of(8), nodes_of(16), nodes_of(12)
         ((1, 8), (2, 8), (2, 6))
     """
-    from batchfit.speed import GPUS_PER_NODE
-
     nodes = -(-num_gpus // GPUS_PER_NODE)
     return nodes, num_gpus // nodes if num_gpus % nodes == 0 else GPUS_PER_NODE
 
@@ -302,8 +302,6 @@ def lightning_trainer_kwargs(plan: Plan) -> dict[str, Any]:
 
 
 def _ordinal(k: int | None) -> str:
-    from batchfit._units import ordinal
-
     return ordinal(k or 1)
 
 
@@ -424,6 +422,7 @@ def export(plan: Plan, kind: str) -> dict[str, Any]:
 def render(data: dict[str, Any], kind: str) -> str:
     """Text of an export file: YAML for accelerate, JSON otherwise."""
     if kind == "accelerate":
+        # lazy: pyyaml is optional, needed only for accelerate's config
         import yaml
 
         return str(yaml.safe_dump(data, sort_keys=False))

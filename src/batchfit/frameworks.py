@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchfit.spec import Framework, TrainingSetup
+from batchfit.spec import FRAMEWORKS, Framework, TrainingSetup, check_choice
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,6 @@ def with_framework(
         >>> with_framework(TrainingSetup(loop="trainer"), "litgpt", frozenset({"loop"})).loop
         'trainer'
     """
-    from batchfit.spec import FRAMEWORKS, check_choice
-
     preset = PRESETS[check_choice("--framework", framework, FRAMEWORKS)]
     values = {k: v for k, v in preset.values.items() if k not in explicit}
     if "loss" in explicit:  # --loss names its own chunking

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -62,6 +65,32 @@ def all_gpus() -> dict[str, GpuSpec]:
             link_gb_s=row.get("link_gb_s"),
         )
     return gpus
+
+
+def catalog_gpu(device_name: str, total_bytes: int | None = None) -> str | None:
+    """The catalog GPU a device is, from the name PyTorch gives it (``torch.cuda.
+    get_device_name``): the entry whose name's parts all appear in it, the most specific
+    first; failing that, the entry of the same family nearest ``total_bytes``.
+
+    Example:
+        >>> catalog_gpu("NVIDIA H100 80GB HBM3"), catalog_gpu("NVIDIA A100-SXM4-40GB")
+        ('h100-80gb', 'a100-40gb')
+        >>> catalog_gpu("Tesla T4"), catalog_gpu("NVIDIA A10G"), catalog_gpu("NVIDIA H100 PCIe")
+        ('t4', 'a10g', 'h100-pcie')
+        >>> catalog_gpu("NVIDIA GeForce GTX 1080") is None
+        True
+    """
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower())) - {""}
+    gpus = list(all_gpus().values())
+    whole = [g for g in gpus if set(g.name.split("-")) <= words]
+    if whole:
+        return max(whole, key=lambda g: len(g.name.split("-"))).name
+    family = [g for g in gpus if g.name.split("-")[0] in words]
+    if not family:
+        return None
+    if total_bytes is None:
+        return family[0].name if len(family) == 1 else None
+    return min(family, key=lambda g: abs(g.memory_bytes - total_bytes)).name
 
 
 def get_gpu(name: str) -> GpuSpec:
@@ -137,15 +166,12 @@ def cpu_model_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 
 
 def host_threads() -> int:
     """The CPUs this process may run on: PyTorch's default intra-op thread count."""
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

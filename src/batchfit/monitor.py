@@ -104,7 +104,8 @@ class MonitorResult:
         return peaks
 
     def to_json(self) -> dict[str, Any]:
-        """``peak_bytes``, ``samples``, ``exit_code``, ``seconds``, ``processes`` (DESIGN.md)."""
+        """``peak_bytes``, ``samples``, ``exit_code``, ``seconds``, ``processes``
+        (docs/design.md)."""
         return {
             "peak_bytes": self.peak_bytes,
             "samples": len(self.samples),
@@ -469,7 +470,7 @@ def plot(
     plan_label: str = "plan",
 ) -> None:
     """Memory over time (GiB, seconds): the total, the plan's figure and its limit."""
-    from batchfit import _plots
+    from batchfit.views import plots as _plots
 
     plt = _plots.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))

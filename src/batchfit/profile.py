@@ -1,5 +1,5 @@
 """``batchfit.profile_memory``: what any block of your code holds at its peak, measured, in the
-shape of an estimate (issue #14, part 3; seed 004's ``profile_memory``).
+shape of an estimate.
 
 The block runs for real under the same allocation tracker the dry run uses (a dispatch mode
 that counts every tensor storage, born and freed), so the peak comes split into weights,
@@ -28,6 +28,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from batchfit._memwatch import status_bytes
+from batchfit.memory.trace.tracker import AllocationTracker
+from batchfit.views.html import estimate_html
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -53,8 +57,6 @@ class MemoryProfile:
         }
 
     def _repr_html_(self) -> str:
-        from batchfit._html import estimate_html
-
         data = {**self.to_json(), "model": "measured block", "engine": "measured"}
         return estimate_html(data)
 
@@ -111,9 +113,6 @@ class profile_memory:
 
     @contextlib.contextmanager
     def _measure(self) -> Iterator[None]:
-        from batchfit._memwatch import status_bytes
-        from batchfit.memory._tracker import AllocationTracker
-
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)

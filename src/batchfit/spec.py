@@ -319,3 +319,17 @@ class TrainingSetup:
         return replace(
             self, precision=precision, attention=attention, sharding=sharding, lora_dtype=lora_dtype
         )
+
+
+# DeepSpeed's ZeRO stages by ``--sharding`` (``fsdp`` is FSDP2, ``ddp`` torch DDP)
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def is_deepspeed(setup: TrainingSetup) -> bool:
+    """Whether ``setup`` runs DeepSpeed's ZeRO optimizer (``--sharding zero1|zero2|zero3``)."""
+    return setup.sharding in ZERO_STAGES
+
+
+def zero_stage(setup: TrainingSetup) -> int:
+    """The ZeRO stage of ``setup`` (0 when it is not DeepSpeed)."""
+    return ZERO_STAGES.get(setup.sharding, 0)

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory._trace_estimate import layer_period, trace_depths
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace.estimate import layer_period, trace_depths
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from tests.memory._dry_vs_real import assert_dry_run_matches_real

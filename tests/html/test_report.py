@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from batchfit import _html
 from batchfit.hardware import get_gpu
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.views import html as _html
 from tests.html._browser import BROWSER, NO_BROWSER, render
 
 

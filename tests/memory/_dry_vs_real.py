@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from batchfit.memory import _hf_trace, trace
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 

@@ -1,6 +1,6 @@
 """The caching-allocator model: rounding, pools, reuse, fragmentation and expandable segments."""
 
-from batchfit.memory.allocator import CachingAllocator, round_size, segment_size, simulate
+from batchfit.memory.device.allocator import CachingAllocator, round_size, segment_size, simulate
 
 MIB = 1 << 20
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.hardware import get_gpu
-from batchfit.memory import _activations as act
-from batchfit.memory.analytic import (
+from batchfit.memory.formulas import activations as act
+from batchfit.memory.formulas.analytic import (
     NF4_BYTES_PER_PARAM,
     estimate_analytic,
     optimizer_state_bytes,
@@ -189,7 +189,7 @@ def test_estimates_grow_with_batch_and_sequence(
 
 def test_reserve_is_not_capped_by_the_card():
     # a reserve cut to the card's size would make a full card "fit": the total is uncapped.
-    from batchfit.memory._device import device_totals
+    from batchfit.memory.device.totals import device_totals
 
     gpu = get_gpu("t4")
     over = gpu.memory_bytes + (1 << 30)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory.analytic import estimate_analytic
+from batchfit.memory.formulas.analytic import estimate_analytic
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup

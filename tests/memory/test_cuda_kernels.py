@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from batchfit.hardware import get_gpu
+from batchfit.memory.device.kernels import cuda_autocast_policy, cuda_kernels
 from batchfit.memory.estimate import estimate
-from batchfit.memory.kernels import cuda_autocast_policy, cuda_kernels
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

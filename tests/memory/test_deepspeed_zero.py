@@ -37,14 +37,14 @@ import pytest
 
 from batchfit.export import deepspeed_config
 from batchfit.hardware import get_gpu
-from batchfit.memory._deepspeed import (
+from batchfit.memory.formulas._params import parameters
+from batchfit.memory.formulas.analytic import estimate_analytic
+from batchfit.memory.formulas.deepspeed import (
     ZERO,
     deepspeed_states,
     largest_module_params,
     persistent_params,
 )
-from batchfit.memory._params import parameters
-from batchfit.memory.analytic import estimate_analytic
 from batchfit.models import ModelInfo, resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup

@@ -7,8 +7,8 @@ from torch._subclasses import fake_tensor
 import batchfit
 from batchfit.errors import UsageError
 from batchfit.hardware import get_gpu
-from batchfit.memory import _hf_trace
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

@@ -6,7 +6,7 @@ import pytest
 
 from batchfit.cli.render import fit_verdict
 from batchfit.hardware import get_gpu
-from batchfit.memory._device import fits_on_card
+from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.plan._max_micro_batch import fits

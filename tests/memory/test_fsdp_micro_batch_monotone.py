@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory._trace_estimate import estimate_trace
+from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchfit.memory._trace_estimate import estimate_trace, trace_depths
-from batchfit.memory._tracker import AllocationTracker
+from batchfit.memory.trace.estimate import estimate_trace, trace_depths
+from batchfit.memory.trace.tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from tests._torchrun import torchrun
@@ -165,7 +165,8 @@ def test_traced_rank_peak_matches_two_real_gloo_ranks(tiny: Path) -> None:
 def test_cpu_ranks_count_gloos_reduce_scatter_copy() -> None:
     """gloo reduce-scatters through a copy of the whole input (measured on CPU ranks; NCCL
     does not): the CPU trace holds one more input-sized buffer during each reduce-scatter."""
-    from batchfit.memory import _fsdp, trace
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import fsdp as _fsdp
 
     def peak(gloo: bool) -> int:
         with _fsdp.fake_world(2) as mesh, trace.fake_mode():
@@ -185,7 +186,7 @@ def test_ddp_on_any_count_reads_the_one_gpu_dry_run(
 ) -> None:
     """DDP's step is traced as one process (the buckets are added after), so the record of
     that dry run serves 1, 2 and 8 GPUs: ``plan --num-gpus auto`` traces it once."""
-    from batchfit.memory import _trace_estimate
+    from batchfit.memory.trace import estimate as _trace_estimate
 
     monkeypatch.delenv("BATCHFIT_NO_CACHE")
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from batchfit.hardware import get_gpu
+from batchfit.memory.device.kernels import _CudaEmulation, emulation
 from batchfit.memory.estimate import estimate
-from batchfit.memory.kernels import _CudaEmulation, emulation
 from batchfit.spec import TrainingSetup
 
 ORIGINAL_SDPA = F.scaled_dot_product_attention

@@ -12,8 +12,9 @@ import torch
 
 from batchfit.errors import UsageError
 from batchfit.hardware import get_gpu
-from batchfit.memory import _hf_trace, trace
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup, parse_loss
 from tests._cli import run_cli

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchfit.memory import _trace_estimate
+from batchfit.memory.trace import estimate as _trace_estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from batchfit.hardware import get_gpu
-from batchfit.memory._nf4 import Linear4bit
-from batchfit.memory._params import NF4_BYTES_PER_PARAM
-from batchfit.memory._tracker import AllocationTracker
 from batchfit.memory.estimate import estimate
+from batchfit.memory.formulas._params import NF4_BYTES_PER_PARAM
+from batchfit.memory.trace._nf4 import Linear4bit
+from batchfit.memory.trace.tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from tests.memory._dry_vs_real import assert_dry_run_matches_real

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from batchfit.memory._tracker import AllocationTracker, _fp32_scratch, cpu_bf16_gemm_scratch
+from batchfit.memory.trace.tracker import AllocationTracker, _fp32_scratch, cpu_bf16_gemm_scratch
 
 MiB = 2**20
 aten = torch.ops.aten

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory import timeline
-from batchfit.memory._trace_estimate import estimate_trace
-from batchfit.memory._trace_result import CATEGORIES
-from batchfit.memory.analytic import resolve_setup
+from batchfit.memory.formulas.analytic import resolve_setup
+from batchfit.memory.trace.estimate import estimate_trace
+from batchfit.memory.trace.result import CATEGORIES
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.views import timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {

@@ -8,10 +8,12 @@ import torch
 import transformers
 
 from batchfit.hardware import get_gpu
-from batchfit.memory import _hf_trace, _trace_estimate, trace
-from batchfit.memory._optim import make_optimizer
+from batchfit.memory.device.kernels import FlashAttentionMemory, cuda_kernels
 from batchfit.memory.estimate import estimate
-from batchfit.memory.kernels import FlashAttentionMemory, cuda_kernels
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace import estimate as _trace_estimate
+from batchfit.memory.trace import hf as _hf_trace
+from batchfit.memory.trace._optim import make_optimizer
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

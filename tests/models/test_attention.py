@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from batchfit.errors import UsageError
-from batchfit.memory import _hf_trace, trace
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import ENCODER_DECODER_TYPES, ENCODER_TYPES, catalog_names, resolve_model
 from batchfit.models._arch import (
     ATTENTION_FREE_TYPES,

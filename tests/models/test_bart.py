@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from batchfit.memory import _hf_trace, _trace_estimate
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace import estimate as _trace_estimate
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 

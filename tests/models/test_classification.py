@@ -4,8 +4,9 @@ import json
 
 import torch
 
-from batchfit.memory import _hf_trace, trace
 from batchfit.memory.estimate import estimate
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import _meta, resolve_model
 from batchfit.spec import TrainingSetup
 

@@ -10,8 +10,8 @@ import pytest
 
 from batchfit.errors import UsageError
 from batchfit.hardware import get_gpu
-from batchfit.memory._trace_estimate import estimate_trace, trace_depths
-from batchfit.memory.analytic import estimate_analytic
+from batchfit.memory.formulas.analytic import estimate_analytic
+from batchfit.memory.trace.estimate import estimate_trace, trace_depths
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.speed import step_time
@@ -49,7 +49,7 @@ def test_the_setup_counts_layers_as_torchtitan_does() -> None:
 def test_the_dry_run_checkpoints_the_chosen_layers(llama: str) -> None:
     import torch
 
-    from batchfit.memory._hf_trace import _build
+    from batchfit.memory.trace.hf import _build
 
     with torch.device("meta"):
         net = _build(resolve_model(llama), TrainingSetup(grad_ckpt_every=3), None)

@@ -94,7 +94,7 @@ def test_offload_accumulation_is_paid_per_micro_step():
     p = _plan()
     assert p.setup.grad_ckpt and p.setup.offload == "optimizer"
     assert (p.micro_batch_size, p.grad_accum_steps) == (64, 8)
-    from batchfit.memory.analytic import resolve_setup
+    from batchfit.memory.formulas.analytic import resolve_setup
     from batchfit.speed import step_time
 
     info, gpu = resolve_model(MODEL), get_gpu("h100-80gb")

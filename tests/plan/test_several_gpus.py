@@ -13,7 +13,7 @@ import pytest
 from batchfit.errors import UsageError
 from batchfit.export import accelerate_config, deepspeed_config, launch_command
 from batchfit.hardware import get_gpu
-from batchfit.memory._deepspeed import ZERO
+from batchfit.memory.formulas.deepspeed import ZERO
 from batchfit.models import resolve_model
 from batchfit.plan import TIME_TOLERANCE, Plan, make_plan
 from batchfit.spec import TrainingSetup

@@ -221,7 +221,7 @@ def test_the_probe_names_its_gpu_as_the_catalog_does(torch_name, total_gib, cata
 
 def _probe(factor: float) -> tuple[ProbeFile, object, object, TrainingSetup]:
     """A probe of GPT-2 on a T4 whose steps are ``factor`` x the step-time model's compute."""
-    from batchfit.memory.analytic import resolve_setup
+    from batchfit.memory.formulas.analytic import resolve_setup
 
     model, gpu, setup = resolve_model("gpt2"), get_gpu("t4"), TrainingSetup()
     theirs = resolve_setup(model, setup, "cuda", gpu)

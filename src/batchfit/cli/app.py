@@ -130,7 +130,7 @@ def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[Callable[[s
 
     from batchfit import _cache
     from batchfit.cli import render
-    from batchfit.memory import _trace_estimate
+    from batchfit.memory.trace import estimate as _trace_estimate
 
     with contextlib.ExitStack() as stack:
         if no_cache:
@@ -244,7 +244,7 @@ def estimate(
     """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
     from batchfit.cli import render
     from batchfit.hardware import get_gpu
-    from batchfit.memory._device import fits_on_card
+    from batchfit.memory.device.totals import fits_on_card
     from batchfit.memory.estimate import estimate as run_estimate
     from batchfit.models import resolve_model
 
@@ -259,7 +259,7 @@ def estimate(
         if path is not None:
             _check_output(path, option)
     if timeline is not None:
-        from batchfit import _plots
+        from batchfit.views import plots as _plots
 
         _plots.require("--timeline")
     gpu_spec = get_gpu(gpu) if gpu else None
@@ -306,7 +306,7 @@ def _draw_timeline(
     pickle_path: Path | None,
 ) -> None:
     """``--timeline`` / ``--snapshot``: a dry run of the whole step, drawn and written."""
-    from batchfit.memory import timeline as tl
+    from batchfit.views import timeline as tl
 
     if result.engine != "trace":
         raise UsageError(
@@ -503,9 +503,7 @@ def plan(
     from batchfit.hardware import get_gpu
     from batchfit.memory.estimate import check_workload
     from batchfit.models import resolve_model
-    from batchfit.plan import make_plan, make_plan_auto
-    from batchfit.plan._lr_scaling import parse_betas
-    from batchfit.plan._throughput import read_probe
+    from batchfit.plan import make_plan, make_plan_auto, parse_betas, read_probe
 
     if max_gpus != 8 and not num_gpus_auto:
         raise UsageError("--max-gpus goes with --num-gpus auto")
@@ -635,14 +633,14 @@ def _write_report(result: Plan, info: ModelInfo, gpu: GpuSpec, path: Path) -> No
     import os
     import tempfile
 
-    from batchfit import _html
+    from batchfit.views import html as _html
 
     png = None
     est = result.estimate
     if est.engine == "trace" and not est.is_image:
-        from batchfit import _plots
         from batchfit.cli import render
-        from batchfit.memory import timeline as tl
+        from batchfit.views import plots as _plots
+        from batchfit.views import timeline as tl
 
         _plots.require("--report")
         with render.progress("dry run of the whole step for the report ..."):
@@ -888,7 +886,7 @@ def probe(
             if info.task == "image-classification"
             else {"seq_len": seq_len}
         )
-        from batchfit.plan._throughput import probe_identity
+        from batchfit.plan import probe_identity
 
         ident = probe_identity(device, setup)  # what a plan's --throughput-from checks
         _emit_json({"model": info.name, "device": device, **size, **ident, **report.to_json()})

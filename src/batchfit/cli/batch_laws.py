@@ -12,7 +12,7 @@ from rich.markup import escape
 from batchfit._units import human_count
 from batchfit.cli.app import JsonO, ModelArg, _emit_json, app
 from batchfit.errors import UsageError
-from batchfit.plan._batch_laws import BatchAdvice
+from batchfit.plan import BatchAdvice
 
 _TOKENS_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([KMBT]?)\s*$", re.IGNORECASE)
 _TOKEN_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -69,7 +69,7 @@ def batch_size(
     a warning outside the grid each was fitted on.
     """
     from batchfit.models import resolve_model
-    from batchfit.plan._batch_laws import model_batch_laws
+    from batchfit.plan import model_batch_laws
 
     tokens = parse_tokens(train_tokens)
     if seq_len < 1:

@@ -175,8 +175,8 @@ def monitor(
     passes the plan's figure. With --json, the command's stdout goes to stderr, so that stdout
     holds the one JSON object.
     """
-    from batchfit import _plots
     from batchfit import monitor as mon
+    from batchfit.views import plots as _plots
 
     if not command:
         raise UsageError("give the command after --: batchfit monitor [options] -- CMD ...")

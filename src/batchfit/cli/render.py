@@ -17,11 +17,8 @@ from rich.table import Table
 from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count, human_duration
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
-from batchfit.models import ModelInfo
-from batchfit.models._arch import ATTENTION_FREE_TYPES
-from batchfit.plan import Alternative, FitRow, Plan
-from batchfit.plan._fit_table import FIT_RULE
-from batchfit.plan._ladder import TIME_TOLERANCE
+from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo
+from batchfit.plan import FIT_RULE, TIME_TOLERANCE, Alternative, FitRow, Plan
 from batchfit.spec import TrainingSetup
 
 
@@ -206,7 +203,7 @@ def fit_verdict(est: MemoryEstimate, gpu: GpuSpec) -> str:
         >>> fit_verdict(full, t4)
         '[red]does not fit[/] (no headroom: the card is full)'
     """
-    from batchfit.memory._device import fits_on_card
+    from batchfit.memory.device.totals import fits_on_card
     from batchfit.plan import DEFAULT_HEADROOM_BYTES
 
     free = gpu.memory_bytes - est.device_total_bytes

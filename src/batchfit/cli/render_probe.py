@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit import _plots
 from batchfit._units import BYTES_IN_GIB, gib_figure
 from batchfit.cli.render import err, out, sample_size
+from batchfit.views import plots as _plots
 
 if TYPE_CHECKING:
     from batchfit.models import ModelInfo

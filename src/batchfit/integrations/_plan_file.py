@@ -1,7 +1,7 @@
 """What the training callbacks need of a plan, from a ``Plan`` or from the file ``batchfit plan
 ... --json`` wrote (planned on a laptop, trained on a cluster): the model, the GPU, the peak to
 expect, the parameter count the model check compares, and the setup key of a calibration
-record (issue #14, parts 3 and 4)."""
+record."""
 
 from __future__ import annotations
 

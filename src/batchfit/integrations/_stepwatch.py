@@ -1,7 +1,7 @@
 """What the training callbacks share (Transformers' and Lightning's ``PeakMemoryCallback``):
 one optimizer step's peak memory and speed, the warning when a run drifts above its plan, the
 plan's model checked against the model being trained, and the calibration record a CUDA run
-with a plan leaves at its end (issue #14, parts 3 and 4)."""
+with a plan leaves at its end."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ class StepWatch:
         self._device = device
         self._cuda = device.type == "cuda"
         if self._cuda:
-            from batchfit.plan._throughput import catalog_gpu
+            from batchfit.hardware import catalog_gpu
 
             name = torch.cuda.get_device_name(device)
             total = torch.cuda.get_device_properties(device).total_memory

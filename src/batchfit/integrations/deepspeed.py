@@ -18,10 +18,14 @@ from typing import Any
 import torch
 
 from batchfit._oom import OutOfMemoryError, is_oom, release_memory
-from batchfit.train import _dist
-from batchfit.train._batches import batch_len, slice_batch
-from batchfit.train._checks import check_positive_int
-from batchfit.train._restart import BatchStart
+from batchfit.train import (
+    BatchStart,
+    any_rank,
+    batch_len,
+    check_positive_int,
+    collective_device,
+    slice_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +206,14 @@ class DeepSpeedMicroBatcher:
         self, batch: Any, n: int, micro: int, step_fn: DeepSpeedStepFn
     ) -> tuple[float | None, str]:
         engine = self.engine
-        device = _dist.collective_device(None) if self.world_size > 1 else None
+        device = collective_device(None) if self.world_size > 1 else None
         losses: list[torch.Tensor] = []
         engine.set_gradient_accumulation_boundary(False)
         for first in range(0, n, micro):
             message = self._micro_step(step_fn, slice_batch(batch, first, first + micro), losses)
             oom = message is not None
             if device is not None:
-                oom = _dist.any_rank(oom, None, device)
+                oom = any_rank(oom, None, device)
             if oom:
                 return None, message or "out of memory on another rank"
         engine.set_gradient_accumulation_boundary(True)

@@ -41,7 +41,7 @@ class PeakMemoryCallback(TrainerCallback, StepWatch):
     """Log each optimizer step's peak memory and samples/s; warn when the peak drifts.
 
     On CUDA the peak is ``torch.cuda.max_memory_allocated`` over the step, what a plan's
-    ``peak_bytes`` predicts (DESIGN.md), beside ``max_memory_reserved``. On a Linux CPU it is
+    ``peak_bytes`` predicts (docs/design.md), beside ``max_memory_reserved``. On a Linux CPU it is
     the step's peak resident set (``VmHWM``, reset each step) above what the process held at
     train start besides the model: an approximation, for runs without a GPU. At each of the
     Trainer's logging steps the latest step's ``peak_memory_gib``, ``reserved_memory_gib``

@@ -20,9 +20,8 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_set
 
 from batchfit.export import export
 from batchfit.integrations._stepwatch import StepMemory, StepWatch
-from batchfit.plan import Plan
-from batchfit.plan._divisors import largest_divisor_at_most
-from batchfit.train._checks import check_positive_int
+from batchfit.plan import Plan, largest_divisor_at_most
+from batchfit.train import check_positive_int
 from batchfit.train.accumulate import Accumulator
 
 __all__ = [
@@ -189,7 +188,7 @@ class PeakMemoryCallback(pl.Callback, StepWatch):
 
     A step runs from the first micro-batch of an optimizer step to the batch after which
     ``trainer.global_step`` moved. On CUDA its peak is ``torch.cuda.max_memory_allocated``
-    since the step began, what a plan's ``peak_bytes`` predicts (DESIGN.md), beside
+    since the step began, what a plan's ``peak_bytes`` predicts (docs/design.md), beside
     ``max_memory_reserved``; on a Linux CPU the step's peak resident set (``VmHWM``, reset each
     step) above what the process held at train start besides the model: an approximation, for
     runs without a GPU. ``peak_memory_gib``, ``reserved_memory_gib`` (CUDA) and

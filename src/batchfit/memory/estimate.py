@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Any, Literal, get_args
 
 from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
 from batchfit.hardware import CpuSpec, GpuSpec, host_cpu
+from batchfit.memory.formulas.analytic import estimate_analytic
+from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
+from batchfit.speed import step_time
 
 Engine = Literal["analytic", "trace"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -157,36 +161,19 @@ def estimate(
         raise UsageError(f"--engine {engine!r} is not one of: {', '.join(ENGINES)}")
     setup = setup or TrainingSetup()
     if not isinstance(model, ModelInfo):
-        if not callable(model) or batch_fn is None:
-            raise UsageError(
-                "estimate(model_fn, setup, batch_fn=...): give a factory of your "
-                "nn.Module and a batch_fn, or a model from resolve_model()"
-            )
-        if engine != "trace":
-            raise UsageError(
-                f"engine={engine!r} needs a catalog or config model (its formulas read the "
-                "architecture); an own nn.Module is estimated by engine='trace'"
-            )
-        from batchfit.memory._module_trace import estimate_module
-
-        return estimate_module(
+        return _estimate_own_module(
             model,
             setup,
             batch_fn=batch_fn,
             loss_fn=loss_fn,
             device=device,
             gpu=gpu,
+            engine=engine,
             grad_accum_steps=grad_accum_steps,
         )
     if micro_batch_size is None or seq_len is None:
         raise UsageError("give micro_batch_size and seq_len for a resolved model")
-    warnings = check_workload(model, micro_batch_size, seq_len)
-    every, depth = setup.grad_ckpt_every, model.arch.num_layers
-    if every and every > depth:
-        warnings.append(
-            f"--grad-ckpt-every {every} checkpoints no layer of {model.name}'s {depth}: "
-            f"give at most {depth}, or drop --grad-ckpt"
-        )
+    warnings = _workload_warnings(model, setup, micro_batch_size, seq_len)
     kwargs: dict[str, Any] = {
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
@@ -203,21 +190,65 @@ def estimate(
             "model, estimated by the trace (--engine trace, the default)"
         )
     if engine == "trace":
-        from batchfit.memory._trace_estimate import estimate_trace
-
         result = estimate_trace(model, setup, **kwargs)
     else:
-        from batchfit.memory.analytic import estimate_analytic
-
         result = estimate_analytic(model, setup, **kwargs)
     guessed = model.guessed_targets_warning(setup.lora_targets) if setup.is_lora else None
     if guessed and guessed not in result.warnings:  # the formulas say it; the trace does not
         warnings.append(guessed)
     if warnings:
-        from dataclasses import replace
-
         result = replace(result, warnings=(*warnings, *result.warnings))
     return _with_step_time(result, model, gpu if device == "cuda" else host_cpu(), grad_accum_steps)
+
+
+def _estimate_own_module(
+    model: Callable[[], Any],
+    setup: TrainingSetup,
+    *,
+    batch_fn: Callable[[], Any] | None,
+    loss_fn: Callable[[Any, Any], Any] | None,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    engine: Engine,
+    grad_accum_steps: int,
+) -> MemoryEstimate:
+    """``estimate`` of the user's own ``nn.Module`` factory: the trace engine only."""
+    if not callable(model) or batch_fn is None:
+        raise UsageError(
+            "estimate(model_fn, setup, batch_fn=...): give a factory of your "
+            "nn.Module and a batch_fn, or a model from resolve_model()"
+        )
+    if engine != "trace":
+        raise UsageError(
+            f"engine={engine!r} needs a catalog or config model (its formulas read the "
+            "architecture); an own nn.Module is estimated by engine='trace'"
+        )
+    # lazy: the module engine imports torch (~1 s), which the formulas never need
+    from batchfit.memory.trace.module import estimate_module
+
+    return estimate_module(
+        model,
+        setup,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn,
+        device=device,
+        gpu=gpu,
+        grad_accum_steps=grad_accum_steps,
+    )
+
+
+def _workload_warnings(
+    model: ModelInfo, setup: TrainingSetup, micro_batch_size: int, seq_len: int
+) -> list[str]:
+    """``check_workload``'s warnings, and a checkpoint interval past the model's depth."""
+    warnings = check_workload(model, micro_batch_size, seq_len)
+    every, depth = setup.grad_ckpt_every, model.arch.num_layers
+    if every and every > depth:
+        warnings.append(
+            f"--grad-ckpt-every {every} checkpoints no layer of {model.name}'s {depth}: "
+            f"give at most {depth}, or drop --grad-ckpt"
+        )
+    return warnings
 
 
 def _with_step_time(
@@ -230,9 +261,6 @@ def _with_step_time(
     or on the CPU where this machine's CPU has a catalog profile."""
     if gpu is None:
         return result
-    from dataclasses import asdict, replace
-
-    from batchfit.speed import step_time
 
     predicted = step_time(
         model, result.setup, gpu, micro_batch_size=result.micro_batch_size, seq_len=result.seq_len

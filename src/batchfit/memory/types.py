@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchfit._display import html
 from batchfit.spec import TrainingSetup
+from batchfit.speed import StepTime
 
 COMPONENTS = ("weights", "gradients", "optimizer_state", "activations", "other")
 
@@ -55,7 +57,7 @@ class MemoryEstimate:
         return self.setup.task == "image-classification"
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON contract of DESIGN.md (keys may be added, never renamed)."""
+        """The JSON contract of docs/design.md (keys may be added, never renamed)."""
         return {
             "model": self.model,
             "engine": self.engine,
@@ -95,9 +97,7 @@ class MemoryEstimate:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the breakdown, a bar of the components, the predicted time."""
-        from batchfit._html import estimate_html
-
-        return estimate_html(self.to_json())
+        return html("estimate", self.to_json())
 
     def speed_json(self, grad_accum_steps: int | None = None) -> dict[str, float | None]:
         """``step_seconds`` (one optimizer step: ``grad_accum_steps`` micro-steps, by default
@@ -108,7 +108,6 @@ class MemoryEstimate:
             return dict.fromkeys(
                 ("step_seconds", "tokens_per_s_per_gpu", "mfu", "comm_seconds", "offload_seconds")
             )
-        from batchfit.speed import StepTime
 
         if grad_accum_steps is None:
             grad_accum_steps = int(self.extras.get("grad_accum_steps", 1))

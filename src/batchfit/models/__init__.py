@@ -18,6 +18,7 @@ from batchfit import catalog
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
+from batchfit.models import _meta, _torchvision
 from batchfit.models._arch import (
     ATTENTION_FREE_TYPES,
     ENCODER_DECODER_TYPES,
@@ -29,21 +30,28 @@ from batchfit.models._arch import (
     arch_from_config,
     default_task,
 )
-from batchfit.models._config import existing_path, hub_cache_config, read_config_file
+from batchfit.models._config import LAYER_KEYS, existing_path, hub_cache_config, read_config_file
 from batchfit.models._generic import generic_decoder_config, generic_rows
+from batchfit.models._meta import auto_class, make_config
+from batchfit.models._torchvision import build as build_torchvision
 from batchfit.spec import Attention, Task
 
 __all__ = [
+    "ATTENTION_FREE_TYPES",
     "DEFAULT_LORA_TARGETS",
     "ENCODER_DECODER_TYPES",
     "ENCODER_TYPES",
+    "LAYER_KEYS",
     "Architecture",
     "ModelInfo",
     "ParamGroup",
     "arch_from_config",
+    "auto_class",
+    "build_torchvision",
     "catalog_names",
     "default_task",
     "generic_decoder_config",
+    "make_config",
     "resolve_model",
 ]
 
@@ -177,7 +185,6 @@ class ModelInfo:
             return True
         if self.arch.model_type == "torchvision":
             return False
-        from batchfit.models import _meta
 
         return bool(
             getattr(
@@ -347,7 +354,6 @@ def resolve_model(spec: str | os.PathLike[str], task: str | None = None) -> Mode
     cached = hub_cache_config(text)
     if cached is not None:
         return _from_config_file(cached, task, hub_id=text)
-    from batchfit.models import _torchvision
 
     tv_name = _torchvision.lookup(text)
     if tv_name is not None:
@@ -380,8 +386,6 @@ def _from_catalog(entry: dict[str, Any], task: str | None) -> ModelInfo:
     chosen = _check_task(task, cfg)
     rows = catalog.load("derived")["models"].get(entry["name"], {}).get(chosen)
     if rows is None:
-        from batchfit.models import _meta
-
         rows = _meta.param_table(_meta.build_on_meta(cfg, chosen))
     return ModelInfo(
         name=entry["name"],
@@ -398,8 +402,6 @@ def _groups(rows: Iterable[list[Any]]) -> tuple[ParamGroup, ...]:
 
 
 def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -> ModelInfo:
-    from batchfit.models import _meta
-
     raw = read_config_file(path)
     chosen = _check_task(task, raw)
     rows = _meta.count_params(raw, chosen)
@@ -452,9 +454,8 @@ def _defaults_used(raw: dict[str, Any], arch: Architecture) -> tuple[str, ...]:
 
 def _from_torchvision(name: str, task: str | None) -> ModelInfo:
     """A torchvision classifier, built on the meta device to count its parameters."""
+    # lazy: torch (~1 s), only to count a torchvision model's parameters
     import torch
-
-    from batchfit.models import _meta, _torchvision
 
     cfg = _torchvision.config(name)
     chosen = _check_task(task, cfg)

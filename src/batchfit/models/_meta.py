@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from batchfit.errors import UsageError
+from batchfit.models._config import LAYER_KEYS
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _AUTO_CLASS = {
@@ -38,6 +39,7 @@ def _strict_config_errors() -> tuple[type[Exception], ...]:
     """transformers 5 validates configs through huggingface_hub's strict dataclasses, whose
     errors are not ValueErrors (a hidden size that the heads do not divide)."""
     try:
+        # lazy: transformers and torch (~2 s) load only when a model is built
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:  # older huggingface_hub: configs are not validated there
         return ()
@@ -46,6 +48,7 @@ def _strict_config_errors() -> tuple[type[Exception], ...]:
 
 def make_config(config: dict[str, Any], task: str) -> Any:
     """A transformers config object from a config.json dict (transformers fills defaults)."""
+    # lazy: transformers and torch (~2 s) load only when a model is built
     import transformers
 
     # a deep copy: transformers edits nested values in place (it adds rope_theta to a
@@ -66,6 +69,7 @@ def make_config(config: dict[str, Any], task: str) -> Any:
     if task == "image-classification" and not getattr(cfg, "architectures", None):
         # DeiT maps to two classes (with and without the distillation head); transformers
         # picks by ``architectures`` and fails without it: the plain classifier is meant
+        # lazy: transformers and torch (~2 s) load only when a model is built
         from transformers.models.auto import modeling_auto
 
         names = modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES.get(config["model_type"])
@@ -93,18 +97,26 @@ def _eos_id(cfg: Any) -> int | None:
     return eos if isinstance(eos, int) else None
 
 
-def model_class(config: dict[str, Any], task: str) -> Any:
-    """The transformers class ``task``'s auto class builds for ``config`` (nothing built)."""
+def auto_class(task: str) -> Any:
+    """transformers' auto class that builds a model for ``task`` (``AutoModelForCausalLM``, ...)."""
+    # lazy: transformers and torch (~2 s) load only when a model is built
     import transformers
 
+    return getattr(transformers, _AUTO_CLASS[task])
+
+
+def model_class(config: dict[str, Any], task: str) -> Any:
+    """The transformers class ``task``'s auto class builds for ``config`` (nothing built)."""
     cfg = make_config(config, task)
-    auto = getattr(transformers, _AUTO_CLASS[task])
-    return auto._model_mapping[type(cfg)]
+    return auto_class(task)._model_mapping[type(cfg)]
 
 
 def build_on_meta(config: dict[str, Any], task: str) -> Any:
     """Instantiate the task's model class on the meta device: shapes only, no memory."""
+    # lazy: transformers and torch (~2 s) load only when a model is built
     import torch
+
+    # lazy: transformers and torch (~2 s) load only when a model is built
     import transformers
 
     cfg = make_config(config, task)
@@ -169,8 +181,6 @@ def count_params(
     per-layer lists in the config must repeat with period ``p``. When no period checks out,
     the whole model is built.
     """
-    from batchfit.models._config import LAYER_KEYS
-
     floor = max(extrapolate_above, _BASE_LAYERS)
     depths: dict[int, list[str]] = {}
     for key, value in config.items():

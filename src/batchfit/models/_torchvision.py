@@ -12,6 +12,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit._names import suggest
 from batchfit.errors import UsageError
 
 PREFIX = "torchvision:"
@@ -26,6 +27,7 @@ def installed() -> bool:
 
 def names() -> list[str]:
     """torchvision's classification models (``torchvision.models.list_models``)."""
+    # lazy: torchvision and torch (~1 s) load only when a model is built
     import torchvision
 
     return sorted(torchvision.models.list_models(module=torchvision.models))
@@ -55,8 +57,6 @@ def lookup(text: str) -> str | None:
     if name in known:
         return name
     if explicit:
-        from batchfit._names import suggest
-
         raise UsageError(
             f"MODEL {text}: torchvision has no classifier {name!r}{suggest(name, known)}"
         )
@@ -76,7 +76,10 @@ def config(name: str) -> dict[str, Any]:
 
 def build(cfg: dict[str, Any]) -> Any:
     """The model with its loss: ``model(pixel_values=..., labels=...).loss``, as HF models."""
+    # lazy: torchvision and torch (~1 s) load only when a model is built
     import torch
+
+    # lazy: torchvision and torch (~1 s) load only when a model is built
     import torchvision
 
     class Classifier(torch.nn.Module):

@@ -22,7 +22,11 @@ from batchfit.memory.estimate import usable_engine
 from batchfit.memory.fit import predict
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
-from batchfit.plan._divisors import MAX_N, divisors_near, largest_divisor_at_most
+from batchfit.plan._batch_laws import BatchAdvice as BatchAdvice
+from batchfit.plan._batch_laws import model_batch_laws as model_batch_laws
+from batchfit.plan._divisors import MAX_N, divisors_near
+from batchfit.plan._divisors import largest_divisor_at_most as largest_divisor_at_most
+from batchfit.plan._fit_table import FIT_RULE as FIT_RULE
 from batchfit.plan._fit_table import FitRow, fit_table
 from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, choose
 from batchfit.plan._ladder import (
@@ -31,13 +35,13 @@ from batchfit.plan._ladder import (
     OFFLOADS,
     PARTIAL_CKPT_EVERY,
     PARTIAL_CKPT_FRAMEWORKS,
-    TIME_TOLERANCE,
     Combo,
     Technique,
     apply,
     ladder,
     partial_ckpt,
 )
+from batchfit.plan._ladder import TIME_TOLERANCE as TIME_TOLERANCE
 from batchfit.plan._lr_scaling import (
     DEFAULT_BETAS,
     DEFAULT_EPS,
@@ -45,6 +49,7 @@ from batchfit.plan._lr_scaling import (
     lr_options,
     scale_learning_rate,
 )
+from batchfit.plan._lr_scaling import parse_betas as parse_betas
 from batchfit.plan._max_micro_batch import (
     DEFAULT_HEADROOM_BYTES,
     fits,
@@ -54,9 +59,11 @@ from batchfit.plan._max_micro_batch import (
 from batchfit.plan._own import OwnModel, own_model
 from batchfit.plan._prices import gpu_hour_price as _hour_price
 from batchfit.plan._throughput import Measured, ProbeFile, bind
+from batchfit.plan._throughput import probe_identity as probe_identity
+from batchfit.plan._throughput import read_probe as read_probe
 from batchfit.plan._value import Alternative, Plan
 from batchfit.spec import TrainingSetup
-from batchfit.speed._comm import comm_bytes_per_step
+from batchfit.speed import comm_bytes_per_step
 
 __all__ = [
     "DEFAULT_HEADROOM_BYTES",
@@ -173,7 +180,7 @@ class _Target:
         the time model does not apply (then every option ties and the fallbacks decide)."""
         if not isinstance(self.model, ModelInfo):
             return 0.0
-        from batchfit.memory.analytic import resolve_setup
+        from batchfit.memory.formulas.analytic import resolve_setup
         from batchfit.speed import step_time
 
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)

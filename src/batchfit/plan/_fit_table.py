@@ -7,8 +7,8 @@ from typing import Any
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
-from batchfit.memory.analytic import resolve_setup
 from batchfit.memory.estimate import usable_engine
+from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.models import ModelInfo
 from batchfit.plan._ladder import (
     FUSED_ADAMW,

@@ -1,4 +1,4 @@
-"""The technique ladder: what to switch on, in order, when a model does not fit (DESIGN.md).
+"""The technique ladder: what to switch on, in order, when a model does not fit (docs/design.md).
 
 A ``Technique`` is a value that carries its name, its kind (``exact``: the same training, only
 slower or spread wider; ``changes-training``: what is learned differs) and the change it makes
@@ -299,7 +299,7 @@ def ladder(
     *,
     checkpointing: bool = True,
 ) -> tuple[Combo, ...]:
-    """Technique combinations to try, exact ones first, cheapest in time first (DESIGN.md).
+    """Technique combinations to try, exact ones first, cheapest in time first (docs/design.md).
 
     A lean loss (``model``'s: fused or chunked; it costs no time) comes first, then gradient
     checkpointing (recompute: about a fifth of the step), and both stay on under every later
@@ -320,9 +320,9 @@ def ladder(
     base: Combo = () if loss is None else (loss,)
     first: list[Combo] = [base] if base else []
     if setup.optimizer in ("adam", "adamw") and setup.optimizer_impl in ("auto", "foreach"):
-        # PyTorch's default on CUDA is foreach (DESIGN.md), whose step holds an fp32 copy of
-        # every parameter; fused costs no time, so it is tried first, alone (later rungs
-        # change where the peak is, and DeepSpeed's bring their own fused optimizer)
+        # PyTorch's default on CUDA is foreach (torch/optim/optimizer.py), whose step holds an
+        # fp32 copy of every parameter; fused costs no time, so it is tried first, alone (later
+        # rungs change where the peak is, and DeepSpeed's bring their own fused optimizer)
         first.insert(0, (FUSED_ADAMW,))
     sharded: list[Combo] = []
     if checkpointing and not setup.grad_ckpt:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batchfit._units import BYTES_IN_GIB
 from batchfit.hardware import GpuSpec
-from batchfit.memory._device import fits_on_card
+from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo

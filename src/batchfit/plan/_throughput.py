@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import UsageError
+from batchfit.hardware import catalog_gpu
 from batchfit.spec import TrainingSetup
 
 if TYPE_CHECKING:
@@ -49,34 +49,6 @@ _FACTOR_LIMIT = 5.0
 
 # setup fields whose option is not the field's name with dashes
 _FLAGS = {"loss_chunks": "--loss chunks", "loss_chunk_tokens": "--loss chunk tokens"}
-
-
-def catalog_gpu(device_name: str, total_bytes: int | None = None) -> str | None:
-    """The catalog GPU a device is, from the name PyTorch gives it (``torch.cuda.
-    get_device_name``): the entry whose name's parts all appear in it, the most specific
-    first; failing that, the entry of the same family nearest ``total_bytes``.
-
-    Example:
-        >>> catalog_gpu("NVIDIA H100 80GB HBM3"), catalog_gpu("NVIDIA A100-SXM4-40GB")
-        ('h100-80gb', 'a100-40gb')
-        >>> catalog_gpu("Tesla T4"), catalog_gpu("NVIDIA A10G"), catalog_gpu("NVIDIA H100 PCIe")
-        ('t4', 'a10g', 'h100-pcie')
-        >>> catalog_gpu("NVIDIA GeForce GTX 1080") is None
-        True
-    """
-    from batchfit.hardware import all_gpus
-
-    words = set(re.split(r"[^a-z0-9]+", device_name.lower())) - {""}
-    gpus = list(all_gpus().values())
-    whole = [g for g in gpus if set(g.name.split("-")) <= words]
-    if whole:
-        return max(whole, key=lambda g: len(g.name.split("-"))).name
-    family = [g for g in gpus if g.name.split("-")[0] in words]
-    if not family:
-        return None
-    if total_bytes is None:
-        return family[0].name if len(family) == 1 else None
-    return min(family, key=lambda g: abs(g.memory_bytes - total_bytes)).name
 
 
 def probe_identity(device: str, setup: TrainingSetup) -> dict[str, Any]:
@@ -230,7 +202,7 @@ class Measured:
     def correction(self, setup: TrainingSetup, micro: int) -> Correction:
         """How ``setup`` at ``micro`` is timed: the measurement, or the model times the factor
         at the nearest measured size."""
-        from batchfit.memory.analytic import resolve_setup
+        from batchfit.memory.formulas.analytic import resolve_setup
 
         n = self.nearest(micro)
         f = self.factors[n]
@@ -287,7 +259,7 @@ def bind(
         UsageError: the probe measured something else (the message names what differs), or
             the plan is for your own module (the step-time model covers catalog models).
     """
-    from batchfit.memory.analytic import resolve_setup
+    from batchfit.memory.formulas.analytic import resolve_setup
     from batchfit.models import ModelInfo
     from batchfit.speed import step_time
 

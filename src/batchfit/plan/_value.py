@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit._display import html
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._ladder import Combo
 from batchfit.plan._lr_scaling import LrScaling, lr_json
@@ -224,9 +225,7 @@ class Plan:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the plan, its breakdown, the alternatives with their time."""
-        from batchfit._html import plan_html
-
-        return plan_html(self.to_json())
+        return html("plan", self.to_json())
 
     def to_json(self) -> dict[str, Any]:
         est = self.estimate

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from batchfit._batchnorm import batchnorm_warning, has_batchnorm
+from batchfit._display import html
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import release_memory
 from batchfit._rng import RngState
@@ -60,9 +61,7 @@ class Trial:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the trials, the choice, the notes."""
-        from batchfit._html import probe_html
-
-        return probe_html(self.to_json())
+        return html("probe", self.to_json())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,9 +110,7 @@ class SearchResult:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the trials, the choice, the notes."""
-        from batchfit._html import probe_html
-
-        return probe_html(self.to_json())
+        return html("probe", self.to_json())
 
     def to_json(self) -> dict[str, Any]:
         return {

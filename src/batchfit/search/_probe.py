@@ -296,7 +296,7 @@ def _record_calibration(
     import torch
 
     from batchfit import calibration
-    from batchfit.plan._throughput import catalog_gpu
+    from batchfit.hardware import catalog_gpu
 
     name = torch.cuda.get_device_name(device)
     # the catalog's name joins the records of plans made for this GPU (plan --headroom auto)
@@ -342,7 +342,8 @@ def _build_step(
     import torch
 
     from batchfit._oom import is_oom
-    from batchfit.memory import _hf_trace, trace
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import hf as _hf_trace
 
     try:
         with trace.quiet(), torch.device(device):
@@ -372,7 +373,8 @@ def _search(
     """find_batch_size over the probe's step: the loop the estimators trace."""
     import torch
 
-    from batchfit.memory import _hf_trace, trace
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import hf as _hf_trace
     from batchfit.search import find_batch_size
 
     seq = spec["seq_len"]
@@ -501,7 +503,8 @@ def check_budget(
 def warm_up(info: Any, setup: Any) -> None:
     """One step of a 1-layer copy at a tiny size, before any limit: imports, kernels and thread
     pools are library start-up, not the training state's (the benchmarks' peers do the same)."""
-    from batchfit.memory import _hf_trace, trace
+    from batchfit.memory.trace import dry_run as trace
+    from batchfit.memory.trace import hf as _hf_trace
 
     # an image model: two small images, a few patches each (BatchNorm refuses one value per
     # channel, which one image of a few pixels gives at the end of a ResNet)

@@ -185,7 +185,7 @@ def wrapper(setup: TrainingSetup, device: torch.device) -> Callable[[Any], Any]:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
-        from batchfit.memory._fsdp import shard
+        from batchfit.memory.trace.fsdp import shard
 
         del FakeStore
         group = dist.new_group(backend="fake")

@@ -10,7 +10,7 @@ from typing import Any
 from batchfit._memwatch import MemoryWatch
 from batchfit._oom import is_oom, release_memory
 from batchfit.errors import UsageError
-from batchfit.train._batches import batch_len
+from batchfit.train import batch_len
 
 
 class TrialRun:

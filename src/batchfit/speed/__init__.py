@@ -1,6 +1,6 @@
 """Step time of a training step: FLOPs of the step, an achievable utilisation, the optimizer
 step as memory traffic, a per-layer launch overhead, and with several GPUs the communication
-compute cannot hide; CPU offload's transfers and CPU optimizer (issue #13). Steps that run
+compute cannot hide; CPU offload's transfers and CPU optimizer. Steps that run
 on the CPU itself: ``_cpu.py``, over a measured CPU profile.
 
 The model, per optimizer micro-step::
@@ -22,17 +22,18 @@ calibrated on measured multi-GPU steps yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from batchfit.hardware import CpuSpec, GpuSpec
-from batchfit.memory._deepspeed import is_deepspeed
 from batchfit.models import ModelInfo
-from batchfit.spec import TrainingSetup
+from batchfit.spec import TrainingSetup, is_deepspeed
+from batchfit.speed._comm import comm_bytes_per_step as comm_bytes_per_step
 from batchfit.speed._comm import traffic
+from batchfit.speed._cpu import cpu_step_time
+from batchfit.speed._step import UNFUSED_OPTIMIZER_ACCESSES, model_trainable, step_flops
+from batchfit.speed._step import StepTime as StepTime
 
 # Utilisation of the tensor cores' dense peak that a step's matmuls reach, by generation: the
 # ceiling for wide models. Hopper 0.50: llama-3.2-1b (width 2048) reached 0.35 at the margin on
-# an H100 (0.50 x 2048 / (2048 + 900)); DESIGN.md's published H100 runs sit at 0.34-0.46 and
+# an H100 (0.50 x 2048 / (2048 + 900)); published H100 runs sit at 0.34-0.46 and
 # A100 runs at 0.54-0.68 (wider models), hence Ampere 0.62. Others: between, a guess.
 U_MAX = {
     "volta": 0.55,
@@ -78,15 +79,6 @@ OPTIMIZER_ACCESSES = {
     "adamw-8bit": 4,
     "paged-adamw-8bit": 4,
 }
-# PyTorch's foreach implementation (its default for CUDA tensors, torch/optim/optimizer.py
-# _default_to_fused_or_foreach) and its per-parameter loop run one kernel per operation, each
-# streaming its tensors: AdamW in torch/optim/adam.py _multi_tensor_adam (torch 2.13, decoupled
-# weight decay on, capturable off): _foreach_mul_(params) 2, _foreach_lerp_(exp_avgs, grads) 3,
-# _foreach_mul_(exp_avg_sqs) 2, _foreach_addcmul_(exp_avg_sqs, grads, grads) 3,
-# _foreach_sqrt 2, _foreach_div_ 2, _foreach_add_(eps) 2, _foreach_addcdiv_(params) 4 = 20;
-# Adam without weight decay 18; SGD _foreach_add_ 3, with momentum _foreach_mul_ 2 + add_ 3 +
-# add_ 3 = 8. _single_tensor_adam runs the same operations tensor by tensor (speed/_cpu.py).
-UNFUSED_OPTIMIZER_ACCESSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd-momentum": 8}
 # Gradient clipping by norm before the update: torch's clip_grad_norm_ (torch/nn/utils/
 # clip_grad.py) reads every gradient for _foreach_norm, then scales each in place with
 # _foreach_mul_ whether or not the norm exceeds the limit: 3 accesses a trainable parameter.
@@ -95,8 +87,8 @@ CLIP_ACCESSES = 3
 # max_grad_norm default 1.0; trainer.py:2787 accelerator.clip_grad_norm_ every step).
 CLIPPING_FRAMEWORKS = frozenset({"hf-trainer"})
 BANDWIDTH_EFFICIENCY = 0.8  # of the catalog's peak bandwidth, for long streaming kernels
-# torch.compile's fused kernels: +16-23% throughput on published FSDP runs (DESIGN.md;
-# torchtitan's Llama 3.1 8B on H100s +16%, IBM fms-fsdp's 7B on A100s +21%)
+# torch.compile's fused kernels: +16-23% throughput on published FSDP runs (torchtitan's
+# Llama 3.1 8B on H100s +16%, IBM fms-fsdp's 7B on A100s +21%)
 COMPILE_SPEEDUP = 1.19
 
 # Collectives. A node is 8 GPUs (HGX / DGX boards); between nodes each GPU has its own NIC
@@ -141,72 +133,12 @@ HOST_COPY_EFFICIENCY = 0.8
 CPU_ADAM_PARAMS_PER_S = 1.0e9
 
 
-@dataclass(frozen=True)
-class StepTime:
-    """Predicted seconds of a step: ``micro_seconds`` per micro-step (forward and backward),
-    ``optimizer_seconds`` once per optimizer step; the rest follows for any accumulation."""
-
-    micro_seconds: float
-    optimizer_seconds: float
-    tokens_per_micro_step: int
-    model_flops_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
-    peak_flops: float  # the dense peak of the step's dtype on this GPU
-    # parts of the two above, for the output: communication compute does not hide (per
-    # micro-step, and once per step), and CPU offload's transfers and CPU update per step
-    comm_micro_seconds: float = 0.0
-    comm_step_seconds: float = 0.0
-    offload_seconds: float = 0.0
-    # CPU offload in each micro-step: the parameters' copies up (ZeRO-Infinity, in
-    # micro_seconds), and when accumulating, the gradients accumulated in CPU RAM down and up
-    # again in every micro-step but the last (DeepSpeed's async_accumulate_grad_in_cpu_via_gpu)
-    offload_micro_seconds: float = 0.0
-    offload_accum_seconds: float = 0.0
-
-    def step_seconds(self, grad_accum_steps: int = 1) -> float:
-        """One optimizer step: ``grad_accum_steps`` micro-steps and the optimizer's update."""
-        accumulating = self.offload_accum_seconds * (grad_accum_steps - 1)
-        return self.micro_seconds * grad_accum_steps + accumulating + self.optimizer_seconds
-
-    def to_json(self, grad_accum_steps: int = 1) -> dict[str, float]:
-        """``step_seconds``, ``tokens_per_s_per_gpu`` and ``mfu`` (model FLOPs over the peak),
-        and the parts of the step spent on communication compute does not hide
-        (``comm_seconds``) and on CPU offload (``offload_seconds``)."""
-        step = self.step_seconds(grad_accum_steps)
-        tokens = self.tokens_per_micro_step * grad_accum_steps
-        return {
-            "step_seconds": step,
-            "tokens_per_s_per_gpu": tokens / step,
-            "mfu": self.model_flops_per_token * tokens / (step * self.peak_flops),
-            "comm_seconds": self.comm_micro_seconds * grad_accum_steps + self.comm_step_seconds,
-            "offload_seconds": self.offload_seconds
-            + self.offload_micro_seconds * grad_accum_steps
-            + self.offload_accum_seconds * (grad_accum_steps - 1),
-        }
-
-
 def _peak_flops(gpu: GpuSpec, precision: str) -> float | None:
     if precision == "fp32":
         return (gpu.fp32_tflops or 0) * 1e12 or None
     # GeForce fp16 figures are fp16-accumulate; training accumulates in fp32 as bf16 does
     peak = gpu.bf16_tflops_dense or gpu.fp16_tflops_dense
     return peak * 1e12 if peak else None
-
-
-def _matmul_params(model: ModelInfo) -> float:
-    """Parameters a token multiplies by in forward: the matmul weights (experts: the routed
-    share), and a tied head's embedding, which the head multiplies by too."""
-    kinds = model.params_by_kind()
-    arch = model.arch
-    dense = float(sum(v for k, v in kinds.items() if k in ("attention", "mlp", "other", "head")))
-    experts = kinds.get("experts", 0)
-    if experts and arch.num_experts:
-        dense += experts * arch.experts_per_token / arch.num_experts
-    # a tied head counts as embedding; a masked LM's head group (BERT's transform: a dense
-    # layer, a norm, the decoder's bias) holds no vocab-sized matrix either: its decoder is tied
-    vocab_matrix = arch.vocab_size * arch.hidden_size
-    if model.task in ("causal-lm", "masked-lm") and kinds.get("head", 0) < vocab_matrix:
-        dense += vocab_matrix
-    return dense
 
 
 def step_time(
@@ -234,8 +166,6 @@ def step_time(
     if arch.family == "vision":
         return None
     if isinstance(gpu, CpuSpec):
-        from batchfit.speed._cpu import cpu_step_time
-
         return cpu_step_time(model, setup, gpu, micro_batch_size=micro_batch_size, seq_len=seq_len)
     peak = _peak_flops(gpu, setup.precision)
     if peak is None or not gpu.bandwidth_gb_s:
@@ -247,13 +177,8 @@ def step_time(
     flops = step_flops(model, setup, seq_len)
     layers, recompute_share = flops.layers, flops.recompute_share
     flops_per_token, model_flops_per_token = flops.per_token, flops.model_per_token
-    width = arch.hidden_size
-    if setup.precision == "fp32":
-        util = U_FP32
-    else:
-        half = HALF_WIDTH * min(1.0, (HALF_WIDTH_TOKENS / tokens) ** 0.5)
-        util = U_MAX.get(gpu.architecture, 0.5) * width / (width + half)
-    # DeepSpeed's stages run the 16-bit module without autocast (memory/_deepspeed.py), but
+    util = _utilisation(setup, gpu, arch.hidden_size, tokens)
+    # DeepSpeed's stages run the 16-bit module without autocast (memory/formulas/deepspeed.py), but
     # its engine's per-parameter hooks cost launches too: counted as autocast's
     amp = setup.precision in ("amp-bf16", "amp-fp16")
     # recomputed layers launch their forward kernels again (about a third of a layer's)
@@ -270,29 +195,14 @@ def step_time(
     update = opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     comm_micro = comm_step = 0.0
     if link is not None:
-        moved = traffic(setup, model.total_params, int(trainable))
-        ring = (setup.num_gpus - 1) / setup.num_gpus / (link * 1e9 * COLLECTIVE_EFFICIENCY)
-        compute_micro = launch + compute
-        comm_micro = _exposed((moved.micro_gather + moved.micro_reduce) * ring, compute_micro)
-        last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
-        comm_step = _exposed(last, compute_micro * backward_share)
-        comm_step += moved.after_step_gather * ring
-    offload = fetch = accumulate = 0.0
-    if setup.offload != "none":  # the CPU updates the offloaded state
-        offload, update = _offload_seconds(model, setup, gpu, trainable / shard), 0.0
-        # accumulating, the 16-bit gradient partition goes down to CPU RAM and the sum so far
-        # comes back up in each micro-step but the last, beside backward's compute
-        moved_accum = 2 * 2 * trainable / shard
-        accumulate = _exposed(
-            moved_accum / _host_bytes_per_s(gpu), (launch + compute) * backward_share
+        comm_micro, comm_step = _comm_seconds(
+            model, setup, link, trainable, launch + compute, backward_share
         )
-    if setup.offload == "optimizer+params":
-        # ZeRO-Infinity / FSDP's CPU offload keep the parameters on the host: every
-        # micro-step copies this rank's partition up for forward, again for backward and for
-        # each recomputed layer, prefetched beside compute
-        copies = 2 + recompute_share
-        fetched = (2 if setup.precision != "fp32" else 4) * model.total_params / shard * copies
-        fetch = _exposed(fetched / _host_bytes_per_s(gpu), launch + compute)
+    offload, fetch, accumulate = _offload_parts(
+        model, setup, gpu, trainable, shard, launch + compute, backward_share, recompute_share
+    )
+    if setup.offload != "none":  # the CPU updates the offloaded state
+        update = 0.0
     return StepTime(
         micro_seconds=launch + compute + comm_micro + fetch,
         optimizer_seconds=update + comm_step + offload,
@@ -307,53 +217,62 @@ def step_time(
     )
 
 
-@dataclass(frozen=True)
-class StepFlops:
-    """FLOPs of a micro-step, per token: what the device computes (``per_token``: forward,
-    backward, recompute) and the model FLOPs MFU counts (``model_per_token``)."""
-
-    per_token: float
-    model_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
-    backward_share: float  # of per_token: backward and recompute
-    layers: int
-    recompute_share: float  # checkpointed layers over all layers
+def _utilisation(setup: TrainingSetup, gpu: GpuSpec, width: int, tokens: int) -> float:
+    """Share of the dense peak the step's matmuls reach: a constant in fp32; in 16-bit the
+    generation's ceiling, scaled by the width over the width plus the half-width (wider with
+    fewer tokens)."""
+    if setup.precision == "fp32":
+        return U_FP32
+    half: float = HALF_WIDTH * min(1.0, (HALF_WIDTH_TOKENS / tokens) ** 0.5)
+    return U_MAX.get(gpu.architecture, 0.5) * width / (width + half)
 
 
-def step_flops(model: ModelInfo, setup: TrainingSetup, seq_len: int) -> StepFlops:
-    """FLOPs per token of one training micro-step of ``model`` at ``seq_len`` under ``setup``.
+def _comm_seconds(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    link: float,
+    trainable: float,
+    compute_micro: float,
+    backward_share: float,
+) -> tuple[float, float]:
+    """Communication compute does not hide: per micro-step, and once per optimizer step."""
+    moved = traffic(setup, model.total_params, int(trainable))
+    ring = (setup.num_gpus - 1) / setup.num_gpus / (link * 1e9 * COLLECTIVE_EFFICIENCY)
+    comm_micro = _exposed((moved.micro_gather + moved.micro_reduce) * ring, compute_micro)
+    last = (moved.last_backward_gather + moved.last_backward_reduce) * ring
+    comm_step = _exposed(last, compute_micro * backward_share)
+    comm_step += moved.after_step_gather * ring
+    return comm_micro, comm_step
 
-    Example:
-        >>> from batchfit.models import resolve_model
-        >>> f = step_flops(resolve_model("gpt2"), TrainingSetup(), 1024)
-        >>> round(f.model_per_token / 1e6)  # 6 x 124M matmul params + attention
-        798
-    """
-    arch = model.arch
-    mm_params = _matmul_params(model)
-    layers = arch.num_layers + (arch.num_decoder_layers if arch.family == "encoder-decoder" else 0)
-    attn_width = arch.num_heads * arch.head_dim
-    # QK^T and PV: 2 matmuls of 2 x seq x width FLOPs a token and layer; causal flash kernels
-    # skip the masked half (eager attention computes it all)
-    causal = arch.family == "decoder"
-    attn = (
-        4.0 * seq_len * attn_width * layers * (0.5 if causal and setup.attention != "eager" else 1)
-    )
-    forward = 2.0 * mm_params + attn
-    full = setup.method == "full"
-    # backward: input gradients (1 x forward) always; weight gradients (1 x) when trained;
-    # attention's backward is about twice its forward
-    backward = 2.0 * mm_params * (2 if full else 1) + 2 * attn
-    # checkpointed layers run their forward again in backward (the head and loss do not)
-    recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
-    recompute = (forward - 2.0 * _head_params(model)) * recompute_share
-    per_token = forward + backward + recompute
-    return StepFlops(
-        per_token=per_token,
-        model_per_token=(6.0 if full else 4.0) * mm_params + 3 * attn,
-        backward_share=(backward + recompute) / per_token,
-        layers=layers,
-        recompute_share=recompute_share,
-    )
+
+def _offload_parts(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    trainable: float,
+    shard: int,
+    compute_micro: float,
+    backward_share: float,
+    recompute_share: float,
+) -> tuple[float, float, float]:
+    """CPU offload's seconds: the CPU's update (per step), the parameters' copies up (per
+    micro-step), and the gradients' round trip while accumulating (per micro-step but the
+    last)."""
+    offload = fetch = accumulate = 0.0
+    if setup.offload != "none":
+        offload = _offload_seconds(model, setup, gpu, trainable / shard)
+        # accumulating, the 16-bit gradient partition goes down to CPU RAM and the sum so far
+        # comes back up in each micro-step but the last, beside backward's compute
+        moved_accum = 2 * 2 * trainable / shard
+        accumulate = _exposed(moved_accum / _host_bytes_per_s(gpu), compute_micro * backward_share)
+    if setup.offload == "optimizer+params":
+        # ZeRO-Infinity / FSDP's CPU offload keep the parameters on the host: every
+        # micro-step copies this rank's partition up for forward, again for backward and for
+        # each recomputed layer, prefetched beside compute
+        copies = 2 + recompute_share
+        fetched = (2 if setup.precision != "fp32" else 4) * model.total_params / shard * copies
+        fetch = _exposed(fetched / _host_bytes_per_s(gpu), compute_micro)
+    return offload, fetch, accumulate
 
 
 def collective_gb_s(gpu: GpuSpec, num_gpus: int) -> float | None:
@@ -409,17 +328,3 @@ def _offload_seconds(
 def _host_bytes_per_s(gpu: GpuSpec) -> float:
     """What one GPU's host link carries, in bytes a second."""
     return HOST_LINK_GB_S.get(gpu.architecture, 15.75) * 1e9 * HOST_COPY_EFFICIENCY
-
-
-def _head_params(model: ModelInfo) -> float:
-    """Parameters of the output head a token multiplies by (not in any checkpointed layer)."""
-    if model.task not in ("causal-lm", "masked-lm"):
-        return 0.0
-    return float(model.arch.vocab_size * model.arch.hidden_size)
-
-
-def model_trainable(model: ModelInfo, setup: TrainingSetup) -> float:
-    """Trainable parameters: all of them, or LoRA's adapters."""
-    if setup.method == "full":
-        return float(model.total_params)
-    return float(model.lora_params(setup.lora_rank, setup.lora_targets))

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchfit.memory._deepspeed import is_deepspeed
-from batchfit.spec import TrainingSetup
+from batchfit.spec import TrainingSetup, is_deepspeed
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ def traffic(setup: TrainingSetup, total_params: int, trainable_params: int) -> T
     sixteen = setup.precision in ("bf16", "fp16", "amp-bf16", "amp-fp16")
     if is_deepspeed(setup):
         # DeepSpeed communicates its module's parameters and gradients: 16-bit under
-        # bf16/fp16, fp32 under fp32 (memory/_deepspeed.py)
+        # bf16/fp16, fp32 under fp32 (memory/formulas/deepspeed.py)
         b = 2.0 if sixteen else 4.0
         grads, params = trainable_params * b, trainable_params * b
         if setup.sharding == "zero1":
@@ -68,7 +67,8 @@ def traffic(setup: TrainingSetup, total_params: int, trainable_params: int) -> T
         return Traffic(micro_gather=2.0 * total_params * b, micro_reduce=grads)
     if setup.sharding == "fsdp":
         # FSDP2 with MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32) under AMP
-        # (memory/_fsdp.py): 16-bit gathers, fp32 reduce-scatters; pure 16-bit reduces in 16-bit
+        # (memory/trace/fsdp.py): 16-bit gathers, fp32 reduce-scatters; pure 16-bit reduces in
+        # 16-bit
         gather_b = 2.0 if sixteen else 4.0
         reduce_b = 2.0 if setup.precision in ("bf16", "fp16") else 4.0
         return Traffic(

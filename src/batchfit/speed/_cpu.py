@@ -1,4 +1,4 @@
-"""Step time of a training step on the CPU (issue #13): the same FLOPs as on a GPU, over the
+"""Step time of a training step on the CPU: the same FLOPs as on a GPU, over the
 catalog CPU profile's measured matmul rate and memory bandwidth (``catalog/cpus.json``,
 ``scripts/measure_cpu_profile.py``).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from batchfit.hardware import CpuSpec
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
-from batchfit.speed import UNFUSED_OPTIMIZER_ACCESSES, StepTime, model_trainable, step_flops
+from batchfit.speed._step import UNFUSED_OPTIMIZER_ACCESSES, StepTime, model_trainable, step_flops
 
 # Fitted on the calibration half of benchmarks/cpu_step_time.py (see the module docstring;
 # 20 steps, median |error| 8%, worst -16%). A per-layer launch term, as on a GPU, came out

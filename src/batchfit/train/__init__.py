@@ -11,6 +11,12 @@
 
 from __future__ import annotations
 
+from batchfit.train._batches import batch_len as batch_len
+from batchfit.train._batches import slice_batch as slice_batch
+from batchfit.train._checks import check_positive_int as check_positive_int
+from batchfit.train._dist import any_rank as any_rank
+from batchfit.train._dist import collective_device as collective_device
+from batchfit.train._restart import BatchStart as BatchStart
 from batchfit.train.accumulate import Accumulator, MicroStep, StepResult
 from batchfit.train.ramp import BatchRamp, lr_scale
 from batchfit.train.recover import MicroBatcher

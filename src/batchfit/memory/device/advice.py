@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchfit.hardware import GpuSpec
-from batchfit.memory._device import Device
+from batchfit.memory.device.totals import Device
 from batchfit.spec import TrainingSetup
 
 

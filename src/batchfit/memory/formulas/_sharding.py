@@ -1,14 +1,14 @@
 """Sharding and offload under torch (DDP, FSDP2): what one GPU keeps of the model states.
 
 DeepSpeed's ZeRO stages keep another layout (16-bit weights and gradients, an fp32 master
-partition in the optimizer): ``_deepspeed`` counts them and returns the same ``Sharded`` value.
+partition in the optimizer): ``deepspeed`` counts them and returns the same ``Sharded`` value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchfit.memory._params import Params
+from batchfit.memory.formulas._params import Params
 from batchfit.memory.types import Line
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup

@@ -1,6 +1,6 @@
 """What a traced step found, without torch: each moment's peak, and depth extrapolation.
 
-Kept apart from the tracing itself (``trace.py``) so that results read back from the cache
+Kept apart from the tracing itself (``dry_run``) so that results read back from the cache
 need neither torch nor transformers.
 """
 
@@ -73,7 +73,7 @@ class TraceResult:
     top_modules: tuple[tuple[str, int], ...] = ()
     events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     reserved_bytes: int = 0  # from the caching allocator simulation (CUDA runs only)
-    # the dry run's whole allocation history (``_tracker.Timeline``), for the timeline
+    # the dry run's whole allocation history (``tracker.Timeline``), for the timeline
     # picture; only on a result fresh from a dry run (not extrapolated, not cached)
     timeline: Any = field(default=None, repr=False, compare=False)
 

@@ -1,7 +1,7 @@
 """Optimizers for the dry run: torch's own, HF Adafactor, and emulations of missing ones.
 
 bitsandbytes (8-bit and paged AdamW) does not install on a CPU-only machine, and Lion is not in
-torch: their memory behaviour is emulated here (DESIGN.md), state by state.
+torch: their memory behaviour is emulated here, state by state.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def make_optimizer(
     if name == "lion":
         return Lion(params, lr=1e-4)
     if name == "adafactor":
+        # lazy: transformers (~1 s), only for Adafactor
         from transformers.optimization import Adafactor
 
         return Adafactor(  # type: ignore[no-untyped-call, unused-ignore]

@@ -7,13 +7,17 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
+from torch.utils._pytree import tree_map_only
 
+from batchfit._batchnorm import batchnorm_warning, has_batchnorm
 from batchfit.hardware import GpuSpec
-from batchfit.memory import trace
-from batchfit.memory._device import StepMemory, assemble, device_totals
-from batchfit.memory._hf_trace import materialize_fake
-from batchfit.memory._optim import make_optimizer
-from batchfit.memory._tracker import cpu_bf16_gemm_scratch
+from batchfit.memory.device.allocator import simulate
+from batchfit.memory.device.kernels import emulation
+from batchfit.memory.device.totals import StepMemory, assemble, device_totals
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace._optim import make_optimizer
+from batchfit.memory.trace.hf import materialize_fake
+from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.spec import TrainingSetup
 
@@ -75,8 +79,6 @@ def estimate_module(
     autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(resolved.precision)
     emulate_cuda = device == "cuda"
     if store != torch.float32:  # a pure 16-bit model takes 16-bit inputs (the user casts them)
-        from torch.utils._pytree import tree_map_only
-
         users_batch_fn = batch_fn
 
         def batch_fn() -> Any:
@@ -85,8 +87,6 @@ def estimate_module(
                 lambda t: t.to(store) if t.is_floating_point() else t,
                 users_batch_fn(),
             )
-
-    from batchfit.memory.kernels import emulation
 
     kernels = emulation(emulate_cuda)
     with trace.quiet():
@@ -113,8 +113,6 @@ def estimate_module(
     peak = result.peak
     reserved = peak.total
     if emulate_cuda:
-        from batchfit.memory.allocator import simulate
-
         simulated = simulate(result.events, expandable_segments=setup.expandable_segments)
         reserved = max(simulated.reserved_bytes, peak.total)
     step = StepMemory(
@@ -148,8 +146,6 @@ def estimate_module(
 
 
 def _batchnorm_warnings(net: torch.nn.Module, micro_batch_size: int) -> tuple[str, ...]:
-    from batchfit._batchnorm import batchnorm_warning, has_batchnorm
-
     warning = batchnorm_warning(micro_batch_size) if has_batchnorm(net) else None
     return (warning,) if warning and micro_batch_size > 0 else ()
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from batchfit.errors import UsageError
-from batchfit.memory._activations import fused_loss_rows
+from batchfit.memory.formulas.loss import fused_loss_rows
 
 IGNORE_INDEX = -100  # transformers', torchtune's and Liger's ignore index
 

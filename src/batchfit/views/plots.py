@@ -27,6 +27,7 @@ STYLE: dict[str, Any] = {
 def require(option: str = "--plot") -> None:
     """Refuse ``option`` without matplotlib, before the work it would draw runs."""
     try:
+        # lazy: matplotlib (~0.5 s, optional) only when a picture is drawn
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError(f"{option} needs matplotlib: pip install 'batchfit[plot]'") from None
@@ -35,9 +36,11 @@ def require(option: str = "--plot") -> None:
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend, with the house style applied."""
     require()
+    # lazy: matplotlib (~0.5 s, optional) only when a picture is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib (~0.5 s, optional) only when a picture is drawn
     import matplotlib.pyplot as plt
 
     rc: Any = plt.rcParams  # typed by literal keys; STYLE's are among them
@@ -52,6 +55,7 @@ def gib(num_bytes: float) -> float:
 def save(fig: Any, path: Path, option: str = "--plot") -> None:
     """Write ``fig`` to ``path`` through a temporary name (an interrupted write leaves no half
     file); close it whatever happens."""
+    # lazy: matplotlib (~0.5 s, optional) only when a picture is drawn
     import matplotlib.pyplot as plt
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -19,13 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit._units import human_count
-from batchfit.memory._params import Params, _frozen_base, optimizer_state_bytes
-from batchfit.memory._sharding import Sharded
+from batchfit.memory.formulas._params import Params, _frozen_base, optimizer_state_bytes
+from batchfit.memory.formulas._sharding import Sharded
 from batchfit.memory.types import Line
 from batchfit.models import ModelInfo
-from batchfit.spec import TrainingSetup
-
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+from batchfit.spec import TrainingSetup, is_deepspeed, zero_stage
 
 
 @dataclass(frozen=True)
@@ -47,16 +45,6 @@ class ZeroSettings:
 
 
 ZERO = ZeroSettings()
-
-
-def is_deepspeed(setup: TrainingSetup) -> bool:
-    """Whether ``setup`` runs DeepSpeed's ZeRO optimizer (``--sharding zero1|zero2|zero3``)."""
-    return setup.sharding in ZERO_STAGES
-
-
-def zero_stage(setup: TrainingSetup) -> int:
-    """The ZeRO stage of ``setup`` (0 when it is not DeepSpeed)."""
-    return ZERO_STAGES.get(setup.sharding, 0)
 
 
 def model_bytes(precision: str) -> int:
@@ -147,7 +135,7 @@ def deepspeed_states(model: ModelInfo, setup: TrainingSetup, params: Params) -> 
 
     Example:
         >>> from batchfit.models import resolve_model
-        >>> from batchfit.memory._params import parameters
+        >>> from batchfit.memory.formulas._params import parameters
         >>> m = resolve_model("gpt2")
         >>> s = TrainingSetup(precision="amp-bf16", sharding="zero2", num_gpus=4)
         >>> ds = deepspeed_states(m, s, parameters(m, s))
@@ -159,7 +147,6 @@ def deepspeed_states(model: ModelInfo, setup: TrainingSetup, params: Params) -> 
     part = math.ceil(n / dp)
     w16 = model_bytes(setup.precision)
     master = _master_bytes(setup.precision)
-    state_elem = master  # bf16_optimizer_states: the moments in bf16 with the bf16 master
     offload_opt = setup.offload in ("optimizer", "optimizer+params")
     offload_par = setup.offload == "optimizer+params"
     where = "CPU RAM (offload_optimizer)" if offload_opt else f"GPU, 1/{dp} each"
@@ -168,79 +155,13 @@ def deepspeed_states(model: ModelInfo, setup: TrainingSetup, params: Params) -> 
     if stage < 3 and dp == 1 and not offload_opt:
         warnings.append(f"--sharding {setup.sharding} on one GPU divides nothing")
 
-    # 16-bit parameters: stage 1/2 flatten them whole on every GPU (stage_1_and_2.py
-    # bit16_groups_flat); stage 3 keeps a 1/dp partition (stage3.py fp16_partitioned_groups_flat)
-    # on the GPU, or in CPU RAM under offload_param.
-    if stage < 3:
-        weights = float(n * w16)
-        why = f"{n:,} x {w16} B, whole on every GPU (bit16_groups_flat)"
-    else:
-        weights = 0.0 if offload_par else float(part * w16)
-        why = f"{n:,} / {dp} x {w16} B (fp16_partitioned_groups_flat)" + (
-            ", in CPU RAM (offload_param)" if offload_par else ""
-        )
-    label = "16-bit parameters" if w16 == 2 else "fp32 parameters (no bf16/fp16 enabled)"
-    lines.append(
-        Line("weights", f"{label}{' (adapters)' if setup.is_lora else ''}", int(weights), why)
-    )
-    if setup.is_lora:
-        base, base_lines = _frozen_base(model, setup)
-        if stage == 3:
-            # partition_parameters.py: frozen parameters are partitioned like trainable ones
-            base = 0.0 if offload_par else base / dp
-            base_lines = [
-                Line(ln.component, f"{ln.label}, partitioned", int(base), f"{ln.formula} / {dp}")
-                for ln in base_lines[:1]
-            ]
-        weights += base
-        lines += base_lines
+    weights, weight_lines = _parameters_16bit(model, setup, stage, n, dp, w16)
+    lines += weight_lines
+    grads, grad_line = _gradients_16bit(stage, n, dp, w16, offload_opt)
+    lines.append(grad_line)
+    master_b, states_b, opt_lines = _master_partition(setup, stage, n, dp, w16, where)
+    lines += opt_lines
 
-    # 16-bit gradients: stage 1 holds them whole until the reduce at the accumulation boundary
-    # (stage_1_and_2.py reduce_gradients); stage 2 copies each into its 1/dp partition
-    # (grads_in_partition); stage 3 into grad_partitions_flat_buffer (1/dp, on the CPU under
-    # offload_optimizer). Under offload, stage 2 sends them to the CPU partition instead
-    # (async_accumulate_grad_in_cpu_via_gpu).
-    if stage == 1:
-        grads = float(n * w16)
-        grad_why = f"{n:,} x {w16} B, whole until the reduce at the accumulation boundary"
-    elif offload_opt:
-        grads = 0.0
-        grad_why = "reduced straight into the CPU partition (offload_optimizer)"
-    else:
-        grads = float(part * w16)
-        buffer = "grads_in_partition" if stage == 2 else "grad_partitions_flat_buffer"
-        grad_why = f"{n:,} / {dp} x {w16} B ({buffer})"
-    lines.append(Line("gradients", f"{8 * w16}-bit gradients", int(grads), grad_why))
-
-    # The optimizer's partition: fp32 master (stage_1_and_2.py single_partition_of_fp32_groups,
-    # stage3.py fp32_partitioned_groups_flat: clones, even of fp32 parameters) and the moments
-    # the optimizer keeps on that flat 1-D partition.
-    master_b = float(part * master)
-    # stage3.py _create_fp32_partitions: a master of the partition's own dtype on the same
-    # device is the 16-bit partition itself, no clone (stage 1/2 always clone)
-    shares = stage == 3 and master == w16 and not offload_opt
-    if shares:
-        master_b = 0.0
-    states_b = float(optimizer_state_bytes((part,), setup.optimizer, state_elem))
-    lines.append(
-        Line(
-            "optimizer_state",
-            f"{8 * master}-bit master partition",
-            0 if offload_opt else int(master_b),
-            f"{n:,} / {dp} x {master} B, in {where}"
-            if not shares
-            else "the bf16 parameter partition itself (no clone)",
-        )
-    )
-    lines.append(
-        Line(
-            "optimizer_state",
-            f"{setup.optimizer} on the master partition",
-            0 if offload_opt else int(states_b),
-            f"{human_count(part)} elements (one flat 1-D partition), {state_elem} B states, "
-            f"in {where}",
-        )
-    )
     # At the step the reduced 16-bit gradient partition is cast to the master dtype
     # (stage_1_and_2.py: flat_grad_partition.to(single_partition_of_fp32_groups[i].dtype));
     # .to() of the same dtype is no copy. Under offload it lives in CPU RAM.
@@ -272,6 +193,107 @@ def deepspeed_states(model: ModelInfo, setup: TrainingSetup, params: Params) -> 
         own_lines=True,
         grads_held=stage == 3,  # stage3.py allocates grad_partitions_flat_buffer at init
     )
+
+
+def _parameters_16bit(
+    model: ModelInfo, setup: TrainingSetup, stage: int, n: int, dp: int, w16: int
+) -> tuple[float, list[Line]]:
+    """The 16-bit parameters one GPU holds (and LoRA's frozen base), with their lines."""
+    part = math.ceil(n / dp)
+    offload_par = setup.offload == "optimizer+params"
+    lines: list[Line] = []
+    # 16-bit parameters: stage 1/2 flatten them whole on every GPU (stage_1_and_2.py
+    # bit16_groups_flat); stage 3 keeps a 1/dp partition (stage3.py fp16_partitioned_groups_flat)
+    # on the GPU, or in CPU RAM under offload_param.
+    if stage < 3:
+        weights = float(n * w16)
+        why = f"{n:,} x {w16} B, whole on every GPU (bit16_groups_flat)"
+    else:
+        weights = 0.0 if offload_par else float(part * w16)
+        why = f"{n:,} / {dp} x {w16} B (fp16_partitioned_groups_flat)" + (
+            ", in CPU RAM (offload_param)" if offload_par else ""
+        )
+    label = "16-bit parameters" if w16 == 2 else "fp32 parameters (no bf16/fp16 enabled)"
+    lines.append(
+        Line("weights", f"{label}{' (adapters)' if setup.is_lora else ''}", int(weights), why)
+    )
+    if setup.is_lora:
+        base, base_lines = _frozen_base(model, setup)
+        if stage == 3:
+            # partition_parameters.py: frozen parameters are partitioned like trainable ones
+            base = 0.0 if offload_par else base / dp
+            base_lines = [
+                Line(ln.component, f"{ln.label}, partitioned", int(base), f"{ln.formula} / {dp}")
+                for ln in base_lines[:1]
+            ]
+        weights += base
+        lines += base_lines
+    return weights, lines
+
+
+def _gradients_16bit(
+    stage: int, n: int, dp: int, w16: int, offload_opt: bool
+) -> tuple[float, Line]:
+    """The 16-bit gradients one GPU holds, with their line."""
+    part = math.ceil(n / dp)
+    # 16-bit gradients: stage 1 holds them whole until the reduce at the accumulation boundary
+    # (stage_1_and_2.py reduce_gradients); stage 2 copies each into its 1/dp partition
+    # (grads_in_partition); stage 3 into grad_partitions_flat_buffer (1/dp, on the CPU under
+    # offload_optimizer). Under offload, stage 2 sends them to the CPU partition instead
+    # (async_accumulate_grad_in_cpu_via_gpu).
+    if stage == 1:
+        grads = float(n * w16)
+        grad_why = f"{n:,} x {w16} B, whole until the reduce at the accumulation boundary"
+    elif offload_opt:
+        grads = 0.0
+        grad_why = "reduced straight into the CPU partition (offload_optimizer)"
+    else:
+        grads = float(part * w16)
+        buffer = "grads_in_partition" if stage == 2 else "grad_partitions_flat_buffer"
+        grad_why = f"{n:,} / {dp} x {w16} B ({buffer})"
+    return grads, Line("gradients", f"{8 * w16}-bit gradients", int(grads), grad_why)
+
+
+def _master_partition(
+    setup: TrainingSetup, stage: int, n: int, dp: int, w16: int, where: str
+) -> tuple[float, float, list[Line]]:
+    """The optimizer's flat partition: the master copy's bytes and its states' bytes (both
+    counted even when offloaded), with their lines."""
+    part = math.ceil(n / dp)
+    master = _master_bytes(setup.precision)
+    state_elem = master  # bf16_optimizer_states: the moments in bf16 with the bf16 master
+    offload_opt = setup.offload in ("optimizer", "optimizer+params")
+    lines: list[Line] = []
+    # The optimizer's partition: fp32 master (stage_1_and_2.py single_partition_of_fp32_groups,
+    # stage3.py fp32_partitioned_groups_flat: clones, even of fp32 parameters) and the moments
+    # the optimizer keeps on that flat 1-D partition.
+    master_b = float(part * master)
+    # stage3.py _create_fp32_partitions: a master of the partition's own dtype on the same
+    # device is the 16-bit partition itself, no clone (stage 1/2 always clone)
+    shares = stage == 3 and master == w16 and not offload_opt
+    if shares:
+        master_b = 0.0
+    states_b = float(optimizer_state_bytes((part,), setup.optimizer, state_elem))
+    lines.append(
+        Line(
+            "optimizer_state",
+            f"{8 * master}-bit master partition",
+            0 if offload_opt else int(master_b),
+            f"{n:,} / {dp} x {master} B, in {where}"
+            if not shares
+            else "the bf16 parameter partition itself (no clone)",
+        )
+    )
+    lines.append(
+        Line(
+            "optimizer_state",
+            f"{setup.optimizer} on the master partition",
+            0 if offload_opt else int(states_b),
+            f"{human_count(part)} elements (one flat 1-D partition), {state_elem} B states, "
+            f"in {where}",
+        )
+    )
+    return master_b, states_b, lines
 
 
 def _buffers(

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from batchfit.memory._activations import Activations
-from batchfit.memory._device import Device
-from batchfit.memory._params import Params, Shapes
-from batchfit.memory._sharding import Sharded
+from batchfit.memory.device.totals import Device
+from batchfit.memory.formulas._params import Params, Shapes
+from batchfit.memory.formulas._sharding import Sharded
+from batchfit.memory.formulas.activations import Activations
 from batchfit.memory.types import Line
 from batchfit.spec import TrainingSetup
 
@@ -31,7 +31,7 @@ def step_temporaries(
     shapes: Shapes, setup: TrainingSetup, state_elem: int, device: Device, grad_bytes: int = 4
 ) -> tuple[float, str]:
     """Bytes the optimizer's step allocates on top of its state, and why (the most alive at
-    once; the trace engine checks these against the optimizers' code, issue #10)."""
+    once; the trace engine checks these against the optimizers' code)."""
     opt, impl = setup.optimizer, setup.optimizer_impl
     total = sum(math.prod(s) * c for s, c in shapes)
     largest = max((math.prod(s) for s, _ in shapes), default=0)

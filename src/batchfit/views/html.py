@@ -1,6 +1,6 @@
 """HTML views of estimates, plans and probe results: for Jupyter (``_repr_html_``) and for
 ``plan --report FILE.html``, one self-contained page (inline CSS, inline SVG, an embedded PNG;
-nothing loaded from the network) to share with a colleague (issue #14, part 6).
+nothing loaded from the network) to share with a colleague.
 
 Everything is built from the objects' ``to_json()`` (the CLI's ``--json``), so the page says
 what the JSON says; every string from the user (model names, paths, warnings) is escaped.
@@ -12,7 +12,9 @@ import base64
 from html import escape
 from typing import Any
 
+from batchfit._display import register_html
 from batchfit._units import human_duration
+from batchfit._version import versions
 
 GIB = 2**30
 COMPONENTS = ("weights", "gradients", "optimizer_state", "activations", "other")
@@ -157,8 +159,6 @@ def _kind(kind: str) -> str:
 
 def _footer(data: dict[str, Any], made_by: str) -> str:
     """What made the figures (the engine, or the device measured) and the versions."""
-    from batchfit._version import versions
-
     known = data.get("versions") or versions()
     named = ", ".join(f"{k} {escape(str(v))}" for k, v in known.items() if k != "batchfit" and v)
     version = escape(str(known.get("batchfit", "")))
@@ -445,7 +445,8 @@ def _traced_steps_caption(grad_accum_steps: int) -> str:
 micro-steps of the plan's 8. Micro-steps 3 to 8 are not traced: each would repeat micro-step 2, \
 which already holds the gradients the earlier ones accumulated (the same memory, the same peak).
     """
-    from batchfit.memory.timeline import traced_micro_steps
+    # lazy: `import batchfit` loads this module; the timeline's would bring models and hardware
+    from batchfit.views.timeline import traced_micro_steps
 
     traced = traced_micro_steps(grad_accum_steps)
     head = "Two optimizer steps are traced (the first creates the optimizer state)"
@@ -463,3 +464,9 @@ which already holds the gradients the earlier ones accumulated (the same memory,
         f"micro-step {traced}, which already holds the gradients the earlier ones accumulated "
         "(the same memory, the same peak)."
     )
+
+
+# the pages behind the values' ``_repr_html_`` (batchfit._display)
+register_html("estimate", estimate_html)
+register_html("plan", plan_html)
+register_html("probe", probe_html)

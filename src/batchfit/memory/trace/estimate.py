@@ -1,6 +1,6 @@
 """The trace engine's estimate: dry runs (or their cached results), extrapolated over depth.
 
-Torch-free until a dry run must actually run (``_hf_trace``): a result found in the cache is
+Torch-free until a dry run must actually run (``hf``): a result found in the cache is
 turned into a ``MemoryEstimate`` without importing torch or transformers.
 """
 
@@ -15,25 +15,24 @@ from batchfit import _cache
 from batchfit._units import BYTES_IN_MIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
-from batchfit.memory import analytic
-from batchfit.memory._advice import advice
-from batchfit.memory._device import (
+from batchfit.memory.device.advice import advice
+from batchfit.memory.device.totals import (
     DeviceTotals,
     StepMemory,
     assemble,
     device_totals,
     gpu_extras,
 )
-from batchfit.memory._fsdp import is_fsdp
-from batchfit.memory._trace_result import (
+from batchfit.memory.formulas import analytic
+from batchfit.memory.trace.fsdp import is_fsdp
+from batchfit.memory.trace.result import (
     TraceResult,
     extrapolate,
     result_from_json,
     result_to_json,
 )
 from batchfit.memory.types import Line, MemoryEstimate
-from batchfit.models import ModelInfo
-from batchfit.models._arch import ATTENTION_FREE_TYPES
+from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo, make_config
 from batchfit.spec import TrainingSetup
 
 CACHE_NAMESPACE = "trace"
@@ -80,9 +79,8 @@ def trace_depths(model: ModelInfo, setup: TrainingSetup | None = None) -> tuple[
     """
     layer_types = model.config.get("layer_types")
     if not isinstance(layer_types, list) and model.arch.model_type in PATTERNED_TYPES:
-        from batchfit.models import _meta  # transformers derives the pattern from the config
-
-        layer_types = getattr(_meta.make_config(model.config, model.task), "layer_types", None)
+        # transformers derives the pattern from the config
+        layer_types = getattr(make_config(model.config, model.task), "layer_types", None)
     period = layer_period(layer_types) if isinstance(layer_types, list) and layer_types else 1
     if setup is not None and setup.grad_ckpt_every:  # a checkpointed layer in each period
         period = math.lcm(period, setup.grad_ckpt_every)
@@ -190,7 +188,8 @@ def traced_result(
             return result_from_json(record), notes
         except (KeyError, TypeError, ValueError, AttributeError):
             pass  # a record of another shape: trace again and overwrite it
-    from batchfit.memory._hf_trace import trace_once
+    # lazy: torch and transformers (~2 s), only when no cached result answers
+    from batchfit.memory.trace.hf import trace_once
 
     kw: dict[str, Any] = {
         "micro": micro,
@@ -260,7 +259,8 @@ def estimate_trace(
         except UsageError:
             raise
         except Exception as e:
-            from batchfit.memory._hf_trace import is_trace_limit
+            # lazy: torch and transformers (~2 s), only when no cached result answers
+            from batchfit.memory.trace.hf import is_trace_limit
 
             if not is_trace_limit(e):
                 raise

@@ -1,5 +1,5 @@
 """The step as a picture: memory over one traced training step, by category, and the same
-allocation stream in PyTorch's memory-snapshot format (issue #14, part 1).
+allocation stream in PyTorch's memory-snapshot format.
 
 A dry run of the whole model (not extrapolated: every layer's allocations are in the stream)
 records each allocation and free with its category; the picture stacks weights, gradients,
@@ -32,9 +32,12 @@ from typing import Any, Literal
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
-from batchfit.memory._trace_result import CATEGORIES
+from batchfit.memory.device.allocator import CachingAllocator, round_size
+from batchfit.memory.device.totals import gpu_extras
+from batchfit.memory.trace.result import CATEGORIES
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
+from batchfit.views import plots as _plots
 
 _PHASE_COLOURS = {
     "forward": "#e8f0fb",
@@ -100,8 +103,8 @@ def step_timeline(
     grad_accum_steps: int = 1,
 ) -> StepTimeline:
     """Dry-run the whole step of ``model`` (``setup`` resolved) once and return its timeline."""
-    from batchfit.memory._device import gpu_extras
-    from batchfit.memory._hf_trace import trace_once
+    # lazy: torch and transformers (~2 s), only when a timeline is drawn
+    from batchfit.memory.trace.hf import trace_once
 
     result = trace_once(
         model,
@@ -119,7 +122,7 @@ def step_timeline(
 def traced_micro_steps(grad_accum_steps: int) -> int:
     """How many micro-steps each traced optimizer step runs of the ``grad_accum_steps`` asked
     for: at most two. The second holds the gradients the first left, as every later one does,
-    so the micro-steps after it are not traced (as for the estimate, ``_trace_estimate``)."""
+    so the micro-steps after it are not traced (as for the estimate, ``memory.trace.estimate``)."""
     return min(grad_accum_steps, 2)
 
 
@@ -232,8 +235,6 @@ def _phase_words(phase: str, step: int, micro: int) -> str:
 
 
 def _reserved_series(events: list[tuple[int, int]], setup: TrainingSetup) -> list[int]:
-    from batchfit.memory.allocator import CachingAllocator
-
     alloc = CachingAllocator(setup.expandable_segments)
     out = []
     for handle, delta in events:
@@ -247,16 +248,12 @@ def _reserved_series(events: list[tuple[int, int]], setup: TrainingSetup) -> lis
 
 def plot(tl: StepTimeline, path: Path, title: str, gpu_bytes: int | None = None) -> None:
     """The stacked picture (GiB over allocation events), phases shaded, the peak marked."""
-    from batchfit import _plots
-
     _plots.save(figure(tl, title, gpu_bytes), path, "--timeline")
 
 
 def figure(tl: StepTimeline, title: str, gpu_bytes: int | None = None) -> Any:
     """:func:`plot`'s matplotlib figure, laid out: the legend right of the axes, the peak's
     label above everything drawn (the y axis is stretched to leave it room)."""
-    from batchfit import _plots
-
     plt = _plots.pyplot()
     fig, ax = plt.subplots(figsize=(11, 5))
     n = len(tl.events)
@@ -390,8 +387,6 @@ def snapshot(tl: StepTimeline, device: str) -> dict[str, Any]:
     ``alloc``, ``segment_free`` after its ``free_completed``), so PyTorch's segment view can
     replay the trace backwards from the final state; trace sizes are the bytes asked for (the
     trace's peak is ``peak_bytes``), blocks and segments the 512 B-rounded ones."""
-    from batchfit.memory.allocator import round_size
-
     live: dict[int, tuple[int, int, list[dict[str, Any]]]] = {}  # key -> (addr, size, frames)
     trace: list[dict[str, Any]] = []
     next_addr = 1 << 32

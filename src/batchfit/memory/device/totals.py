@@ -138,7 +138,7 @@ def device_totals(
     """``reserved`` (an engine's guess), plus the costs outside the allocator.
 
     The reserve is never capped by the card: when the allocator would have to free its cache to
-    fit, the step runs at the edge, and a verdict "fits" must not rest on that (issue 10).
+    fit, the step runs at the edge, and a verdict "fits" must not rest on that.
     On the CPU nothing is added: reserved and device total are the peak.
     """
     if device != "cuda":

@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
 
-from batchfit.memory._trace_result import PHASES, PhaseResult, TraceResult, extrapolate
-from batchfit.memory._tracker import AllocationTracker, Timeline
+from batchfit.memory.trace.result import PHASES, PhaseResult, TraceResult, extrapolate
+from batchfit.memory.trace.tracker import AllocationTracker, Timeline
 from batchfit.spec import Loop
 
 __all__ = [
@@ -44,8 +46,6 @@ def _autocast(
 @contextlib.contextmanager
 def fake_mode() -> Iterator[Any]:
     """A FakeTensorMode that lets real (non-fake) constants mix in, as model code needs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
 
@@ -115,8 +115,6 @@ def layer_stacks(model: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], .
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
-    from torch.utils._pytree import tree_flatten
-
     for item in tree_flatten(value)[0]:
         if isinstance(item, torch.Tensor) and item.requires_grad:
             return item
@@ -363,6 +361,7 @@ def quiet() -> contextlib.AbstractContextManager[Any]:
     stack.enter_context(warnings.catch_warnings())
     warnings.simplefilter("ignore")
     try:
+        # lazy: transformers (~1 s); a user's own module needs none of it
         from transformers.utils import logging as hf_logging
 
         level = hf_logging.get_verbosity()

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from batchfit.memory._trace_result import CATEGORIES
+from batchfit.memory.trace.result import CATEGORIES
 
 _aten = torch.ops.aten
 # matmuls and where their two matrices sit in args (addmm/baddbmm lead with the added input)

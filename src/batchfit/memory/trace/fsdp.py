@@ -36,6 +36,7 @@ def fake_world(world_size: int) -> Iterator[Any]:
     Raises NotImplementedError (a trace limit: the analytic engine answers) when this process
     already runs torch.distributed: the dry run cannot borrow a real job's process group.
     """
+    # lazy: torch (~1 s): the trace engine's cached path reads is_fsdp without it
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -54,10 +55,11 @@ def fake_world(world_size: int) -> Iterator[Any]:
 
 def shard(net: torch.nn.Module, setup: TrainingSetup, mesh: Any) -> torch.nn.Module:
     """``fully_shard`` each layer of ``net``'s layer stacks, then ``net`` itself (the root)."""
+    # lazy: torch (~1 s): the trace engine's cached path reads is_fsdp without it
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from batchfit.memory.trace import layer_stacks
+    from batchfit.memory.trace.dry_run import layer_stacks
 
     param_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
     policy = MixedPrecisionPolicy(

@@ -14,13 +14,18 @@ from typing import Any, Literal, cast
 import torch
 from torch._subclasses import fake_tensor
 
-from batchfit.memory import trace
-from batchfit.memory._activations import EAGER_ONLY_TYPES
-from batchfit.memory._device import CUBLAS_HANDLES
-from batchfit.memory._fsdp import fake_world, is_fsdp, shard
-from batchfit.memory._optim import make_optimizer
-from batchfit.memory._tracker import cpu_bf16_gemm_scratch
-from batchfit.models import ModelInfo
+from batchfit.memory.device.allocator import simulate
+from batchfit.memory.device.kernels import cuda_autocast_policy, emulation
+from batchfit.memory.device.totals import CUBLAS_HANDLES
+from batchfit.memory.formulas.activations import EAGER_ONLY_TYPES
+from batchfit.memory.trace import dry_run as trace
+from batchfit.memory.trace._lm_loss import Fp32Outputs, HeadLoss
+from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears
+from batchfit.memory.trace._optim import make_optimizer
+from batchfit.memory.trace.dry_run import layer_stacks
+from batchfit.memory.trace.fsdp import fake_world, is_fsdp, shard
+from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
+from batchfit.models import LAYER_KEYS, ModelInfo, auto_class, build_torchvision, make_config
 from batchfit.spec import TrainingSetup
 
 # What a dry run cannot do, as opposed to a bug: FakeTensor's operators without a fake kernel
@@ -50,9 +55,7 @@ def is_trace_limit(exc: BaseException) -> bool:
 
 
 def _config(model: ModelInfo, depth: int | None, image_size: int | None = None) -> Any:
-    from batchfit.models import _meta
-
-    cfg = _meta.make_config(model.config, model.task)
+    cfg = make_config(model.config, model.task)
     if model.arch.family == "vision" and image_size is not None:
         # fine-tuning at another resolution: ViT-style models size their position table
         # from image_size (interpolated from the checkpoint's); CLIP keeps it per tower
@@ -63,8 +66,6 @@ def _config(model: ModelInfo, depth: int | None, image_size: int | None = None) 
         if model.arch.family == "encoder-decoder":
             # Both stacks, under the config's own names: T5 num_layers / num_decoder_layers,
             # BART encoder_layers / decoder_layers.
-            from batchfit.models._config import LAYER_KEYS
-
             for key in LAYER_KEYS & model.config.keys():
                 setattr(cfg, key, depth)
         else:
@@ -83,7 +84,7 @@ def _attn_impl(model: ModelInfo, attention: str) -> str:
     """
     if attention in ("sdpa", "flash") and model.supports_sdpa:
         # On fake CPU tensors SDPA takes the CPU flash kernel, which keeps what CUDA's flash
-        # kernel keeps: the output and an fp32 log-sum-exp per head (DESIGN.md).
+        # kernel keeps: the output and an fp32 log-sum-exp per head.
         if model.arch.model_type in EAGER_ONLY_TYPES:
             return "eager"
         return "sdpa"
@@ -128,15 +129,11 @@ def _build(
     cuda_policy: bool = False,
     image_size: int | None = None,
 ) -> torch.nn.Module:
-    import transformers
-
-    from batchfit.models import _meta
-
     torchvision = model.arch.model_type == "torchvision"
     cfg = None if torchvision else _config(model, depth, image_size)
     if cfg is not None:
         cfg._attn_implementation = _attn_impl(model, setup.attention)
-    auto = getattr(transformers, _meta._AUTO_CLASS[model.task])
+    auto = auto_class(model.task)
     # Build in the storage dtype (fake parameters cannot be converted by module.to()):
     # pure 16-bit stores 16-bit weights; LoRA stores its frozen base in 16-bit unless fp32.
     dtype = torch.float32
@@ -150,9 +147,7 @@ def _build(
     torch.set_default_dtype(dtype)
     try:
         if torchvision:
-            from batchfit.models import _torchvision
-
-            net = _torchvision.build(model.config)
+            net = build_torchvision(model.config)
         else:
             try:
                 net = auto.from_config(cfg, dtype=dtype)
@@ -161,8 +156,6 @@ def _build(
     finally:
         torch.set_default_dtype(previous)
     if setup.method == "qlora":
-        from batchfit.memory._nf4 import quantize_linears
-
         compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
         quantize_linears(net, compute)
     if setup.grad_ckpt:
@@ -170,7 +163,6 @@ def _build(
         if cuda_policy:
             # Torch-function modes are not active while backward recomputes a checkpointed
             # layer: re-enter CUDA's autocast policy there, or the recompute disagrees.
-            from batchfit.memory.kernels import cuda_autocast_policy
 
             ckpt_kwargs["context_fn"] = lambda: (contextlib.nullcontext(), cuda_autocast_policy())
         enable = getattr(net, "activation_checkpointing_enable", None)  # transformers >= 5
@@ -181,6 +173,7 @@ def _build(
         if setup.grad_ckpt_every:
             checkpoint_every(net, setup.grad_ckpt_every)
     if setup.is_lora:
+        # lazy: peft (~1 s) only for LoRA setups
         from peft import LoraConfig, get_peft_model
 
         targets = list(setup.lora_targets or model.default_lora_targets())
@@ -198,8 +191,6 @@ def _build(
                 if param.requires_grad and "lora_" in name:
                     param.data = param.data.to(_DTYPES[setup.lora_dtype])
         if setup.method == "qlora":
-            from batchfit.memory._nf4 import mark_lora_wrapped
-
             mark_lora_wrapped(net)
         if setup.grad_ckpt:
             # peft registered transformers' own hook already (it breaks on tuple outputs)
@@ -215,8 +206,6 @@ def checkpoint_every(net: torch.nn.Module, every: int) -> None:
     """Keep checkpointing on layers ``every - 1``, ``2 * every - 1``, ... of each layer stack
     only (torchtitan's count; transformers' own ``every_n_layers`` starts at layer 0), by the
     per-layer flag transformers' checkpointed layers read."""
-    from batchfit.memory.trace import layer_stacks
-
     for stack in layer_stacks(net):
         for i, layer in enumerate(stack):
             if hasattr(layer, "gradient_checkpointing"):
@@ -291,7 +280,7 @@ def step_parts(
     """Model (setup applied), optimizer, batch factory and autocast dtype for one step.
 
     ``prepare`` wraps the finished model (the loss wrapper included) before the optimizer
-    takes its parameters: FSDP2's ``fully_shard`` (:mod:`batchfit.memory._fsdp`).
+    takes its parameters: FSDP2's ``fully_shard`` (:mod:`batchfit.memory.trace.fsdp`).
     """
     vision = model.arch.family == "vision"
     net = (
@@ -300,8 +289,6 @@ def step_parts(
         else _build(model, setup, depth, image_size=seq if vision else None)
     )
     if setup.loss != "full" and model.task != "classification":
-        from batchfit.memory._lm_loss import HeadLoss
-
         net = HeadLoss(
             net,
             loss=setup.loss,
@@ -312,8 +299,6 @@ def step_parts(
             fp32_logits=setup.outputs_fp32,
         )
     elif setup.outputs_fp32:
-        from batchfit.memory._lm_loss import Fp32Outputs
-
         net = Fp32Outputs(net)
     if prepare is not None:
         net = prepare(net)
@@ -366,6 +351,7 @@ def _moe_grouped_fallback(model: ModelInfo) -> Any:
         yield
         return
     try:
+        # lazy: transformers' integrations, only for MoE models
         from transformers.integrations import moe
     except ImportError:  # transformers < 5: eager experts (data-dependent; the trace refuses)
         yield
@@ -391,7 +377,7 @@ def trace_once(
 ) -> trace.TraceResult:
     """One dry run at ``depth`` layers (None = the real depth); on CUDA the cuBLAS
     ``workspace`` bytes are allocated first, as the first matmul does. Under FSDP
-    (:func:`batchfit.memory._fsdp.is_fsdp`) it is rank 0 of ``setup.num_gpus``."""
+    (:func:`batchfit.memory.trace.fsdp.is_fsdp`) it is rank 0 of ``setup.num_gpus``."""
     emulate_cuda = device == "cuda"
     with contextlib.ExitStack() as world:
         prepare = None
@@ -409,8 +395,6 @@ def trace_once(
             prepare=prepare,
         )
     if emulate_cuda:
-        from batchfit.memory.allocator import simulate
-
         reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
         result = replace(result, reserved_bytes=reserved.reserved_bytes)
     return result
@@ -429,8 +413,6 @@ def _run(
 ) -> trace.TraceResult:
     """Build, fake the tensors, run the steps under the tracker; ``workspace`` is None for a
     CPU step, the cuBLAS workspace bytes for an emulated CUDA one."""
-    from batchfit.memory.kernels import emulation
-
     emulate_cuda = workspace is not None
     keep: list[torch.Tensor] = []
 

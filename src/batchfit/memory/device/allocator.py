@@ -1,0 +1,189 @@
+"""A simulation of PyTorch's CUDA caching allocator: what ``max_memory_reserved`` would be.
+
+Rules from ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.x, default settings):
+
+- every request is rounded up to a multiple of 512 B (``kMinBlockSize``);
+- requests of at most 1 MiB (``kSmallSize``) come from the small pool, whose segments are 2 MiB
+  (``kSmallBuffer``); larger ones from the large pool: below 10 MiB (``kMinLargeAlloc``) a new
+  segment is 20 MiB (``kLargeBuffer``), above it the request rounded up to 2 MiB
+  (``kRoundLarge``);
+- a request takes the smallest cached free block that is large enough (best fit) in its pool;
+  the remainder is split off if it is at least 512 B (small pool) or more than 1 MiB (large);
+- freed blocks stay reserved and merge with free neighbours in their segment; nothing is given
+  back to the driver without ``empty_cache()``.
+
+With ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) the large pool
+is one segment that maps 2 MiB pages at its end as it grows (``ExpandableSegment``, and
+``try_allocate_expandable`` in the same file): no 20 MiB or rounded segments, but a request that
+no free block fits still maps new pages (a free block at the end grows by what is missing), so
+freed holes fragment it as they do the fixed segments. Measured on an H100 (torch 2.11):
+reserved was 0.8-8% above allocated with it, sometimes more than without it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+MIN_LARGE_ALLOC = 10 << 20
+LARGE_BUFFER = 20 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(size: int) -> int:
+    """``round_size``: at least 512 B, a multiple of 512 B.
+
+    Example:
+        >>> round_size(1), round_size(513), round_size(4096)
+        (512, 1024, 4096)
+    """
+    return max(MIN_BLOCK, -(-size // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """``get_allocation_size``: the cudaMalloc size for a rounded request with no cached block.
+
+    Example:
+        >>> segment_size(4096) == 2 << 20, segment_size(5 << 20) == 20 << 20
+        (True, True)
+        >>> segment_size((11 << 20) + 1) == 12 << 20
+        True
+    """
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """Peaks of a simulated run, in bytes."""
+
+    peak_allocated_bytes: int  # sum of rounded live requests (max_memory_allocated)
+    reserved_bytes: int  # segments obtained from the driver (max_memory_reserved)
+    segments: int
+
+
+class CachingAllocator:
+    """Replays malloc/free requests; tracks allocated and reserved bytes like PyTorch's."""
+
+    def __init__(self, expandable_segments: bool = False) -> None:
+        self.expandable = expandable_segments
+        self._segments: list[list[_Block]] = []
+        self._pool_of_segment: list[bool] = []  # True: small pool
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._where: dict[int, _Block] = {}
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self._expandable_seg: int | None = None
+
+    def malloc(self, handle: int, size: int) -> None:
+        rounded = round_size(size)
+        self.allocated += rounded
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        small = rounded <= SMALL_SIZE
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (rounded, -1, -1))
+        if i < len(pool):
+            _, seg, off = pool.pop(i)
+            block = next(b for b in self._segments[seg] if b.offset == off)
+        elif self.expandable and not small:
+            block = self._grow(rounded)
+        else:
+            seg = len(self._segments)
+            seg_size = segment_size(rounded)
+            block = _Block(seg, 0, seg_size, True)
+            self._segments.append([block])
+            self._pool_of_segment.append(small)
+            self.reserved += seg_size
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        remaining = block.size - rounded
+        split = remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE
+        if split:
+            rest = _Block(block.segment, block.offset + rounded, remaining, True)
+            blocks = self._segments[block.segment]
+            blocks.insert(blocks.index(block) + 1, rest)
+            bisect.insort(pool, (rest.size, rest.segment, rest.offset))
+            block.size = rounded
+        block.free = False
+        self._where[handle] = block
+
+    def _grow(self, rounded: int) -> _Block:
+        """Map pages at the end of the large pool's one expandable segment: a free block at
+        its end grows by what is missing; else a new block is mapped after the last one."""
+        if self._expandable_seg is None:
+            self._expandable_seg = len(self._segments)
+            self._segments.append([])
+            self._pool_of_segment.append(False)
+        seg = self._expandable_seg
+        blocks = self._segments[seg]
+        tail = blocks[-1] if blocks and blocks[-1].free else None
+        have = tail.size if tail is not None else 0
+        mapped = -(-(rounded - have) // ROUND_LARGE) * ROUND_LARGE
+        self.reserved += mapped
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if tail is not None:
+            self._free[False].remove((tail.size, seg, tail.offset))
+            tail.size += mapped
+            return tail
+        offset = blocks[-1].offset + blocks[-1].size if blocks else 0
+        block = _Block(seg, offset, mapped, True)
+        blocks.append(block)
+        return block
+
+    def free(self, handle: int) -> None:
+        block = self._where.pop(handle, None)
+        if block is None:
+            return
+        self.allocated -= block.size
+        small = self._pool_of_segment[block.segment]
+        pool = self._free[small]
+        blocks = self._segments[block.segment]
+        block.free = True
+        i = blocks.index(block)
+        for j in (i + 1, i - 1):  # merge with free neighbours
+            if 0 <= j < len(blocks) and blocks[j].free and blocks[j] is not block:
+                other = blocks[j]
+                pool.remove((other.size, other.segment, other.offset))
+                block.offset = min(block.offset, other.offset)
+                block.size += other.size
+                blocks.remove(other)
+                i = blocks.index(block)
+        bisect.insort(pool, (block.size, block.segment, block.offset))
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(self.peak_allocated, self.peak_reserved, len(self._segments))
+
+
+def simulate(
+    events: Iterable[tuple[int, int]], *, expandable_segments: bool = False
+) -> AllocatorStats:
+    """Replay ``(handle, +bytes)`` / ``(handle, -bytes)`` events through the allocator.
+
+    Example:
+        >>> s = simulate([(1, 3 << 20), (2, 3 << 20), (1, -(3 << 20)), (3, 1000)])
+        >>> s.reserved_bytes == (20 << 20) + (2 << 20), s.peak_allocated_bytes == 6 << 20
+        (True, True)
+    """
+    alloc = CachingAllocator(expandable_segments)
+    for handle, delta in events:
+        if delta > 0:
+            alloc.malloc(handle, delta)
+        elif delta < 0:
+            alloc.free(handle)
+    return alloc.stats()

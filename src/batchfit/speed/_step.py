@@ -1,0 +1,143 @@
+"""What a step computes, whatever it runs on: its FLOPs a token (``step_flops``), the trainable
+parameters, the optimizer's element accesses when unfused, and the ``StepTime`` value the GPU
+model (``batchfit.speed``) and the CPU model (``_cpu``) both return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
+
+# PyTorch's foreach implementation (its default for CUDA tensors, torch/optim/optimizer.py
+# _default_to_fused_or_foreach) and its per-parameter loop run one kernel per operation, each
+# streaming its tensors: AdamW in torch/optim/adam.py _multi_tensor_adam (torch 2.13, decoupled
+# weight decay on, capturable off): _foreach_mul_(params) 2, _foreach_lerp_(exp_avgs, grads) 3,
+# _foreach_mul_(exp_avg_sqs) 2, _foreach_addcmul_(exp_avg_sqs, grads, grads) 3,
+# _foreach_sqrt 2, _foreach_div_ 2, _foreach_add_(eps) 2, _foreach_addcdiv_(params) 4 = 20;
+# Adam without weight decay 18; SGD _foreach_add_ 3, with momentum _foreach_mul_ 2 + add_ 3 +
+# add_ 3 = 8. _single_tensor_adam runs the same operations tensor by tensor (speed/_cpu.py).
+UNFUSED_OPTIMIZER_ACCESSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd-momentum": 8}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of a step: ``micro_seconds`` per micro-step (forward and backward),
+    ``optimizer_seconds`` once per optimizer step; the rest follows for any accumulation."""
+
+    micro_seconds: float
+    optimizer_seconds: float
+    tokens_per_micro_step: int
+    model_flops_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
+    peak_flops: float  # the dense peak of the step's dtype on this GPU
+    # parts of the two above, for the output: communication compute does not hide (per
+    # micro-step, and once per step), and CPU offload's transfers and CPU update per step
+    comm_micro_seconds: float = 0.0
+    comm_step_seconds: float = 0.0
+    offload_seconds: float = 0.0
+    # CPU offload in each micro-step: the parameters' copies up (ZeRO-Infinity, in
+    # micro_seconds), and when accumulating, the gradients accumulated in CPU RAM down and up
+    # again in every micro-step but the last (DeepSpeed's async_accumulate_grad_in_cpu_via_gpu)
+    offload_micro_seconds: float = 0.0
+    offload_accum_seconds: float = 0.0
+
+    def step_seconds(self, grad_accum_steps: int = 1) -> float:
+        """One optimizer step: ``grad_accum_steps`` micro-steps and the optimizer's update."""
+        accumulating = self.offload_accum_seconds * (grad_accum_steps - 1)
+        return self.micro_seconds * grad_accum_steps + accumulating + self.optimizer_seconds
+
+    def to_json(self, grad_accum_steps: int = 1) -> dict[str, float]:
+        """``step_seconds``, ``tokens_per_s_per_gpu`` and ``mfu`` (model FLOPs over the peak),
+        and the parts of the step spent on communication compute does not hide
+        (``comm_seconds``) and on CPU offload (``offload_seconds``)."""
+        step = self.step_seconds(grad_accum_steps)
+        tokens = self.tokens_per_micro_step * grad_accum_steps
+        return {
+            "step_seconds": step,
+            "tokens_per_s_per_gpu": tokens / step,
+            "mfu": self.model_flops_per_token * tokens / (step * self.peak_flops),
+            "comm_seconds": self.comm_micro_seconds * grad_accum_steps + self.comm_step_seconds,
+            "offload_seconds": self.offload_seconds
+            + self.offload_micro_seconds * grad_accum_steps
+            + self.offload_accum_seconds * (grad_accum_steps - 1),
+        }
+
+
+def _matmul_params(model: ModelInfo) -> float:
+    """Parameters a token multiplies by in forward: the matmul weights (experts: the routed
+    share), and a tied head's embedding, which the head multiplies by too."""
+    kinds = model.params_by_kind()
+    arch = model.arch
+    dense = float(sum(v for k, v in kinds.items() if k in ("attention", "mlp", "other", "head")))
+    experts = kinds.get("experts", 0)
+    if experts and arch.num_experts:
+        dense += experts * arch.experts_per_token / arch.num_experts
+    # a tied head counts as embedding; a masked LM's head group (BERT's transform: a dense
+    # layer, a norm, the decoder's bias) holds no vocab-sized matrix either: its decoder is tied
+    vocab_matrix = arch.vocab_size * arch.hidden_size
+    if model.task in ("causal-lm", "masked-lm") and kinds.get("head", 0) < vocab_matrix:
+        dense += vocab_matrix
+    return dense
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of a micro-step, per token: what the device computes (``per_token``: forward,
+    backward, recompute) and the model FLOPs MFU counts (``model_per_token``)."""
+
+    per_token: float
+    model_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
+    backward_share: float  # of per_token: backward and recompute
+    layers: int
+    recompute_share: float  # checkpointed layers over all layers
+
+
+def step_flops(model: ModelInfo, setup: TrainingSetup, seq_len: int) -> StepFlops:
+    """FLOPs per token of one training micro-step of ``model`` at ``seq_len`` under ``setup``.
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> f = step_flops(resolve_model("gpt2"), TrainingSetup(), 1024)
+        >>> round(f.model_per_token / 1e6)  # 6 x 124M matmul params + attention
+        798
+    """
+    arch = model.arch
+    mm_params = _matmul_params(model)
+    layers = arch.num_layers + (arch.num_decoder_layers if arch.family == "encoder-decoder" else 0)
+    attn_width = arch.num_heads * arch.head_dim
+    # QK^T and PV: 2 matmuls of 2 x seq x width FLOPs a token and layer; causal flash kernels
+    # skip the masked half (eager attention computes it all)
+    causal = arch.family == "decoder"
+    attn = (
+        4.0 * seq_len * attn_width * layers * (0.5 if causal and setup.attention != "eager" else 1)
+    )
+    forward = 2.0 * mm_params + attn
+    full = setup.method == "full"
+    # backward: input gradients (1 x forward) always; weight gradients (1 x) when trained;
+    # attention's backward is about twice its forward
+    backward = 2.0 * mm_params * (2 if full else 1) + 2 * attn
+    # checkpointed layers run their forward again in backward (the head and loss do not)
+    recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
+    recompute = (forward - 2.0 * _head_params(model)) * recompute_share
+    per_token = forward + backward + recompute
+    return StepFlops(
+        per_token=per_token,
+        model_per_token=(6.0 if full else 4.0) * mm_params + 3 * attn,
+        backward_share=(backward + recompute) / per_token,
+        layers=layers,
+        recompute_share=recompute_share,
+    )
+
+
+def _head_params(model: ModelInfo) -> float:
+    """Parameters of the output head a token multiplies by (not in any checkpointed layer)."""
+    if model.task not in ("causal-lm", "masked-lm"):
+        return 0.0
+    return float(model.arch.vocab_size * model.arch.hidden_size)
+
+
+def model_trainable(model: ModelInfo, setup: TrainingSetup) -> float:
+    """Trainable parameters: all of them, or LoRA's adapters."""
+    if setup.method == "full":
+        return float(model.total_params)
+    return float(model.lora_params(setup.lora_rank, setup.lora_targets))
