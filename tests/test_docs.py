@@ -152,26 +152,28 @@ def test_readme_shows_examples_of_the_main_commands():
 
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch):
-    """A working folder with the repository's examples, its own cache and data folders, and this
-    interpreter's folder first on PATH (the examples' ``python`` is the one with batchfit)."""
+    """A working folder with the repository's examples, its own (cold) cache and data folders,
+    and this interpreter's folder first on PATH (the examples' ``python`` has batchfit)."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    # one thread in the examples' child processes: the suite's workers already share the cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     return tmp_path
 
 
-def _run_batchfit(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def _run_batchfit(args: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exc:
         main(args)
         raise SystemExit(0)
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()
     return int(exc.value.code or 0), captured.out + captured.err
 
 
-def test_readme_examples_run_with_the_exit_code_they_show(sandbox, capsys, monkeypatch):
+def test_readme_examples_run_with_the_exit_code_they_show(sandbox, capfd, monkeypatch):
     examples = _shell_examples(README.read_text())
     assert examples
     for words, code in examples:
@@ -180,7 +182,7 @@ def test_readme_examples_run_with_the_exit_code_they_show(sandbox, capsys, monke
             runpy.run_path(str(ROOT / words[1]), run_name="__main__")
             continue
         assert words[0] == "batchfit", words
-        got, output = _run_batchfit(words[1:], capsys)
+        got, output = _run_batchfit(words[1:], capfd)
         assert got == code, f"$ {shlex.join(words)} exited {got}, not {code}:\n{output[-2000:]}"
 
 
