@@ -21,9 +21,9 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_set
 from batchfit.export import export
 from batchfit.integrations._stepwatch import StepMemory, StepWatch
 from batchfit.plan import Plan
-from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.train._checks import check_positive_int
 from batchfit.train.accumulate import Accumulator
+from batchfit.train.retry import micro_batch_at_most
 
 __all__ = [
     "MicroBatchCallback",
@@ -45,9 +45,10 @@ class MicroBatchCallback(pl.Callback):
     with: ``batch_size x accumulate_grad_batches x world size``. The micro-batch is
     ``micro_batch_size``, or what ``micro_batch_size(trainer, module)`` returns (a probe,
     called once the model is on its device), lowered to the nearest size that divides the
-    per-device batch so accumulation stays a whole number. The size is written where
-    Lightning's own ``BatchSizeFinder`` writes it (``batch_arg_name`` on the module, its
-    ``hparams`` or the datamodule) and the dataloaders are rebuilt.
+    per-device batch so accumulation stays a whole number (``batchfit.train.retry``, the rule
+    ``MicroBatcher`` and ``DeepSpeedMicroBatcher`` shrink by after an OOM). The size is
+    written where Lightning's own ``BatchSizeFinder`` writes it (``batch_arg_name`` on the
+    module, its ``hparams`` or the datamodule) and the dataloaders are rebuilt.
 
     Args:
         micro_batch_size: A size, or a finder called at fit start.
@@ -106,7 +107,7 @@ class MicroBatchCallback(pl.Callback):
             found = self.micro_batch_size(trainer, pl_module)
             if isinstance(found, bool) or not isinstance(found, int) or found < 1:
                 raise ValueError(f"the micro-batch finder returned {found!r}, not a size >= 1")
-        micro = largest_divisor_at_most(per_device, found)
+        micro = micro_batch_at_most(per_device, found)
         accum = per_device // micro
         if micro != found:
             logger.info(
