@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import NoFitError, RankFailure, UsageError
+from batchfit.search._child import die_with_parent
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +118,7 @@ def failure(stderr: str, returncode: int) -> str:
 
 
 def _die_with_parent() -> None:
-    from batchfit.search._probe import _die_with_parent as die
-
-    die()
+    die_with_parent()
 
 
 def init(device_type: str) -> Any:
