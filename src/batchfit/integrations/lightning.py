@@ -16,6 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
 from batchfit.export import export
@@ -281,9 +284,6 @@ class PeakMemoryCallback(pl.Callback, StepWatch):
 
 def _add_batch_size(samples: int, batch: Any) -> int | None:
     """``samples`` plus the batch's size as Lightning infers it; None where it cannot."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.utilities.data import extract_batch_size
-
     try:
         return samples + extract_batch_size(batch)
     except (MisconfigurationException, RecursionError, TypeError):
@@ -312,6 +312,4 @@ def _reload_dataloaders(trainer: pl.Trainer) -> None:
     # Lightning's BatchSizeFinder rebuilds the loaders with this (tuner/batch_size_scaling.py).
     if trainer.fit_loop._combined_loader is None:
         return  # not built yet: the fit loop builds them with the new size
-    from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
-
     _reset_dataloaders(trainer)

@@ -63,7 +63,7 @@ class _Nvml:
     """GPU memory per process through NVML, when nvidia-ml-py and a GPU are there."""
 
     def __init__(self) -> None:
-        import pynvml
+        import pynvml  # optional (nvidia-ml-py), and only a GPU run needs NVML's start-up
 
         pynvml.nvmlInit()
         self.nvml = pynvml

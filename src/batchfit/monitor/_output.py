@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import IO
 
+from batchfit import _plots
 from batchfit.monitor._result import MonitorResult
 
 
@@ -21,8 +22,6 @@ def plot(
     plan_label: str = "plan",
 ) -> None:
     """Memory over time (GiB, seconds): the total, the plan's figure and its limit."""
-    from batchfit import _plots
-
     plt = _plots.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = [s.seconds for s in result.samples]

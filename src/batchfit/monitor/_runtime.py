@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,6 @@ _RUNTIME_PROBE = (
 
 def python_of(command: list[str]) -> str:
     """The interpreter ``command`` runs: its first word when that is a python, else this one."""
-    import shutil
-
     first = Path(command[0]).name if command else ""
     if first.startswith("python"):
         return shutil.which(command[0]) or sys.executable

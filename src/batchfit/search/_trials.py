@@ -25,7 +25,7 @@ class Trial:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the trials, the choice, the notes."""
-        from batchfit._html import probe_html
+        from batchfit._html import probe_html  # rendering, a layer up: only when Jupyter asks
 
         return probe_html(self.to_json())
 
@@ -76,7 +76,7 @@ class SearchResult:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the trials, the choice, the notes."""
-        from batchfit._html import probe_html
+        from batchfit._html import probe_html  # rendering, a layer up: only when Jupyter asks
 
         return probe_html(self.to_json())
 
