@@ -15,7 +15,8 @@ import torch
 
 from batchfit._memwatch import MemoryWatch
 from batchfit.errors import NoFitError
-from batchfit.search import PLATEAU, Trial, _Search, find_batch_size
+from batchfit.search import PLATEAU, Trial, find_batch_size
+from batchfit.search._order import Search as _Search
 from tests._torchrun import torchrun
 
 CHILD = Path(__file__).with_name("_limit_child.py")

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchfit import calibration
+from batchfit.errors import UsageError
+from batchfit.models import resolve_model
 from batchfit.plan import Plan
 
 
@@ -56,8 +59,6 @@ def plan_figures(plan: Plan | str | os.PathLike[str]) -> PlanFigures:
         >>> os.remove(f.name)
     """
     if isinstance(plan, Plan):
-        from batchfit import calibration
-
         est = plan.estimate
         return PlanFigures(
             plan.model, plan.gpu, est.peak_bytes, est.total_params, calibration.setup_key(est)
@@ -113,9 +114,6 @@ def _whole(data: dict[str, Any], key: str, path: Path, fix: str) -> int:
 def _resolved_params(model: str) -> int | None:
     """The parameter count of the plan's model where it resolves here (a catalog name, a
     config.json on this machine, a bare size); None elsewhere."""
-    from batchfit.errors import UsageError
-    from batchfit.models import resolve_model
-
     try:
         return resolve_model(model.removeprefix("generic-")).total_params
     except (UsageError, ValueError, OSError):

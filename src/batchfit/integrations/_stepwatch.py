@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from batchfit import calibration
 from batchfit._memwatch import PROC_STATUS, status_bytes
 from batchfit._units import BYTES_IN_GIB, human_count
+from batchfit.hardware import catalog_gpu
 from batchfit.integrations._plan_file import PlanFigures, plan_figures
 from batchfit.plan import Plan
 
@@ -102,8 +104,6 @@ class StepWatch:
         self._device = device
         self._cuda = device.type == "cuda"
         if self._cuda:
-            from batchfit.hardware import catalog_gpu
-
             name = torch.cuda.get_device_name(device)
             total = torch.cuda.get_device_properties(device).total_memory
             self._measured_gpu = catalog_gpu(name, total) or name
@@ -194,8 +194,6 @@ class StepWatch:
                 measured_gpu,
             )
             return False
-        from batchfit import calibration
-
         largest = max(self.history, key=lambda r: r.peak_bytes)
         reserved = [r.reserved_bytes for r in self.history if r.reserved_bytes is not None]
         recorded = calibration.append(

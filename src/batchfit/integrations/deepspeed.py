@@ -17,15 +17,7 @@ from typing import Any
 
 import torch
 
-from batchfit._oom import OutOfMemoryError, is_oom, release_memory
-from batchfit.train import (
-    BatchStart,
-    any_rank,
-    batch_len,
-    check_positive_int,
-    collective_device,
-    slice_batch,
-)
+from batchfit.train.retry import OomRetry, batch_len, run_micro_steps
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +49,8 @@ class DeepSpeedMicroBatcher:
     The engine's config sets the global batch: ``train_batch_size`` samples over all ranks,
     ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` per rank. After an
     OOM the micro-batch becomes the largest divisor of the per-rank batch at or below half
-    the failed size, and the engine is reset to it with ``set_train_micro_batch_size`` and
+    the failed size (``batchfit.train.retry``, the rule ``MicroBatcher`` follows too), and the
+    engine is reset to it with ``set_train_micro_batch_size`` and
     ``set_train_batch_size`` (which recomputes ``gradient_accumulation_steps``), so
     ``train_batch_size`` never changes. A redone batch starts with the random state and
     module buffers it first started with (dropout draws what a run at the smaller size from
@@ -81,7 +74,8 @@ class DeepSpeedMicroBatcher:
         grow_after_steps: After this many global steps without an OOM at a reduced size, try
             the next larger divisor again (up to the engine's first micro-batch). None keeps
             the reduced size.
-        min_micro_batch_size: An OOM at this size is raised, not retried.
+        min_micro_batch_size: The smallest micro-batch to try: an OOM with no smaller
+            divisor of the per-rank batch at or above it is raised, not retried.
 
     Example:
         A training loop (``engine`` from ``deepspeed.initialize``; ``loader`` gives each
@@ -101,16 +95,6 @@ class DeepSpeedMicroBatcher:
         grow_after_steps: int | None = None,
         min_micro_batch_size: int = 1,
     ) -> None:
-        check_positive_int(
-            "min_micro_batch_size", min_micro_batch_size, meaning="the smallest micro-batch to try"
-        )
-        if grow_after_steps is not None:
-            check_positive_int(
-                "grow_after_steps",
-                grow_after_steps,
-                meaning="clean global steps",
-                fix="pass None to keep a reduced size",
-            )
         self.engine = engine
         self.world_size = int(engine.dp_world_size)
         stage = int(engine.zero_optimization_stage())
@@ -131,16 +115,32 @@ class DeepSpeedMicroBatcher:
                 f"min_micro_batch_size {min_micro_batch_size} is above the engine's "
                 f"train_micro_batch_size_per_gpu {self.initial_micro_batch_size}: lower it"
             )
-        self.min_micro_batch_size = min_micro_batch_size
-        self.grow_after_steps = grow_after_steps
-        self.num_ooms = 0
-        self._size = self.initial_micro_batch_size
-        self._clean_steps = 0
+        self._retry: OomRetry[float] = OomRetry(
+            self.initial_micro_batch_size,
+            min_micro_batch_size=min_micro_batch_size,
+            grow_after_steps=grow_after_steps,
+            logger=logger,
+        )
+
+    @property
+    def min_micro_batch_size(self) -> int:
+        """The smallest micro-batch to try."""
+        return self._retry.min_micro_batch_size
+
+    @property
+    def grow_after_steps(self) -> int | None:
+        """Clean global steps before trying a larger size again; None keeps a reduced size."""
+        return self._retry.grow_after_steps
+
+    @property
+    def num_ooms(self) -> int:
+        """Out-of-memory errors recovered from over the batcher's life."""
+        return self._retry.num_ooms
 
     @property
     def micro_batch_size(self) -> int:
         """The size the next global batch starts with."""
-        return self._size
+        return self._retry.size
 
     def run(self, batch: Any, step_fn: DeepSpeedStepFn) -> DeepSpeedStepResult:
         """Run one global batch (this rank's share) and step the engine once.
@@ -152,7 +152,8 @@ class DeepSpeedMicroBatcher:
                 (a mean, as DeepSpeed expects).
 
         Raises:
-            torch.OutOfMemoryError: Even ``min_micro_batch_size`` ran out of memory.
+            torch.OutOfMemoryError: Out of memory with no smaller size left to try (none
+                that divides the per-rank batch at or above ``min_micro_batch_size``).
         """
         n = batch_len(batch)
         if n != self.per_rank_batch_size:
@@ -161,38 +162,12 @@ class DeepSpeedMicroBatcher:
                 f"{self.train_batch_size} over {self.world_size} ranks is "
                 f"{self.per_rank_batch_size} per rank: give run() exactly that many"
             )
-        start = BatchStart.capture(self.engine.module)
-        ooms = 0
-        while True:
-            micro = self._size
+
+        def attempt(micro: int) -> tuple[float | None, str]:
             self._configure(micro)
-            loss, message = self._attempt(batch, n, micro, step_fn)
-            if loss is not None:
-                break
-            ooms += 1
-            self.num_ooms += 1
-            self._drop_gradients()
-            release_memory()
-            smaller = _largest_divisor(n, micro // 2)
-            if micro <= self.min_micro_batch_size or smaller < self.min_micro_batch_size:
-                raise OutOfMemoryError(
-                    f"out of memory at micro-batch {micro}, the smallest allowed: {message}. "
-                    "Shorten the sequences, turn on activation checkpointing, or see "
-                    "`batchfit plan` for what fits"
-                )
-            self._size, self._clean_steps = smaller, 0
-            logger.warning(
-                "out of memory at micro-batch %d (%s): redoing the global batch of %d samples "
-                "per rank from its first sample at micro-batch %d (gradient_accumulation_steps "
-                "%d)",
-                micro,
-                message,
-                n,
-                smaller,
-                n // smaller,
-            )
-            start.restore(self.engine.module)
-        self._maybe_grow(ooms, n)
+            return self._attempt(batch, micro, step_fn)
+
+        loss, micro, ooms = self._retry.run(n, self.engine.module, attempt, self._drop_gradients)
         return DeepSpeedStepResult(
             loss=loss, micro_batch_size=micro, grad_accum_steps=n // micro, ooms=ooms
         )
@@ -203,43 +178,31 @@ class DeepSpeedMicroBatcher:
         engine.set_train_batch_size(self.train_batch_size)  # recomputes the accumulation
 
     def _attempt(
-        self, batch: Any, n: int, micro: int, step_fn: DeepSpeedStepFn
+        self, batch: Any, micro: int, step_fn: DeepSpeedStepFn
     ) -> tuple[float | None, str]:
         engine = self.engine
-        device = collective_device(None) if self.world_size > 1 else None
         losses: list[torch.Tensor] = []
-        engine.set_gradient_accumulation_boundary(False)
-        for first in range(0, n, micro):
-            message = self._micro_step(step_fn, slice_batch(batch, first, first + micro), losses)
-            oom = message is not None
-            if device is not None:
-                oom = any_rank(oom, None, device)
-            if oom:
-                return None, message or "out of memory on another rank"
-        engine.set_gradient_accumulation_boundary(True)
-        engine.allreduce_gradients()
-        engine.step()
-        # Back to the engine's own counting (DeepSpeed's default state).
-        engine.set_gradient_accumulation_boundary(None)
-        return float(torch.stack(losses).mean()), ""
 
-    def _micro_step(
-        self, step_fn: DeepSpeedStepFn, micro_batch: Any, losses: list[torch.Tensor]
-    ) -> str | None:
-        try:
+        def step(micro_batch: Any) -> None:
             loss = step_fn(micro_batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(
                     "step_fn must return the micro-batch's loss as a one-element tensor (a "
                     f"mean, as DeepSpeed expects); it returned {type(loss).__name__}"
                 )
-            self.engine.backward(loss)
+            engine.backward(loss)
             losses.append(loss.detach())
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "OOM"
-        return None
+
+        engine.set_gradient_accumulation_boundary(False)
+        message = run_micro_steps(batch, micro, step, distributed=self.world_size > 1)
+        if message is not None:
+            return None, message
+        engine.set_gradient_accumulation_boundary(True)
+        engine.allreduce_gradients()
+        engine.step()
+        # Back to the engine's own counting (DeepSpeed's default state).
+        engine.set_gradient_accumulation_boundary(None)
+        return float(torch.stack(losses).mean()), ""
 
     def _drop_gradients(self) -> None:
         """The partial global batch's gradients, wherever the engine keeps them."""
@@ -248,30 +211,3 @@ class DeepSpeedMicroBatcher:
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         self.engine.set_gradient_accumulation_boundary(None)
-
-    def _maybe_grow(self, ooms: int, n: int) -> None:
-        self._clean_steps = 0 if ooms else self._clean_steps + 1
-        if (
-            self.grow_after_steps is None
-            or self._size >= self.initial_micro_batch_size
-            or self._clean_steps < self.grow_after_steps
-        ):
-            return
-        grown = _largest_divisor(n, min(self.initial_micro_batch_size, self._size * 2))
-        logger.info(
-            "%d steps without running out of memory at micro-batch %d: trying %d",
-            self._clean_steps,
-            self._size,
-            grown,
-        )
-        self._size, self._clean_steps = grown, 0
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of ``n`` that is <= ``at_most`` (0 when ``at_most`` < 1).
-
-    Example:
-        >>> _largest_divisor(12, 5), _largest_divisor(16, 4), _largest_divisor(7, 3)
-        (4, 4, 1)
-    """
-    return max((d for d in range(1, at_most + 1) if n % d == 0), default=0)

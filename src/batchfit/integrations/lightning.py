@@ -16,13 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
 from batchfit.export import export
 from batchfit.integrations._stepwatch import StepMemory, StepWatch
-from batchfit.plan import Plan, largest_divisor_at_most
+from batchfit.plan import Plan
 from batchfit.train import check_positive_int
 from batchfit.train.accumulate import Accumulator
+from batchfit.train.retry import micro_batch_at_most
 
 __all__ = [
     "MicroBatchCallback",
@@ -44,9 +48,10 @@ class MicroBatchCallback(pl.Callback):
     with: ``batch_size x accumulate_grad_batches x world size``. The micro-batch is
     ``micro_batch_size``, or what ``micro_batch_size(trainer, module)`` returns (a probe,
     called once the model is on its device), lowered to the nearest size that divides the
-    per-device batch so accumulation stays a whole number. The size is written where
-    Lightning's own ``BatchSizeFinder`` writes it (``batch_arg_name`` on the module, its
-    ``hparams`` or the datamodule) and the dataloaders are rebuilt.
+    per-device batch so accumulation stays a whole number (``batchfit.train.retry``, the rule
+    ``MicroBatcher`` and ``DeepSpeedMicroBatcher`` shrink by after an OOM). The size is
+    written where Lightning's own ``BatchSizeFinder`` writes it (``batch_arg_name`` on the
+    module, its ``hparams`` or the datamodule) and the dataloaders are rebuilt.
 
     Args:
         micro_batch_size: A size, or a finder called at fit start.
@@ -105,7 +110,7 @@ class MicroBatchCallback(pl.Callback):
             found = self.micro_batch_size(trainer, pl_module)
             if isinstance(found, bool) or not isinstance(found, int) or found < 1:
                 raise ValueError(f"the micro-batch finder returned {found!r}, not a size >= 1")
-        micro = largest_divisor_at_most(per_device, found)
+        micro = micro_batch_at_most(per_device, found)
         accum = per_device // micro
         if micro != found:
             logger.info(
@@ -279,9 +284,6 @@ class PeakMemoryCallback(pl.Callback, StepWatch):
 
 def _add_batch_size(samples: int, batch: Any) -> int | None:
     """``samples`` plus the batch's size as Lightning infers it; None where it cannot."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.utilities.data import extract_batch_size
-
     try:
         return samples + extract_batch_size(batch)
     except (MisconfigurationException, RecursionError, TypeError):
@@ -310,6 +312,4 @@ def _reload_dataloaders(trainer: pl.Trainer) -> None:
     # Lightning's BatchSizeFinder rebuilds the loaders with this (tuner/batch_size_scaling.py).
     if trainer.fit_loop._combined_loader is None:
         return  # not built yet: the fit loop builds them with the new size
-    from lightning.pytorch.tuner.batch_size_scaling import _reset_dataloaders
-
     _reset_dataloaders(trainer)

@@ -22,14 +22,16 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from batchfit.errors import NoFitError, RankFailure, UsageError
-
-if TYPE_CHECKING:
-    import torch
-
-    from batchfit.spec import TrainingSetup
+from batchfit.memory.trace.fsdp import shard
+from batchfit.search._child import die_with_parent
+from batchfit.spec import TrainingSetup
 
 SHARDINGS = ("none", "ddp", "fsdp")
 
@@ -117,16 +119,11 @@ def failure(stderr: str, returncode: int) -> str:
 
 
 def _die_with_parent() -> None:
-    from batchfit.search._probe import _die_with_parent as die
-
-    die()
+    die_with_parent()
 
 
 def init(device_type: str) -> Any:
     """Join the real process group of this torchrun rank; its device (CUDA: the local rank's)."""
-    import torch
-    import torch.distributed as dist
-
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
@@ -138,8 +135,6 @@ def init(device_type: str) -> Any:
 
 def gather(summary: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Every rank's summary, on every rank (None when no process group was joined)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return None
     out: list[Any] = [None] * dist.get_world_size()
@@ -148,17 +143,12 @@ def gather(summary: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def finish() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def agree_min(value: int, device: torch.device) -> int:
     """The smallest ``value`` over the ranks (the first size: the tightest rank's)."""
-    import torch
-    import torch.distributed as dist
-
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
@@ -166,9 +156,6 @@ def agree_min(value: int, device: torch.device) -> int:
 
 def failed_ranks(failed: bool, device: torch.device) -> list[int]:
     """Which ranks report ``failed`` (every rank learns all of them)."""
-    import torch
-    import torch.distributed as dist
-
     flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8, device=device)
     flags[dist.get_rank()] = int(failed)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -178,14 +165,9 @@ def failed_ranks(failed: bool, device: torch.device) -> list[int]:
 def wrapper(setup: TrainingSetup, device: torch.device) -> Callable[[Any], Any]:
     """What ``step_parts`` wraps the model in on this rank: DDP with its buckets unreduced, or
     FSDP2 over a fake process group (see the module docstring)."""
-    import torch
-    import torch.distributed as dist
-
     if setup.sharding == "fsdp":
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
-        from batchfit.memory.trace.fsdp import shard
+        # torch's test utilities load only for an FSDP probe; importing them registers "fake"
+        from torch.testing._internal.distributed.fake_pg import FakeStore
 
         del FakeStore
         group = dist.new_group(backend="fake")

@@ -3,7 +3,9 @@
 - :class:`Accumulator`: micro-steps of ``(loss_sum, num_items)``; one optimizer step whose
   gradient equals the full global batch's, across micro-batches and DDP or FSDP2 ranks.
 - :class:`MicroBatcher`: splits each global batch into micro-batches; on out-of-memory halves
-  them and redoes the global batch from its first sample; every rank shrinks together.
+  them (rounded down to a divisor of the batch: ``batchfit.train.retry``, shared with the
+  DeepSpeed and Lightning integrations) and redoes the global batch from its first sample;
+  every rank shrinks together.
 - :class:`BatchRamp`, :func:`lr_scale`: a global batch that grows between optimizer steps (on a
   schedule, or when the measured noise scale passes it), the learning rate following it.
 - :func:`class_weights`, :func:`cross_entropy_sum`: weighted losses that stay exact.

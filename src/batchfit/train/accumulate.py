@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,75 +22,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from batchfit.train import _dist, _fsdp
 from batchfit.train._checks import check_positive_int
+from batchfit.train._results import MicroStep, NumItems, StepResult
+from batchfit.train._stepmath import (
+    CLIP_EPS,
+    StepPeak,
+    check_items,
+    global_sums,
+    scale_,
+    total_norm,
+)
 from batchfit.train.noise import DEFAULT_EMA, NoiseScaleMeter
 
+__all__ = ["Accumulator", "MicroStep", "NumItems", "StepResult"]
+
 logger = logging.getLogger(__name__)
-
-NumItems: TypeAlias = "int | float | torch.Tensor"
-
-# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
-_CLIP_EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did.
-
-    Attributes:
-        loss: The global batch's mean loss: the sum of every micro-batch's loss sum on every
-            rank, divided by ``num_items``.
-        grad_norm: L2 norm of the gradient of that mean loss, before clipping (inf or nan when
-            the step overflowed).
-        num_items: Items in the global batch (tokens, samples or weight sum), all ranks.
-        skipped: True when the GradScaler found inf/nan gradients: parameters, optimizer state
-            and scheduler did not move.
-        micro_steps: Micro-steps that made up the step on this rank.
-        learning_rate: The first parameter group's learning rate during the step.
-        micro_batch_size: Samples per micro-batch when a ``MicroBatcher`` split the batch.
-        ooms: Out-of-memory errors recovered from while running this global batch.
-        noise_scale: The gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018),
-            smoothed over the steps so far, in the unit of ``num_items``; set with
-            ``Accumulator(..., noise_scale=True)``. None until a step had two micro-batches
-            with items (over all ranks), or while the smoothed |G|² is not positive.
-        seconds: Wall time of the step on this rank, from its first micro-step to the end of
-            the optimizer step.
-        peak_bytes: Peak memory while the step ran, on this rank: CUDA
-            ``max_memory_allocated`` (its peak counter is reset as the step begins), on the
-            CPU the process's RSS high-water mark (Linux; reset likewise). None elsewhere.
-        reserved_bytes: CUDA ``max_memory_reserved`` over the step; None on the CPU.
-        samples_per_s: Samples of the global batch per second of ``seconds`` (all ranks),
-            where the samples are known (a ``MicroBatcher`` splits them); else None.
-        items_per_s: ``num_items`` per second of ``seconds``.
-    """
-
-    loss: float
-    grad_norm: float
-    num_items: float
-    skipped: bool
-    micro_steps: int
-    learning_rate: float
-    micro_batch_size: int | None = None
-    ooms: int = 0
-    noise_scale: float | None = None
-    # measurements of this run: not part of what two equivalent steps compare equal on
-    seconds: float = field(default=0.0, compare=False)
-    peak_bytes: int | None = field(default=None, compare=False)
-    reserved_bytes: int | None = field(default=None, compare=False)
-    samples_per_s: float | None = field(default=None, compare=False)
-    items_per_s: float | None = field(default=None, compare=False)
-
-
-@dataclass
-class MicroStep:
-    """What ``with acc.micro_step() as micro:`` yields.
-
-    ``result`` is set when this micro-step was the last of its global step and the optimizer
-    stepped as it closed.
-    """
-
-    index: int
-    is_last: bool
-    result: StepResult | None = None
 
 
 class Accumulator:
@@ -206,7 +149,7 @@ class Accumulator:
         self.grad_accum_steps = grad_accum_steps
         self.last_result: StepResult | None = None  # the latest optimizer step's
         self._step_began = time.perf_counter()
-        self._peak: _StepPeak | None = None
+        self._peak: StepPeak | None = None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._noise = NoiseScaleMeter(model, params, noise_scale_ema) if noise_scale else None
         # Gradients left from before would be summed into the first step.
@@ -359,7 +302,7 @@ class Accumulator:
         handle = MicroStep(index=self._done, is_last=self._done + 1 == self._k)
         if self._done == 0:
             self._step_began = time.perf_counter()
-            self._peak = _StepPeak.begin(self._device())
+            self._peak = StepPeak.begin(self._device())
         self._open, self._backward_called = True, False
         finished = False
         try:
@@ -427,7 +370,7 @@ class Accumulator:
                 "loss_sum must be a one-element tensor: reduce the per-item losses with "
                 "reduction='sum'"
             )
-        count = _check_items(num_items)
+        count = check_items(num_items)
         scaled = loss_sum if self.scaler is None else self.scaler.scale(loss_sum)
         if self._noise is None:
             scaled.backward()  # type: ignore[no-untyped-call, unused-ignore]
@@ -482,7 +425,14 @@ class Accumulator:
             self._noise.reset_step()
 
     def _step(self) -> StepResult:
-        loss, items, noise_sums = self._global_sums()
+        loss, items, noise_sums = global_sums(
+            self._losses,
+            self._items_tensors,
+            self._items_float,
+            self._noise,
+            self._group,
+            self.is_distributed,
+        )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         # The hooks saw scaled gradients; the scale is fixed within the step.
         loss_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())
@@ -495,12 +445,12 @@ class Accumulator:
         else:
             ranks = _dist.world_size(self._group) if self.is_distributed else 1
         factor = ranks / items
-        grad_norm = _total_norm(grads) * factor
+        grad_norm = total_norm(grads) * factor
         scale = factor
         if self.max_grad_norm is not None and grad_norm > self.max_grad_norm:
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one rescale.
-            scale *= self.max_grad_norm / (grad_norm + _CLIP_EPS)
-        _scale_(grads, scale)
+            scale *= self.max_grad_norm / (grad_norm + CLIP_EPS)
+        scale_(grads, scale)
         noise_scale = None
         if self._noise is not None and noise_sums is not None:
             small_sq_sum, items_sq_sum = noise_sums
@@ -545,115 +495,3 @@ class Accumulator:
     def _device(self) -> torch.device:
         first = next(self.model.parameters(), None)
         return first.device if first is not None else torch.device("cpu")
-
-    def _global_sums(self) -> tuple[float, float, tuple[float, float] | None]:
-        """Loss sum and item count of the global batch, and the noise meter's sums (S, P),
-        summed over ranks in one collective."""
-        device = self._losses[0].device
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        loss = _stack(self._losses, device, dtype).sum()
-        if self._items_tensors:
-            counts = _stack(self._items_tensors, device, dtype)
-            items = counts.sum() + self._items_float
-            bad = ((counts < 0) | ~counts.isfinite()).any()
-            stats = torch.stack([loss, items, bad.to(dtype)])
-        else:
-            stats = torch.stack([loss, loss.new_tensor(self._items_float), loss.new_zeros(())])
-        if self._noise is not None:
-            stats = torch.cat([stats, self._noise.local_sums(device, dtype)])
-        if self.is_distributed:
-            _dist.sum_(stats, self._group)
-        loss, total, n_bad, *noise = stats.tolist()
-        if n_bad:
-            raise ValueError(
-                "num_items was negative or not finite in a micro-step: pass the count of "
-                "items behind the loss sum (tokens, samples or weight sum)"
-            )
-        if not total > 0:
-            raise ValueError(
-                "the global batch has no items (num_items summed to 0 over all micro-steps "
-                "and ranks): nothing to average over; check the labels are not all ignored"
-            )
-        return loss, total, (noise[0], noise[1]) if noise else None
-
-
-def _check_items(num_items: NumItems) -> float | torch.Tensor:
-    if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1:
-            raise ValueError(
-                f"num_items must be one count, got a tensor of shape {tuple(num_items.shape)}: "
-                "sum it (e.g. (labels != -100).sum())"
-            )
-        return num_items.detach()
-    if isinstance(num_items, bool) or not isinstance(num_items, int | float):
-        raise ValueError(
-            f"num_items must be an int, float or one-element tensor, got {num_items!r}"
-        )
-    if not math.isfinite(num_items) or num_items < 0:
-        raise ValueError(
-            f"num_items must be a finite count >= 0 (tokens, samples or weight sum), got "
-            f"{num_items!r}"
-        )
-    return float(num_items)
-
-
-def _stack(values: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One-element tensors as one flat tensor of ``dtype`` on ``device``."""
-    first = values[0]
-    if all(
-        v.shape == first.shape and v.dtype == first.dtype and v.device == device for v in values
-    ):
-        return torch.stack(values).reshape(-1).to(dtype)
-    return torch.cat([v.reshape(1).to(device=device, dtype=dtype) for v in values])
-
-
-def _total_norm(grads: list[torch.Tensor]) -> float:
-    if not grads:
-        return 0.0
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if get_total_norm is not None:
-        norm = get_total_norm(grads)
-        # FSDP2's gradients are DTensor shards: the norm over all of them, from every rank.
-        full_tensor = getattr(norm, "full_tensor", None)
-        return float(full_tensor() if full_tensor is not None else norm)
-    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-
-
-def _scale_(grads: list[torch.Tensor], scale: float) -> None:
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
-    for same in by_kind.values():
-        torch._foreach_mul_(same, scale)
-
-
-class _StepPeak:
-    """A step's peak memory: CUDA's peak counters, or the CPU's RSS high-water mark, reset as
-    the step begins (both are per process: a caller's own peak readings restart too)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    @classmethod
-    def begin(cls, device: torch.device) -> _StepPeak | None:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            return cls(device)
-        if device.type == "cpu":
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # VmHWM restarts from the current RSS
-            except OSError:  # not Linux, or not allowed
-                return None
-            return cls(device)
-        return None
-
-    def read(self) -> tuple[int | None, int | None]:
-        if self.device.type == "cuda":
-            return (
-                int(torch.cuda.max_memory_allocated(self.device)),
-                int(torch.cuda.max_memory_reserved(self.device)),
-            )
-        from batchfit._memwatch import status_bytes
-
-        return status_bytes("VmHWM"), None

@@ -1,10 +1,11 @@
-"""``MicroBatcher``: run each global batch in micro-batches that fit; on OOM, halve and redo.
+"""``MicroBatcher``: run each global batch in micro-batches that fit; on OOM, shrink and redo.
 
 An out-of-memory error in the middle of a global batch drops its partial gradients, halves the
-micro-batch and redoes the global batch from its first sample, with the random state and the
-module buffers it started with: no sample is lost or counted twice (in the gradients or in
-BatchNorm's running statistics), the optimizer, scheduler and scaler only move when the whole
-global batch is done, and dropout draws what a run at the smaller size would have drawn.
+micro-batch (rounded down to a divisor of the batch, ``batchfit.train.retry``) and redoes the
+global batch from its first sample, with the random state and the module buffers it started
+with: no sample is lost or counted twice (in the gradients or in BatchNorm's running
+statistics), the optimizer, scheduler and scaler only move when the whole global batch is done,
+and dropout draws what a run at the smaller size would have drawn.
 
 Composer's auto-microbatching does the same on GPUs; accelerate's ``find_executable_batch_size``
 instead shrinks the batch itself (the global batch changes) and reruns the whole function.
@@ -23,13 +24,12 @@ from typing import Any
 
 import torch
 
-from batchfit._oom import OutOfMemoryError, is_oom, release_memory
 from batchfit.train import _dist
-from batchfit.train._batches import batch_len, slice_batch
+from batchfit.train._batches import batch_len
 from batchfit.train._checks import check_positive_int
-from batchfit.train._restart import BatchStart
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
 from batchfit.train.ramp import BatchRamp
+from batchfit.train.retry import OomRetry, run_micro_steps
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,10 @@ class MicroBatcher:
     ``run(batch, step_fn)`` calls ``step_fn(micro_batch)`` for each micro-batch; it runs the
     forward pass and returns ``(loss_sum, num_items)``, as for ``Accumulator.backward``. On an
     out-of-memory error (``batchfit._oom.is_oom``) the global batch is redone at half the
-    micro-batch size, which then stays, unless ``grow_after_steps`` asks to try doubling it
-    again after that many clean steps. Every change is logged (``logging``).
+    micro-batch size, rounded down to a divisor of the batch so that every micro-batch holds
+    the same number of samples (``batchfit.train.retry``, the rule DeepSpeed's and Lightning's
+    integrations follow too); that size then stays, unless ``grow_after_steps`` asks to try
+    doubling it again after that many clean steps. Every change is logged (``logging``).
 
     Under DDP and FSDP2 every micro-step ends with an all-reduce (MAX) of an OOM flag, so all
     ranks learn of an OOM on any of them and shrink together; gradients are combined over
@@ -78,8 +80,10 @@ class MicroBatcher:
             ``grad_accum_steps`` is set per global batch.
         micro_batch_size: Samples per micro-batch to start with.
         grow_after_steps: After this many global steps without an OOM at a reduced size, try
-            twice the size (up to ``micro_batch_size``). None keeps the reduced size.
-        min_micro_batch_size: An OOM at this size is raised, not retried.
+            twice the size (up to ``micro_batch_size``, rounded down to a divisor of the
+            batch). None keeps the reduced size.
+        min_micro_batch_size: The smallest micro-batch to try: an OOM with no smaller
+            divisor of the batch at or above it is raised, not retried.
         ramp: The global batch per optimizer step, and how the learning rate follows it.
 
     Example:
@@ -107,31 +111,41 @@ class MicroBatcher:
         ramp: BatchRamp | None = None,
     ) -> None:
         check_positive_int("micro_batch_size", micro_batch_size, meaning="samples per micro-batch")
-        check_positive_int(
-            "min_micro_batch_size", min_micro_batch_size, meaning="the smallest micro-batch to try"
+        self._retry: OomRetry[StepResult] = OomRetry(
+            micro_batch_size,
+            min_micro_batch_size=min_micro_batch_size,
+            grow_after_steps=grow_after_steps,
+            logger=logger,
         )
         if min_micro_batch_size > micro_batch_size:
             raise ValueError(
                 f"min_micro_batch_size {min_micro_batch_size} is above micro_batch_size "
                 f"{micro_batch_size}: lower it, or start from a larger micro-batch"
             )
-        if grow_after_steps is not None:
-            check_positive_int(
-                "grow_after_steps",
-                grow_after_steps,
-                meaning="clean global steps",
-                fix="pass None to keep a reduced size",
-            )
         self.accumulator = accumulator
-        self.initial_micro_batch_size = micro_batch_size
-        self.min_micro_batch_size = min_micro_batch_size
-        self.grow_after_steps = grow_after_steps
-        self.num_ooms = 0  # over the batcher's life
-        self._size = micro_batch_size
-        self._clean_steps = 0
         self.ramp = ramp
         if ramp is not None:
             self._check_divides(ramp.global_batch_size)
+
+    @property
+    def initial_micro_batch_size(self) -> int:
+        """The size the batcher started with (and grows back to)."""
+        return self._retry.initial_micro_batch_size
+
+    @property
+    def min_micro_batch_size(self) -> int:
+        """The smallest micro-batch to try."""
+        return self._retry.min_micro_batch_size
+
+    @property
+    def grow_after_steps(self) -> int | None:
+        """Clean global steps before trying a larger size again; None keeps a reduced size."""
+        return self._retry.grow_after_steps
+
+    @property
+    def num_ooms(self) -> int:
+        """Out-of-memory errors recovered from over the batcher's life."""
+        return self._retry.num_ooms
 
     @property
     def global_batch_size(self) -> int | None:
@@ -160,7 +174,7 @@ class MicroBatcher:
     @property
     def micro_batch_size(self) -> int:
         """The size the next global batch starts with."""
-        return self._size
+        return self._retry.size
 
     def run(self, batch: Any, step_fn: StepFn) -> StepResult:
         """Run one global batch (this rank's share) and step the optimizer once.
@@ -175,7 +189,8 @@ class MicroBatcher:
             recovered from.
 
         Raises:
-            torch.OutOfMemoryError: Even ``min_micro_batch_size`` ran out of memory.
+            torch.OutOfMemoryError: Out of memory with no smaller size left to try (none
+                that divides the batch at or above ``min_micro_batch_size``).
         """
         acc = self.accumulator
         if acc.micro_steps_done:
@@ -192,37 +207,12 @@ class MicroBatcher:
                 f"{acc.steps}, {self.local_batch_size} on this rank, but run got {n}: draw "
                 "batcher.local_batch_size samples for each run"
             )
-        start = BatchStart.capture(acc.model)
-        ooms = 0
-        while True:
-            micro = min(self._size, n)
+
+        def attempt(micro: int) -> tuple[StepResult | None, str]:
             acc.grad_accum_steps = math.ceil(n / micro)
-            result, message = self._attempt(batch, n, micro, step_fn)
-            if result is not None:
-                break
-            # Out of the except block: the traceback, and the failed step's tensors, are gone.
-            ooms += 1
-            self.num_ooms += 1
-            acc.discard()
-            release_memory()
-            if micro <= self.min_micro_batch_size:
-                raise OutOfMemoryError(
-                    f"out of memory at micro-batch {micro}, the smallest allowed: {message}. "
-                    "Shorten the sequences, turn on gradient checkpointing, or see "
-                    "`batchfit plan` for what fits"
-                )
-            self._size = max(self.min_micro_batch_size, micro // 2)
-            self._clean_steps = 0
-            logger.warning(
-                "out of memory at micro-batch %d (%s): redoing the global batch of %d samples "
-                "from its first sample at micro-batch %d",
-                micro,
-                message,
-                n,
-                self._size,
-            )
-            start.restore(acc.model)
-        self._maybe_grow(ooms)
+            return self._attempt(batch, micro, step_fn)
+
+        result, micro, ooms = self._retry.run(n, acc.model, attempt, acc.discard)
         samples_per_s = None
         if result.seconds > 0:  # the global batch's samples, all ranks
             ranks = _dist.world_size(acc.process_group) if acc.is_distributed else 1
@@ -250,34 +240,24 @@ class MicroBatcher:
             ramp.lr_rule or "no",
         )
 
-    def _attempt(
-        self, batch: Any, n: int, micro: int, step_fn: StepFn
-    ) -> tuple[StepResult | None, str]:
+    def _attempt(self, batch: Any, micro: int, step_fn: StepFn) -> tuple[StepResult | None, str]:
         acc = self.accumulator
         group = acc.process_group
         device = _dist.collective_device(group) if acc.is_distributed else None
         if device is not None:
             _dist.check_same(acc.grad_accum_steps, "micro-steps per global batch", group, device)
         with acc.deferred():
-            for start in range(0, n, micro):
-                message = self._micro_step(step_fn, slice_batch(batch, start, start + micro))
-                oom = message is not None
-                if device is not None:
-                    oom = _dist.any_rank(oom, group, device)
-                if oom:
-                    return None, message or "out of memory on another rank"
+            message = run_micro_steps(
+                batch,
+                micro,
+                lambda micro_batch: self._forward_backward(step_fn, micro_batch),
+                distributed=acc.is_distributed,
+                group=group,
+            )
+            if message is not None:
+                return None, message
             acc.reduce_gradients()
             return acc.finish(), ""
-
-    def _micro_step(self, step_fn: StepFn, micro_batch: Any) -> str | None:
-        """None when the micro-step ran; the error's first line when it ran out of memory."""
-        try:
-            self._forward_backward(step_fn, micro_batch)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "OOM"
-        return None
 
     def _forward_backward(self, step_fn: StepFn, micro_batch: Any) -> None:
         # Its own frame: the loss and activations die with it, or with the traceback.
@@ -290,20 +270,3 @@ class MicroBatcher:
                 )
             loss_sum, num_items = returned
             self.accumulator.backward(loss_sum, num_items)
-
-    def _maybe_grow(self, ooms: int) -> None:
-        self._clean_steps = 0 if ooms else self._clean_steps + 1
-        if (
-            self.grow_after_steps is None
-            or self._size >= self.initial_micro_batch_size
-            or self._clean_steps < self.grow_after_steps
-        ):
-            return
-        grown = min(self.initial_micro_batch_size, self._size * 2)
-        logger.info(
-            "%d steps without running out of memory at micro-batch %d: trying %d",
-            self._clean_steps,
-            self._size,
-            grown,
-        )
-        self._size, self._clean_steps = grown, 0
