@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import runpy
+import ast
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,20 @@ from torch import nn
 from batchfit.train import Accumulator, cross_entropy_sum
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt2.py"
-TINY_GPT2: dict[str, Any] = dict(runpy.run_path(str(EXAMPLE))["CONFIG"])
+
+
+def _example_config() -> dict[str, Any]:
+    """The example's ``CONFIG`` literal, read without running the example (no transformers
+    import: the workers and children that import this module stay light)."""
+    for node in ast.parse(EXAMPLE.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "CONFIG" for t in node.targets
+        ):
+            return dict(ast.literal_eval(node.value))
+    raise LookupError(f"no CONFIG = {{...}} in {EXAMPLE}")
+
+
+TINY_GPT2: dict[str, Any] = _example_config()
 
 PROBE_GPT2: dict[str, Any] = {
     "model_type": "gpt2",
