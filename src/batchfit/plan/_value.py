@@ -224,7 +224,7 @@ class Plan:
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the plan, its breakdown, the alternatives with their time."""
-        from batchfit._html import plan_html
+        from batchfit._html import plan_html  # a view: loaded only when a notebook shows a plan
 
         return plan_html(self.to_json())
 
