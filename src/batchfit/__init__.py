@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from batchfit.memory.estimate import estimate
     from batchfit.memory.types import MemoryEstimate
     from batchfit.models import ModelInfo, resolve_model
-    from batchfit.plan import Plan, fit_table, make_plan, scale_learning_rate
+    from batchfit.plan import Plan, PlanRequest, fit_table, make_plan, scale_learning_rate
     from batchfit.profile import profile_memory
     from batchfit.spec import TrainingSetup
     from batchfit.train import (
@@ -49,6 +49,7 @@ _EXPORTS = {
     "MemoryEstimate": "batchfit.memory.types",
     "estimate": "batchfit.memory.estimate",
     "Plan": "batchfit.plan",
+    "PlanRequest": "batchfit.plan",
     "make_plan": "batchfit.plan",
     "fit_table": "batchfit.plan",
     "scale_learning_rate": "batchfit.plan",
@@ -70,6 +71,7 @@ __all__ = [
     "MicroBatcher",
     "ModelInfo",
     "Plan",
+    "PlanRequest",
     "StepResult",
     "TrainingSetup",
     "UsageError",

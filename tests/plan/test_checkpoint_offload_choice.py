@@ -119,7 +119,7 @@ def test_many_micro_steps_must_win_by_the_tolerance(monkeypatch):
     p = _qwen_a10g()
     assert p.setup.grad_ckpt_every and p.grad_accum_steps > plan_module.MAX_QUIET_ACCUM
     # asked to win by 10%, hundreds of micro-steps lose to every layer's fewer
-    monkeypatch.setattr(plan_module, "TIME_TOLERANCE", 0.10)
+    monkeypatch.setattr(plan_module._ladder, "TIME_TOLERANCE", 0.10)
     p = _qwen_a10g()
     assert p.grad_accum_steps <= plan_module.MAX_QUIET_ACCUM
 
@@ -185,7 +185,7 @@ def test_offload_competes_on_several_gpus_but_needs_the_margin():
 def test_offload_wins_when_it_is_faster_by_the_margin(monkeypatch):
     import batchfit.plan as plan_module
 
-    monkeypatch.setattr(plan_module, "OFFLOAD_MARGIN", 0.0)
+    monkeypatch.setattr(plan_module._ladder, "OFFLOAD_MARGIN", 0.0)
     p = _plan(num_gpus=2)
     assert "offload-optimizer" in {t.name for t in p.techniques}
     assert not [w for w in p.warnings if "CPU offload wins only" in w]

@@ -26,6 +26,7 @@ from batchfit.plan._max_micro_batch import (
     max_micro_batch_traced,
 )
 from batchfit.spec import TrainingSetup
+from batchfit.speed import step_time
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,49 @@ FIT_RULE = (
 _BOUND_MICRO = 1 << 16
 
 
+@dataclass(frozen=True)
+class _OnGpu:
+    """One row's fixed inputs: the model and setup on one GPU; its options timed and sized."""
+
+    model: ModelInfo
+    setup: TrainingSetup
+    gpu: GpuSpec
+    seq_len: int
+    headroom_bytes: int
+    engine: str
+
+    def largest(self, combo: Combo) -> int:
+        """The largest micro-batch of ``combo`` by the row's engine."""
+        find = max_micro_batch_traced if self.engine == "trace" else max_micro_batch
+        setup = apply(self.setup, combo)
+        return find(self.model, setup, self.gpu, self.seq_len, None, self.headroom_bytes)
+
+    def per_billion(self, combo: Combo, micro: int) -> float:
+        """Seconds per 1B tokens at ``micro``, offload penalised by ``OFFLOAD_MARGIN``."""
+        try:
+            resolved = resolve_setup(self.model, apply(self.setup, combo), "cuda", self.gpu)
+        except UsageError:
+            return float("inf")  # a rung this model cannot take
+        seconds = _per_billion(self.model, resolved, self.gpu, micro, self.seq_len)
+        penalty = 1 + OFFLOAD_MARGIN if any(t.name in OFFLOADS for t in combo) else 1.0
+        return float("inf") if seconds is None else seconds * penalty
+
+    def bound(self, combo: Combo) -> float:
+        """A time ``combo`` cannot beat at any micro-batch that fits."""
+        if self.engine != "trace":
+            return self.per_billion(combo, _BOUND_MICRO)
+        # the formulas' largest micro-batch, doubled: the two engines' sizes differ by far
+        # less than 2x (tests/test_plan_estimate_agree.py), so a time there bounds the trace's
+        try:
+            setup = apply(self.setup, combo)
+            micro = max_micro_batch(
+                self.model, setup, self.gpu, self.seq_len, None, self.headroom_bytes
+            )
+        except UsageError:
+            return self.per_billion(combo, _BOUND_MICRO)
+        return self.per_billion(combo, max(2 * micro, 2))
+
+
 def _row(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -109,71 +153,12 @@ def _row(
     engine: str,
 ) -> FitRow:
     """One GPU's row by ``FIT_RULE``."""
-    largest = max_micro_batch_traced if engine == "trace" else max_micro_batch
+    row = _OnGpu(model, setup, gpu, seq_len, headroom_bytes, engine)
     combos: list[Combo] = [(), *ladder(setup, gpu, model)]
-    exact = [c for c in combos if all(t.kind == "exact" for t in c)]
-    if (FUSED_ADAMW,) in exact:
-        # the ladder tries fused AdamW alone (on a GPU that fits it, nothing more is needed);
-        # a row that needs the loss or checkpointing rungs too is timed with it as well
-        exact += [
-            (FUSED_ADAMW, *c)
-            for c in exact
-            if c and FUSED_ADAMW not in c and not any(t.name in OFFLOADS for t in c)
-        ]
-
-    def penalty(combo: Combo) -> float:
-        return 1 + OFFLOAD_MARGIN if any(t.name in OFFLOADS for t in combo) else 1.0
-
-    def per_billion(combo: Combo, micro: int) -> float:
-        try:
-            resolved = resolve_setup(model, apply(setup, combo), "cuda", gpu)
-        except UsageError:
-            return float("inf")  # a rung this model cannot take
-        seconds = _per_billion(model, resolved, gpu, micro, seq_len)
-        return float("inf") if seconds is None else seconds * penalty(combo)
-
-    # (penalised seconds per 1B tokens, ladder position, micro-batch) of each option searched
-    found: dict[int, tuple[float, int]] = {}
-
-    def bound(combo: Combo) -> float:
-        if engine != "trace":
-            return per_billion(combo, _BOUND_MICRO)
-        # the formulas' largest micro-batch, doubled: the two engines' sizes differ by far
-        # less than 2x (tests/test_plan_estimate_agree.py), so a time there bounds the trace's
-        try:
-            micro = max_micro_batch(model, apply(setup, combo), gpu, seq_len, None, headroom_bytes)
-        except UsageError:
-            return per_billion(combo, _BOUND_MICRO)
-        return per_billion(combo, max(2 * micro, 2))
-
-    bounds = {k: bound(c) for k, c in enumerate(exact)}
-    for k in sorted(bounds, key=lambda k: (bounds[k], k)):
-        best_seen = min((sec for sec, _ in found.values()), default=float("inf"))
-        if bounds[k] > best_seen * (1 + TIME_TOLERANCE):
-            break  # no option left can come within the tolerance of the best found
-        if found and best_seen == float("inf"):
-            break  # the time model does not apply: the first that fits, in ladder order
-        micro = largest(model, apply(setup, exact[k]), gpu, seq_len, None, headroom_bytes)
-        if micro:
-            found[k] = (per_billion(exact[k], micro), micro)
-    choice = "fastest exact"
-    if found:
-        fastest = min(sec for sec, _ in found.values())
-        # within the time model's resolution, the simplest: the setup as given, then the
-        # earliest rung of the ladder (fewest techniques, cheapest in time)
-        k = min(k for k, (sec, _) in found.items() if sec <= fastest * (1 + TIME_TOLERANCE))
-        techniques, best = exact[k], found[k][1]
-    else:
-        techniques, best = (), 0
-        choice = "nothing fits"
-        for combo in combos:
-            if combo in exact:
-                continue
-            micro = largest(model, apply(setup, combo), gpu, seq_len, None, headroom_bytes)
-            if micro:
-                techniques, best = combo, micro
-                choice = "changes training: nothing exact fits"
-                break
+    exact = _exact(combos)
+    techniques, best, choice = _fastest_exact(row, exact)
+    if not best:
+        techniques, best, choice = _changes_training(row, combos, exact)
     chosen = apply(setup, techniques)
     _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
     return FitRow(
@@ -188,6 +173,58 @@ def _row(
     )
 
 
+def _exact(combos: list[Combo]) -> list[Combo]:
+    """The options that do not change training, fused AdamW added to each that needs more."""
+    exact = [c for c in combos if all(t.kind == "exact" for t in c)]
+    if (FUSED_ADAMW,) in exact:
+        # the ladder tries fused AdamW alone (on a GPU that fits it, nothing more is needed);
+        # a row that needs the loss or checkpointing rungs too is timed with it as well
+        exact += [
+            (FUSED_ADAMW, *c)
+            for c in exact
+            if c and FUSED_ADAMW not in c and not any(t.name in OFFLOADS for t in c)
+        ]
+    return exact
+
+
+def _fastest_exact(row: _OnGpu, exact: list[Combo]) -> tuple[Combo, int, str]:
+    """The fastest exact option that fits, at its largest micro-batch; ((), 0, ...) where
+    none fits. Options whose bound cannot come within ``TIME_TOLERANCE`` of the best found
+    are not searched."""
+    # ladder position -> (penalised seconds per 1B tokens, micro-batch) of each searched
+    found: dict[int, tuple[float, int]] = {}
+    bounds = {k: row.bound(c) for k, c in enumerate(exact)}
+    for k in sorted(bounds, key=lambda k: (bounds[k], k)):
+        best_seen = min((sec for sec, _ in found.values()), default=float("inf"))
+        if bounds[k] > best_seen * (1 + TIME_TOLERANCE):
+            break  # no option left can come within the tolerance of the best found
+        if found and best_seen == float("inf"):
+            break  # the time model does not apply: the first that fits, in ladder order
+        micro = row.largest(exact[k])
+        if micro:
+            found[k] = (row.per_billion(exact[k], micro), micro)
+    if not found:
+        return (), 0, "nothing fits"
+    fastest = min(sec for sec, _ in found.values())
+    # within the time model's resolution, the simplest: the setup as given, then the
+    # earliest rung of the ladder (fewest techniques, cheapest in time)
+    k = min(k for k, (sec, _) in found.items() if sec <= fastest * (1 + TIME_TOLERANCE))
+    return exact[k], found[k][1], "fastest exact"
+
+
+def _changes_training(
+    row: _OnGpu, combos: list[Combo], exact: list[Combo]
+) -> tuple[Combo, int, str]:
+    """Where nothing exact fits: the first rung that changes training and fits."""
+    for combo in combos:
+        if combo in exact:
+            continue
+        micro = row.largest(combo)
+        if micro:
+            return combo, micro, "changes training: nothing exact fits"
+    return (), 0, "nothing fits"
+
+
 # One consistent setup per row: the optimizer step spread over a 1M-token global batch
 REFERENCE_BATCH_TOKENS = 1 << 20
 
@@ -198,8 +235,6 @@ def _per_billion(
     """Seconds one GPU takes for a billion tokens at ``micro`` (``batchfit.speed``)."""
     if not micro or model.task == "image-classification":
         return None
-    from batchfit.speed import step_time
-
     t = step_time(model, setup, gpu, micro_batch_size=micro, seq_len=seq_len)
     if t is None:
         return None

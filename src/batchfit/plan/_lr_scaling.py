@@ -254,35 +254,14 @@ def follow_batch(
     """
     lr_options(base_lr, base_betas, base_eps, *_split(critical))
     target_batch, unit = target
-    base_text = "--base-batch" if base is None or base[1] == "samples" else "--base-batch-tokens"
-    warnings: list[str] = []
-    crit: float | None = None
-    crit_note = ""
-    if critical is not None:
-        flag = "--critical-batch" if critical[1] == "samples" else "--critical-batch-tokens"
-        crit, crit_note = _in_unit(critical, unit, seq_len, flag, "critical batch")
-        if target_batch > crit:
-            warnings.append(
-                f"the global batch ({target_batch:,} {unit}) is past the critical batch "
-                f"({_count(crit)} {unit}{crit_note}): beyond it a larger batch barely cuts the "
-                "steps to a loss and costs more compute (McCandlish et al. 2018)"
-            )
+    crit, crit_note, warnings = _critical(critical, target, seq_len)
     if base_lr is None or base is None:
         return None, warnings
+    base_text = "--base-batch" if base[1] == "samples" else "--base-batch-tokens"
     base_batch, base_note = _in_unit(base, unit, seq_len, base_text, "base batch")
     scale_learning_rate(base_lr, base_batch, target_batch, optimizer)  # refuses a bad base
     factor = target_batch / base_batch
-    notes: list[str] = []
-    eff_base, eff_target = base_batch, float(target_batch)
-    if crit is not None:
-        eff_base, eff_target = min(base_batch, crit), min(float(target_batch), crit)
-        if eff_target != target_batch or eff_base != base_batch:
-            notes.append(
-                f"capped at the critical batch ({_count(crit)} {unit}{crit_note}): the LR "
-                "stops growing there (the rule holds only below it) and follows "
-                f"{_count(eff_base)} -> {_count(eff_target)} {unit}, not "
-                f"{_count(base_batch)} -> {target_batch:,}"
-            )
+    eff_base, eff_target, notes = _capped(base_batch, target, crit, crit_note)
     lr, rule = scale_learning_rate(base_lr, eff_base, eff_target, optimizer)
     applied = eff_target / eff_base
     if factor > LR_FACTOR_WARN or factor < 1 / LR_FACTOR_WARN:
@@ -310,6 +289,52 @@ def follow_batch(
             notes=tuple(notes),
         ),
         warnings,
+    )
+
+
+def _critical(
+    critical: tuple[float, str] | None, target: tuple[int, str], seq_len: int | None
+) -> tuple[float | None, str, list[str]]:
+    """The critical batch in the target's unit, how it was converted, and a warning when the
+    target is past it (McCandlish et al. 2018)."""
+    if critical is None:
+        return None, "", []
+    target_batch, unit = target
+    flag = "--critical-batch" if critical[1] == "samples" else "--critical-batch-tokens"
+    crit, crit_note = _in_unit(critical, unit, seq_len, flag, "critical batch")
+    if target_batch <= crit:
+        return crit, crit_note, []
+    return (
+        crit,
+        crit_note,
+        [
+            f"the global batch ({target_batch:,} {unit}) is past the critical batch "
+            f"({_count(crit)} {unit}{crit_note}): beyond it a larger batch barely cuts the "
+            "steps to a loss and costs more compute (McCandlish et al. 2018)"
+        ],
+    )
+
+
+def _capped(
+    base_batch: float, target: tuple[int, str], crit: float | None, crit_note: str
+) -> tuple[float, float, list[str]]:
+    """The base and target batches the LR follows (both capped at the critical batch when
+    one is known), and the note that says so where the cap applied."""
+    target_batch, unit = target
+    if crit is None:
+        return base_batch, float(target_batch), []
+    eff_base, eff_target = min(base_batch, crit), min(float(target_batch), crit)
+    if eff_target == target_batch and eff_base == base_batch:
+        return eff_base, eff_target, []
+    return (
+        eff_base,
+        eff_target,
+        [
+            f"capped at the critical batch ({_count(crit)} {unit}{crit_note}): the LR "
+            "stops growing there (the rule holds only below it) and follows "
+            f"{_count(eff_base)} -> {_count(eff_target)} {unit}, not "
+            f"{_count(base_batch)} -> {target_batch:,}"
+        ],
     )
 
 

@@ -6,6 +6,7 @@ from batchfit._units import BYTES_IN_GIB
 from batchfit.hardware import GpuSpec
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate
+from batchfit.memory.fit import fit_micro_batch
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._own import OwnModel
@@ -88,7 +89,6 @@ def max_micro_batch_traced(
 ) -> int:
     """Largest micro-batch by the trace engine: each peak moment's line through traced sizes
     1 and 2, confirmed by traces at the answer (fits) and the size after it (does not)."""
-    from batchfit.memory.fit import fit_micro_batch
 
     def at(m: int) -> MemoryEstimate:
         return fits(model, setup, gpu, m, seq_len, _accum(m, per_gpu_batch), headroom, "trace")[1]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit._batchnorm import has_batchnorm
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
+from batchfit.memory.estimate import estimate
 from batchfit.memory.types import MemoryEstimate
 from batchfit.spec import TrainingSetup
 
@@ -32,8 +35,6 @@ class OwnModel:
     ) -> MemoryEstimate:
         """The dry run of one step at ``micro`` samples (``accum`` micro-steps), on ``gpu``."""
 
-        from batchfit.memory.estimate import estimate
-
         def batch() -> Any:  # estimate casts it for a pure 16-bit run
             return self.batch_fn(micro)
 
@@ -57,9 +58,7 @@ class OwnModel:
             ) from e
 
     def has_batchnorm(self) -> bool:
-        import torch
-
-        from batchfit._batchnorm import has_batchnorm
+        import torch  # not at the top: a catalog plan starts without torch
 
         with torch.device("meta"):
             return has_batchnorm(self.model_fn())
@@ -77,8 +76,6 @@ def own_model(
             "and batch_fn(micro_batch_size) returning that many samples' inputs, or a model "
             "from resolve_model()"
         )
-    import inspect
-
     try:
         inspect.signature(batch_fn).bind(1)
     except TypeError:

@@ -23,17 +23,15 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchfit.errors import UsageError
-from batchfit.hardware import catalog_gpu
+from batchfit.hardware import GpuSpec, catalog_gpu
+from batchfit.memory.formulas.analytic import resolve_setup
+from batchfit.memory.types import MemoryEstimate
+from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
-
-if TYPE_CHECKING:
-    from batchfit.hardware import GpuSpec
-    from batchfit.memory.types import MemoryEstimate
-    from batchfit.models import ModelInfo
-    from batchfit.speed import StepTime
+from batchfit.speed import StepTime, step_time
 
 # Setup fields that change memory only, or whose time the probe does not run and the model
 # supplies (communication, offload transfers): a probe and a plan may differ in them.
@@ -56,7 +54,7 @@ def probe_identity(device: str, setup: TrainingSetup) -> dict[str, Any]:
     the same thing: the setup as asked, and on CUDA the device's name and catalog GPU."""
     gpu = gpu_name = None
     if device == "cuda":
-        import torch
+        import torch  # not at the top: a plan starts without torch
 
         index = torch.cuda.current_device()
         gpu_name = torch.cuda.get_device_name(index)
@@ -168,8 +166,6 @@ class Correction:
         speed = estimate.extras.get("speed")
         if not speed:
             return estimate.speed_json(grad_accum_steps)
-        from batchfit.speed import StepTime
-
         return dict(self.step_time(StepTime(**speed)).to_json(grad_accum_steps))
 
 
@@ -202,8 +198,6 @@ class Measured:
     def correction(self, setup: TrainingSetup, micro: int) -> Correction:
         """How ``setup`` at ``micro`` is timed: the measurement, or the model times the factor
         at the nearest measured size."""
-        from batchfit.memory.formulas.analytic import resolve_setup
-
         n = self.nearest(micro)
         f = self.factors[n]
         file = os.path.basename(self.probe.path)
@@ -259,10 +253,6 @@ def bind(
         UsageError: the probe measured something else (the message names what differs), or
             the plan is for your own module (the step-time model covers catalog models).
     """
-    from batchfit.memory.formulas.analytic import resolve_setup
-    from batchfit.models import ModelInfo
-    from batchfit.speed import step_time
-
     if probe is None:
         return None, None
     if not isinstance(model, ModelInfo):

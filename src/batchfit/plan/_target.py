@@ -1,0 +1,133 @@
+"""The fixed inputs of one plan (``_Target``): what fits, how long a step takes, each option
+at its largest micro-batch; and ``_Fit``, what the ladder search settled on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from batchfit.hardware import GpuSpec
+from batchfit.memory.fit import predict
+from batchfit.memory.formulas.analytic import resolve_setup
+from batchfit.memory.types import MemoryEstimate
+from batchfit.models import ModelInfo
+from batchfit.plan._divisors import largest_divisor_at_most
+from batchfit.plan._ladder import Combo
+from batchfit.plan._max_micro_batch import fits, max_micro_batch, max_micro_batch_traced
+from batchfit.plan._own import OwnModel
+from batchfit.plan._throughput import Measured
+from batchfit.plan._value import Alternative
+from batchfit.spec import TrainingSetup
+from batchfit.speed import comm_bytes_per_step, step_time
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """What the ladder search settled on: the setup, its techniques, its largest micro-batch."""
+
+    setup: TrainingSetup
+    techniques: Combo
+    max_micro_batch: int
+    alternatives: tuple[Alternative, ...]
+    notes: tuple[str, ...] = ()  # why a faster-predicted option was not chosen
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The fixed inputs of one plan: model, GPU, sequence length, per-GPU batch, headroom."""
+
+    model: ModelInfo | OwnModel
+    gpu: GpuSpec
+    seq_len: int
+    per_gpu: int
+    headroom: int
+
+    engine: str
+    measured: Measured | None = None  # --throughput-from: the probe's correction
+
+    def timed_micro(self, max_micro: int, wanted: int | None) -> int:
+        """The micro-batch an option is timed at: the one asked for, else the largest that
+        divides the per-GPU batch and fits."""
+        return wanted or largest_divisor_at_most(self.per_gpu, max_micro)
+
+    def max_micro(self, setup: TrainingSetup) -> int:
+        args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
+        if self.engine == "trace":
+            return max_micro_batch_traced(*args)
+        return max_micro_batch(*args)
+
+    def step_seconds(self, setup: TrainingSetup, micro: int) -> float:
+        """Predicted seconds of one optimizer step at ``micro`` (``batchfit.speed``); 0 where
+        the time model does not apply (then every option ties and the fallbacks decide)."""
+        if not isinstance(self.model, ModelInfo):
+            return 0.0
+        resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
+        t = step_time(self.model, resolved, self.gpu, micro_batch_size=micro, seq_len=self.seq_len)
+        if t is not None and self.measured is not None:
+            t = self.measured.corrected(t, resolved, micro)
+        return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro, 1))
+
+    def fits(self, setup: TrainingSetup, micro: int) -> tuple[bool, MemoryEstimate]:
+        # a size that does not divide the per-GPU batch still accumulates (memory is the
+        # same for any count from 2 up): 35 of 64 is estimated at 2, never at 1
+        accum = 1 if micro >= self.per_gpu else max(2, self.per_gpu // micro)
+        return fits(
+            self.model, setup, self.gpu, micro, self.seq_len, accum, self.headroom, self.engine
+        )
+
+    def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
+        """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
+
+        By the trace engine, from each peak moment's line through sizes 1 and 2, then one
+        trace at that size: its figure is the one shown, and where it does not fit the size is
+        searched and confirmed as the plan's own is; by the formulas when the trace cannot run
+        the setup.
+        """
+        if self.engine == "trace":
+            one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
+            budget = self.gpu.memory_bytes - max(self.headroom, 1)
+            lines = predict(one, two, budget, self.per_gpu)
+            if lines is not None:
+                if lines[0] == 0:
+                    return Alternative(combo, setup, 0, lines[1], two.engine)
+                ok, est = self.fits(setup, lines[0])
+                alt = Alternative(combo, setup, lines[0], est.device_total_bytes, est.engine)
+                return alt if ok else self.confirmed(alt)
+        best = self.max_micro(setup)
+        _, est = self.fits(setup, max(best, 1))
+        return Alternative(combo, setup, best, est.device_total_bytes, est.engine)
+
+    def confirmed(self, alt: Alternative) -> Alternative:
+        """``alt`` with its largest micro-batch searched and confirmed as the plan's own is
+        (the trace at the answer fits, the size after it does not); as is by the formulas."""
+        if self.engine != "trace":
+            return alt
+        best = self.max_micro(alt.setup)
+        _, est = self.fits(alt.setup, max(best, 1))
+        return replace(
+            alt, max_micro_batch=best, device_total_bytes=est.device_total_bytes, engine=est.engine
+        )
+
+    def comm(self, setup: TrainingSetup) -> int:
+        """Bytes one GPU sends per optimizer step under ``setup`` (``speed/_comm.py``)."""
+        est = self.fits(setup, 1)[1]
+        return comm_bytes_per_step(est.setup, est.total_params, est.trainable_params)
+
+
+def timed(target: _Target, alt: Alternative) -> Alternative:
+    """``alt`` with the time model's figures at the largest micro-batch it allows."""
+    if not alt.max_micro_batch:
+        return alt
+    micro = largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
+    seconds = target.step_seconds(alt.setup, micro) or None
+    tokens = None
+    if seconds is not None and isinstance(target.model, ModelInfo):
+        tokens = target.per_gpu * target.seq_len / seconds
+    measured = target.measured
+    source = measured.correction(alt.setup, micro).source if measured and seconds else None
+    return replace(
+        alt,
+        micro_batch_size=micro,
+        step_seconds=seconds,
+        tokens_per_s_per_gpu=tokens,
+        throughput_source=source,
+    )
