@@ -237,7 +237,7 @@ def test_markup_in_paths_is_printed_as_written(tmp_path, capsys, name, command):
 
 @pytest.mark.parametrize("name", ["a[/]b", "[bold red]x"])
 def test_markup_in_the_probe_table_is_printed_as_written(tmp_path, capsys, name):
-    from batchfit.cli import render_probe as render
+    from batchfit.cli.render import probe as render
     from batchfit.models import resolve_model
     from batchfit.search import _probe
     from tests.test_probe_cli import _result
@@ -286,7 +286,7 @@ def test_json_is_strict_when_a_result_overflows(capsys):
     code, out, err = run_cli(args, capsys)
     _one_line_error(code, out, err, "overflows")
     # and whatever else overflows never reaches stdout as NaN/Infinity: one line instead
-    from batchfit.cli import app
+    from batchfit.cli import common as app
     from batchfit.errors import UsageError
 
     with pytest.raises(UsageError, match="non-finite"):

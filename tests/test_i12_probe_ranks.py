@@ -136,7 +136,7 @@ def test_cli_probe_with_two_ranks(tiny: str) -> None:
 
 
 def test_probe_refuses_sharding_without_ranks_and_deepspeed_ranks() -> None:
-    from batchfit.cli.app import _ranks_setup
+    from batchfit.cli.probe import _ranks_setup
 
     with pytest.raises(UsageError, match="--nproc"):
         _ranks_setup(TrainingSetup(sharding="fsdp"), 1, "cpu")

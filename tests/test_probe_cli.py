@@ -92,7 +92,7 @@ def _result():
 
 def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from batchfit.cli import render_probe as render
+    from batchfit.cli.render import probe as render
     from batchfit.models import resolve_model
     from batchfit.search import _probe
 
