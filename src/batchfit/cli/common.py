@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,9 @@ def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[Callable[[s
     """The trace cache off for this command when --no-cache is given, its notes on stderr
     with --verbose; each dry run shown as progress on a terminal (they take seconds). Yields
     the function that names the stage the dry runs belong to (shown before each)."""
-    # the cache, the trace engine and rich load when a command runs, not for `batchfit --help`
+    # logging, the cache, the trace engine and rich load when a command runs, not for --help
+    import logging
+
     from batchfit import _cache
     from batchfit.cli import render
     from batchfit.memory import _trace_estimate

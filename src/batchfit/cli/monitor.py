@@ -18,7 +18,6 @@ import typer
 from batchfit import _plots
 from batchfit.cli.common import _check_output, _emit_json
 from batchfit.cli.options import JsonO
-from batchfit.cli.render.monitor import LiveLine, drift_warning, summary
 from batchfit.errors import UsageError
 
 if TYPE_CHECKING:
@@ -188,7 +187,9 @@ def monitor(
     passes the plan's figure. With --json, the command's stdout goes to stderr, so that stdout
     holds the one JSON object.
     """
-    from batchfit import monitor as mon  # the process monitor loads to run, not for --help
+    # the process monitor and the rendering load to run, not for `batchfit --help`
+    from batchfit import monitor as mon
+    from batchfit.cli.render.monitor import summary
 
     if not command:
         raise UsageError("give the command after --: batchfit monitor [options] -- CMD ...")
@@ -270,7 +271,9 @@ def _run(
     command: list[str], watch: _Watch, interval: float, log: Path | None, as_json: bool
 ) -> MonitorResult:
     """The command run and sampled, the live line on a terminal, a warning on drift."""
-    from batchfit import monitor as mon  # the process monitor loads to run, not for --help
+    # the process monitor and the rendering load to run, not for `batchfit --help`
+    from batchfit import monitor as mon
+    from batchfit.cli.render.monitor import LiveLine, drift_warning
 
     live = LiveLine(enabled=not as_json and sys.stderr.isatty(), planned=watch.planned)
     model = watch.plan.model if watch.plan is not None else ""
