@@ -48,7 +48,7 @@ def main() -> None:
     from batchfit.memory.trace import dry_run as trace
     from batchfit.memory.trace import hf as _hf_trace
     from batchfit.models import resolve_model
-    from batchfit.search._probe import warm_up
+    from batchfit.search.probe import warm_up
     from batchfit.spec import TrainingSetup
 
     if mode == "lightning":

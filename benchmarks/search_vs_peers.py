@@ -6,7 +6,7 @@ memory budget, every finder in a fresh process under the same OS limit (RLIMIT_D
 child before the model is built, after imports and a tiny warm-up step), all training the same
 step (outputs alive through backward):
 
-- batchfit: ``batchfit.search._probe.run_child`` with the spec ``batchfit probe`` builds (the start
+- batchfit: ``batchfit.search.probe.run_child`` with the spec ``batchfit probe`` builds (the start
   predicted in the child), ``choose="max"`` and, with ``--throughput``, ``"throughput"``;
 - Lightning: ``Tuner(trainer).scale_batch_size(model, mode="binsearch" | "power")``, defaults
   (steps_per_trial=3, init_val=2, max_trials=25), the same HF model in a LightningModule;
@@ -153,7 +153,7 @@ def repeated(runs: list[Run]) -> Run:
 
 def run_batchfit(config: str, budget: int, choose: str, steps: int = 3) -> Run:
     from batchfit.cli.app import _setup_dict
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
     from batchfit.spec import TrainingSetup
 
     start = time.perf_counter()
@@ -302,7 +302,7 @@ def render(
         f"Budget: {args.budget_gib:g} GiB of training state, an OS limit (`RLIMIT_DATA` = the "
         "data segment held after imports and a warm-up step, plus the budget) set in each "
         "finder's own fresh process before the model is built.",
-        "batchfit: `batchfit.search._probe.run_child`, the child process "
+        "batchfit: `batchfit.search.probe.run_child`, the child process "
         "`batchfit probe --device cpu` "
         "runs (the first size and the bytes per sample predicted there by the trace engine, "
         f"3 steps for the chosen size, 1 for a size only measured), with `{FIXED}`.",

@@ -12,22 +12,6 @@ pytest.importorskip("importlinter")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Loops left inside the command line and the probe, each to be removed here once its package
-# no longer loops: the commands register on the app that imports them; the probe's parent and
-# its ranks call each other.
-KNOWN_LOOPS = [
-    frozenset({"batchfit.cli.app", "batchfit.cli.batch_laws", "batchfit.cli.measured"}),
-    frozenset({"batchfit.search._probe", "batchfit.search._ranks"}),
-]
-
-# Private modules still imported from outside their package (importer, imported), until the
-# probe's entry points are public.
-KNOWN_PRIVATE = {
-    ("batchfit.cli.app", "batchfit.search._probe"),
-    ("batchfit.cli.render_probe", "batchfit.search._probe"),
-    ("batchfit.cli.app", "batchfit.search._ranks"),
-}
-
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
@@ -55,7 +39,7 @@ def test_private_modules_are_imported_only_inside_their_package(graph: grimp.Imp
         package = imported.rsplit(".", 1)[0]
         for importer in sorted(graph.find_modules_that_directly_import(imported)):
             inside = importer == package or importer.startswith(package + ".")
-            if not inside and (importer, imported) not in KNOWN_PRIVATE:
+            if not inside:
                 outside.append(f"{importer} -> {imported}")
     assert not outside, "private modules imported from outside their package:\n" + "\n".join(
         outside
@@ -99,5 +83,5 @@ def _loops(graph: grimp.ImportGraph) -> list[frozenset[str]]:
 
 
 def test_no_import_loops(graph: grimp.ImportGraph) -> None:
-    loops = [sorted(loop) for loop in _loops(graph) if loop not in KNOWN_LOOPS]
+    loops = [sorted(loop) for loop in _loops(graph)]
     assert not loops, f"import loops: {loops}"

@@ -85,9 +85,9 @@ def _result():
 
 def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from batchfit.cli import render_probe as render
+    from batchfit.cli.render import probe as render
     from batchfit.models import resolve_model
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     result = _result()
     plot = tmp_path / "probe.png"
@@ -102,7 +102,7 @@ def test_probe_table_and_plot_mark_measured_sizes(tmp_path, capsys):
 
 
 def test_report_plans_accumulation_from_sizes_that_ran():
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     result = _result()  # ran: 8 and 10 (chosen); 11 did not fit
     plan = _probe.report(result, global_batch=40, dataset_size=None).plan
@@ -120,7 +120,7 @@ def test_report_plans_accumulation_from_sizes_that_ran():
 def test_check_budget_refuses_less_than_one_step():
     from batchfit.errors import UsageError
     from batchfit.models import resolve_model
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
     from batchfit.spec import TrainingSetup
 
     info, setup = resolve_model("gpt2"), TrainingSetup()

@@ -119,7 +119,7 @@ def test_sigterm_stops_the_bar_ends_the_child_and_exits_143(tmp_path):
 
 
 def _probe_spec(cfg: Path) -> dict:
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
     from batchfit.spec import TrainingSetup
 
     setup = TrainingSetup(task="causal-lm")
@@ -130,7 +130,7 @@ def _probe_spec(cfg: Path) -> dict:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_child_killed_by_the_kernel_is_one_line(tmp_path):
     from batchfit.errors import UsageError
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     spec = _probe_spec(_config(tmp_path / "tiny"))
 
@@ -152,7 +152,7 @@ def test_child_dies_with_its_parent(tmp_path):
         f"""
         import json, os, signal, sys
         from pathlib import Path
-        from batchfit.search import _probe
+        from batchfit.search import probe as _probe
         def die(_message):
             me = os.getpid()
             print(Path(f"/proc/{{me}}/task/{{me}}/children").read_text().split()[0], flush=True)
@@ -185,7 +185,7 @@ def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch, messag
     # the CUDA path runs probe() in this process: the search's NoFitError must arrive as one
     # (one line, exit 2); any other ValueError is a bug and keeps its type and traceback
     from batchfit.errors import NoFitError
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     raised: list[Exception] = [NoFitError(message), ValueError(message)]
 
@@ -204,7 +204,7 @@ def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch, messag
 
 def test_probe_child_lets_bugs_raise(monkeypatch):
     from batchfit.errors import UsageError
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     monkeypatch.setattr(sys, "argv", ["_probe", "{}"])
     monkeypatch.setattr(_probe, "_die_with_parent", lambda: None)
@@ -237,9 +237,9 @@ def test_markup_in_paths_is_printed_as_written(tmp_path, capsys, name, command):
 
 @pytest.mark.parametrize("name", ["a[/]b", "[bold red]x"])
 def test_markup_in_the_probe_table_is_printed_as_written(tmp_path, capsys, name):
-    from batchfit.cli import render_probe as render
+    from batchfit.cli.render import probe as render
     from batchfit.models import resolve_model
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
     from tests.cli.test_probe import _result
 
     info = resolve_model(str(_config(tmp_path / name)))
@@ -286,7 +286,7 @@ def test_json_is_strict_when_a_result_overflows(capsys):
     code, out, err = run_cli(args, capsys)
     _one_line_error(code, out, err, "overflows")
     # and whatever else overflows never reaches stdout as NaN/Infinity: one line instead
-    from batchfit.cli import app
+    from batchfit.cli import common as app
     from batchfit.errors import UsageError
 
     with pytest.raises(UsageError, match="non-finite"):
@@ -345,7 +345,7 @@ def test_broken_pipe_exits_quietly(args):
 
 
 def test_plot_and_out_are_checked_before_any_trial(tmp_path, capsys, monkeypatch):
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     def no_trials(*_args, **_kwargs):
         raise AssertionError("a trial ran before the outputs were checked")

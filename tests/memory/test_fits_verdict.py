@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from batchfit.cli.render import fit_verdict
+from batchfit.cli.render.estimate import fit_verdict
 from batchfit.hardware import get_gpu
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate

@@ -209,7 +209,7 @@ def test_sigint_reaches_the_command_and_leaves_no_orphan(tmp_path: Path) -> None
 def test_a_file_that_is_not_a_plan_is_refused_in_one_line(
     tmp_path: Path, content: str, needle: str
 ) -> None:
-    from batchfit.cli.measured import read_plan
+    from batchfit.cli.monitor import read_plan
     from batchfit.errors import UsageError
 
     path = tmp_path / "plan.json"

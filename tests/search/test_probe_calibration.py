@@ -13,7 +13,8 @@ import pytest
 from batchfit import calibration
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
-from batchfit.search import SearchResult, Trial, _probe
+from batchfit.search import SearchResult, Trial
+from batchfit.search import probe as _probe
 from batchfit.spec import TrainingSetup
 from tests._tiny import TINY_GPT2
 

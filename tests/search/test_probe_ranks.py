@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from batchfit.errors import RankFailure, UsageError
-from batchfit.search import _probe, _ranks
+from batchfit.search import _ranks
+from batchfit.search import probe as _probe
 from batchfit.spec import TrainingSetup
 
 TINY = {
@@ -54,7 +55,7 @@ def _probe_processes() -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"batchfit.search._probe" in cmdline:
+            if b"batchfit.search.probe" in cmdline:
                 pids.append(int(entry.name))
     return pids
 
@@ -136,7 +137,7 @@ def test_cli_probe_with_two_ranks(tiny: str) -> None:
 
 
 def test_probe_refuses_sharding_without_ranks_and_deepspeed_ranks() -> None:
-    from batchfit.cli.app import _ranks_setup
+    from batchfit.cli.probe import _ranks_setup
 
     with pytest.raises(UsageError, match="--nproc"):
         _ranks_setup(TrainingSetup(sharding="fsdp"), 1, "cpu")

@@ -252,7 +252,7 @@ def test_fit_on_a_known_memory_law(
 def test_predicted_start_is_the_largest_predicted_fit(
     monkeypatch: pytest.MonkeyPatch, law: Callable[[int], int], high: int | None, expected: int
 ) -> None:
-    from batchfit.search import _probe
+    from batchfit.search import probe as _probe
 
     calls: list[int] = []
 
@@ -369,7 +369,7 @@ def test_trial_cap_is_said_and_a_high_start_is_not_blamed_on_size_one(
 
 
 def test_stand_ins_are_named() -> None:
-    from batchfit.search._probe import stand_ins
+    from batchfit.search.probe import stand_ins
     from batchfit.spec import TrainingSetup
 
     assert stand_ins(TrainingSetup()) == []

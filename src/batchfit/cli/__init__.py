@@ -17,6 +17,11 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+import typer
+import typer.main
+
+from batchfit.errors import RankFailure, UsageError
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
@@ -68,8 +73,7 @@ def _sigterm_raises() -> Iterator[None]:
 
 def _run(argv: list[str]) -> None:
     """Parse and invoke, as click's ``main`` does, minus its exit-code handling."""
-    import typer.main
-
+    # the commands load when the CLI runs: importing one part of batchfit.cli stays light
     from batchfit.cli.app import app
 
     command = typer.main.get_command(app)
@@ -80,10 +84,6 @@ def _run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; bad input prints one line on stderr and exits with code 2."""
-    import typer
-
-    from batchfit.errors import RankFailure, UsageError
-
     exc = _click_exceptions()
     if sys.stdout is None:  # started with stdout closed: the answer would be lost
         _fail("error: stdout is closed: run with stdout open or redirected to a file", 2)

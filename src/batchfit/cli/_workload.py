@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from batchfit.errors import UsageError
+from batchfit.lengths import Workload, first_longer, workload
 
 if TYPE_CHECKING:
-    from batchfit.lengths import Workload
     from batchfit.models import ModelInfo
 
 ImageSizeO = Annotated[
@@ -63,8 +63,6 @@ def sample_size(
         return seq_len, None
     if seq_len is not None and seq_len < 1:
         raise UsageError(f"--seq-len must be a positive integer, got {seq_len}")
-    from batchfit.lengths import workload
-
     seen = workload(lengths, padding or "longest", seq_len)
     limit = info.arch.max_positions if info.arch.positional == "learned" else None
     if limit is not None and seq_len is not None and seq_len > limit:
@@ -73,8 +71,6 @@ def sample_size(
             f"--seq-len {limit} or less (longer samples in --lengths are truncated to it)"
         )
     if limit is not None and seen.seq_len > limit:
-        from batchfit.lengths import first_longer
-
         raise UsageError(
             f"{first_longer(lengths, limit)} has a sample of more than {info.name}'s {limit} "
             f"learned positions (the longest: {seen.longest:,} tokens): give --seq-len {limit} "

@@ -1,8 +1,10 @@
-"""The setup options shared by the commands, declared once, parsed into a ``TrainingSetup``.
+"""The options shared by the commands, declared once.
 
-``@setup_options()`` adds the typer parameters below to a command's signature and hands the
-command one ``setup: TrainingSetup`` in their place; each choice is checked here, at the
-boundary, so what reaches the library is typed with the ``Literal``s of ``spec.py``.
+``@setup_options()`` adds the setup's typer parameters below to a command's signature and hands
+the command one ``setup: TrainingSetup`` in their place; each choice is checked here, at the
+boundary, so what reaches the library is typed with the ``Literal``s of ``spec.py``. The
+``Annotated`` aliases at the end (MODEL, --seq-len, --json, --engine, ...) are the options
+several commands take with the same help.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 import typer
 
 from batchfit.errors import UsageError
+from batchfit.frameworks import with_framework
 from batchfit.spec import (
     ATTENTIONS,
     FRAMEWORKS,
@@ -85,8 +88,6 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
     setup = replace(_setup(raw), keep_loss="loss" in explicit)
     if framework is None:
         return setup
-    from batchfit.frameworks import with_framework
-
     return with_framework(setup, framework, explicit)
 
 
@@ -316,3 +317,86 @@ def setup_options(
         return cast(F, wrapper)
 
     return decorate
+
+
+# --- options several commands declare the same way ---
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="Catalog name (gpt2, llama-3.1-8b, ...), hub id, path to a config.json or its folder, "
+        "or a bare size such as 7B.",
+        show_default=False,
+    ),
+]
+SeqLenOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--seq-len",
+        "-s",
+        help="Tokens per sample (with --lengths: the truncation, padding or pack length).",
+        show_default=False,
+    ),
+]
+LengthsO = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lengths",
+        help="A dataset's sequence lengths: one per line, or a JSON {length: samples}; "
+        "FILE:WEIGHT and repeated for a multi-task mixture.",
+        show_default=False,
+    ),
+]
+PaddingO = Annotated[
+    str | None,
+    typer.Option(
+        "--padding",
+        help="longest (default: each micro-batch padded to its longest sample) | max (to "
+        "--seq-len) | packed (rows of --seq-len): with --lengths.",
+        show_default=False,
+    ),
+]
+JsonO = Annotated[bool, typer.Option("--json", help="Print one JSON object, nothing else.")]
+GpuO = Annotated[
+    str | None,
+    typer.Option("--gpu", help="Catalog GPU (`batchfit gpus`): implies --device cuda."),
+]
+Headroom = Annotated[
+    str,
+    typer.Option(
+        "--headroom",
+        help="Free memory to keep on the GPU, e.g. 1GiB; auto (plan): the 99th percentile of "
+        "`batchfit calibration`'s records.",
+    ),
+]
+EngineO = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="trace (default: a dry run of the real step on fake tensors; the analytic engine "
+        "answers, and says so, without torch) | analytic (formulas, no torch import)",
+    ),
+]
+NoCacheO = Annotated[
+    bool,
+    typer.Option(
+        "--no-cache",
+        help="Trace again instead of reading dry-run results cached on disk (user cache dir).",
+    ),
+]
+VerboseO = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Notes on the trace cache (unreadable or unwritable files it skipped).",
+    ),
+]
+
+Engine = Literal["analytic", "trace"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+
+
+def parse_engine(value: str) -> Engine:
+    """``--engine``, checked against :data:`ENGINES`."""
+    return cast(Engine, check_choice("--engine", value, ENGINES))

@@ -27,6 +27,7 @@ from batchfit.plan._lr_scaling import scale_learning_rate
 from batchfit.plan._make import make_plan, make_plan_auto
 from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES
 from batchfit.plan._target import _Target as _Target  # benchmarks/plan_choice.py times with it
+from batchfit.plan._throughput import ProbeFile as ProbeFile
 from batchfit.plan._throughput import probe_identity as probe_identity
 from batchfit.plan._throughput import read_probe as read_probe
 from batchfit.plan._value import Alternative, Plan

@@ -33,7 +33,7 @@ def run_child(spec: dict[str, Any], on_line: Callable[[dict[str, Any]], None]) -
     here when this process is interrupted (Ctrl-C, SIGTERM) or fails.
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchfit.search._probe", json.dumps(spec, allow_nan=False)],
+        [sys.executable, "-m", "batchfit.search.probe", json.dumps(spec, allow_nan=False)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -58,7 +58,7 @@ def launch(
         "--nproc_per_node",
         str(spec["nproc"]),
         "-m",
-        "batchfit.search._probe",
+        "batchfit.search.probe",
         json.dumps(spec, allow_nan=False),
     ]
     proc = subprocess.Popen(

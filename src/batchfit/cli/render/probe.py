@@ -8,16 +8,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from batchfit._units import BYTES_IN_GIB, gib_figure
-from batchfit.cli.render import err, out, sample_size
+from batchfit.cli import render
+from batchfit.models import ModelInfo
+from batchfit.search import SearchResult, Trial
 from batchfit.views import plots as _plots
 
 if TYPE_CHECKING:
-    from batchfit.models import ModelInfo
-    from batchfit.search import SearchResult, Trial
-    from batchfit.search._probe import ProbeReport
+    from batchfit.search.probe import ProbeReport
 
 
 @contextlib.contextmanager
@@ -28,20 +29,16 @@ def trial_progress(*, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]
     if quiet:
         yield lambda _message: None
         return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
         TimeElapsedColumn(),
-        console=err,
+        console=render.err,
         transient=True,
     ) as bar:
         task = bar.add_task("probing: building the model, predicting the limit ...", total=None)
 
         def update(message: dict[str, Any]) -> None:
-            from batchfit.search import Trial
-
             if "start" in message:
                 bar.update(
                     task, description=f"probing: first trial at micro-batch {message['start']} ..."
@@ -53,7 +50,7 @@ def trial_progress(*, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]
                 description=f"probing: micro-batch {t.micro_batch_size} "
                 f"{_verdict(t)}; next trial ...",
             )
-            err.print(f"  trial: micro-batch {t.micro_batch_size:>5}  {_verdict(t)}")
+            render.err.print(f"  trial: micro-batch {t.micro_batch_size:>5}  {_verdict(t)}")
 
         yield update
 
@@ -68,7 +65,7 @@ _PROBE_COLUMNS = ("micro-batch", "result", "peak GiB", "% of budget", "samples/s
 def _trials_table(info: ModelInfo, report: ProbeReport, seq_len: int, budget: int | None) -> Table:
     image = info.task == "image-classification"
     table = Table(
-        title=f"{escape(info.name)}, {sample_size(seq_len, image)}: real training steps",
+        title=f"{escape(info.name)}, {render.sample_size(seq_len, image)}: real training steps",
         title_justify="left",
     )
     epochs = report.dataset_size is not None
@@ -114,7 +111,7 @@ def _plan_line(report: ProbeReport) -> str:
 def probe_table(
     info: ModelInfo, report: ProbeReport, seq_len: int, budget: int | None, plot: Path | None
 ) -> None:
-    r = report.result
+    out, r = render.out, report.result
     out.print(_trials_table(info, report, seq_len, budget))
     out.print(
         f"choice: micro-batch [bold]{r.micro_batch_size}[/] ({r.choose}); "
@@ -136,15 +133,10 @@ def _duration(seconds: float) -> str:
     return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
 
 
-def require_matplotlib() -> None:
-    """Refuse ``--plot`` without matplotlib before the trials, not after them."""
-    _plots.require()
-
-
 def probe_plot(result: SearchResult, path: Path, budget: int | None) -> None:
     """Throughput and peak memory against the micro-batch (matplotlib, the `plot` extra)."""
     plt = _plots.pyplot()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # matplotlib (the `plot` extra) loads to draw only
 
     ok = sorted(
         (t.micro_batch_size, t.samples_per_s or 0.0, t.peak_bytes or 0)

@@ -1,5 +1,6 @@
-"""Commands about measured runs: `batchfit monitor` (watch a training command against its plan)
-and `batchfit calibration` (how far measurements came from their estimates)."""
+"""``batchfit monitor -- CMD``: run a training command and watch its memory against its plan;
+a run measured beside a plan becomes a calibration record (``batchfit calibration``). The
+live line and the summary are ``render.monitor``'s."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from batchfit._units import BYTES_IN_GIB, human_bytes
-from batchfit.cli.app import JsonO, _check_output, _emit_json, app
+from batchfit.cli.common import _check_output, _emit_json
+from batchfit.cli.options import JsonO
 from batchfit.errors import UsageError
+from batchfit.views import plots as _plots
+
+if TYPE_CHECKING:
+    from batchfit.monitor import MonitorResult, Sample
 
 DEFAULT_TOLERANCE = 512 * 2**20  # a plan without a headroom figure (an estimate's JSON)
 
@@ -75,7 +80,7 @@ def _byte_count(data: dict[str, Any], key: str, path: Path) -> int | None:
 
 
 def record_calibration(
-    result: Any,
+    result: MonitorResult,
     plan: PlanFile,
     command: list[str],
     note: Callable[[str], None],
@@ -88,7 +93,7 @@ def record_calibration(
     interpreter, torch, transformers; measured here unless ``runtime`` gives it), since RSS
     counts both. A GPU plan measured as RSS is not comparable: no record, and ``note`` says
     why."""
-    from batchfit import calibration
+    from batchfit import calibration  # the records load for a run with --plan only
 
     if not result.samples:
         return False
@@ -128,7 +133,7 @@ def record_calibration(
 
 def _runtime(command: list[str], note: Callable[[str], None]) -> int | None:
     """What the command's Python holds before its first tensor (``monitor.runtime_bytes``)."""
-    from batchfit import monitor as mon
+    from batchfit import monitor as mon  # the process monitor loads to run, not for --help
 
     python = mon.python_of(command)
     note(f"measuring what {Path(python).name} holds before its tensors (a few seconds)")
@@ -138,34 +143,41 @@ def _runtime(command: list[str], note: Callable[[str], None]) -> int | None:
     return runtime
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
+CommandArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="The training command, after --: batchfit monitor -- python train.py"),
+]
+PlanO = Annotated[
+    Path | None,
+    typer.Option(
+        "--plan",
+        help="A `plan --json` (or `estimate --json`) file: warn when memory passes its "
+        "figure by more than the headroom it asked for.",
+    ),
+]
+IntervalO = Annotated[float, typer.Option(help="Seconds between samples.")]
+LogO = Annotated[
+    Path | None, typer.Option("--log", help="JSONL file: one line per sample, as taken.")
+]
+PlotO = Annotated[
+    Path | None, typer.Option("--plot", help="PNG of memory over time, written at the end.")
+]
+RecordO = Annotated[
+    bool,
+    typer.Option(
+        "--record/--no-record",
+        help="With --plan: add the run to the calibration file (--no-record for a test run).",
+    ),
+]
+
+
 def monitor(
-    command: Annotated[
-        list[str] | None,
-        typer.Argument(help="The training command, after --: batchfit monitor -- python train.py"),
-    ] = None,
-    plan: Annotated[
-        Path | None,
-        typer.Option(
-            "--plan",
-            help="A `plan --json` (or `estimate --json`) file: warn when memory passes its "
-            "figure by more than the headroom it asked for.",
-        ),
-    ] = None,
-    interval: Annotated[float, typer.Option(help="Seconds between samples.")] = 1.0,
-    log: Annotated[
-        Path | None, typer.Option("--log", help="JSONL file: one line per sample, as taken.")
-    ] = None,
-    plot: Annotated[
-        Path | None, typer.Option("--plot", help="PNG of memory over time, written at the end.")
-    ] = None,
-    record: Annotated[
-        bool,
-        typer.Option(
-            "--record/--no-record",
-            help="With --plan: add the run to the calibration file (--no-record for a test run).",
-        ),
-    ] = True,
+    command: CommandArg = None,
+    plan: PlanO = None,
+    interval: IntervalO = 1.0,
+    log: LogO = None,
+    plot: PlotO = None,
+    record: RecordO = True,
     as_json: JsonO = False,
 ) -> None:
     """Run a training command and watch its memory (GPU per process through NVML, else RSS).
@@ -175,11 +187,47 @@ def monitor(
     passes the plan's figure. With --json, the command's stdout goes to stderr, so that stdout
     holds the one JSON object.
     """
+    # the process monitor and the rendering load to run, not for `batchfit --help`
     from batchfit import monitor as mon
-    from batchfit.views import plots as _plots
+    from batchfit.cli.render.monitor import summary
 
     if not command:
         raise UsageError("give the command after --: batchfit monitor [options] -- CMD ...")
+    log, plot = _checked(interval, log, plot)
+    watch = _watch(plan, command)
+    result = _run(command, watch, interval, log, as_json)
+    if result.exit_code == 127 and not result.samples:
+        typer.echo(f"batchfit monitor: {command[0]}: command not found", err=True)
+    if result.start_error:
+        typer.echo(f"batchfit monitor: {command[0]}: cannot run it: {result.start_error}", err=True)
+    if plot is not None:
+        label = "plan + runtime (interpreter, torch)" if watch.runtime else "plan"
+        mon.plot(result, plot, watch.limit, watch.planned, label)
+    if (
+        watch.plan is not None
+        and record
+        and record_calibration(result, watch.plan, command, _note, watch.runtime)
+    ):
+        typer.echo("batchfit monitor: recorded for `batchfit calibration`", err=True)
+    if as_json:
+        try:
+            _emit_json(result.to_json())
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left (`| head`): the command's code still counts
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    else:
+        typer.echo(summary(result, watch.planned, watch.runtime), err=True)
+    raise typer.Exit(result.exit_code)
+
+
+def _note(message: str) -> None:
+    typer.echo(f"batchfit monitor: {message}", err=True)
+
+
+def _checked(
+    interval: float, log: Path | None, plot: Path | None
+) -> tuple[Path | None, Path | None]:
+    """--interval in range; --log and --plot writable (symlinks followed), before the run."""
     if not interval > 0:  # NaN too
         raise UsageError(f"--interval must be greater than 0 seconds, got {interval}")
     if interval > 3600:
@@ -190,40 +238,57 @@ def monitor(
         plot = _check_target(plot, "--plot")
     if plot is not None:
         _plots.require()
-    planned = limit = runtime = None
-    model = ""
-    plan_file = None
+    return log, plot
 
-    def note(message: str) -> None:
-        typer.echo(f"batchfit monitor: {message}", err=True)
 
-    if plan is not None:
-        plan_file = read_plan(plan)
-        planned, model = plan_file.gpu_figure, plan_file.model
-        if not plan_file.device and not mon.samples_gpu():
-            # a CPU estimate counts tensors; the resident set also holds the interpreter,
-            # torch and transformers: the plan's line and its limit start from that baseline
-            runtime = _runtime(command, note)
-            planned += runtime or 0
-        limit = planned + plan_file.tolerance
-    live = _LiveLine(enabled=not as_json and sys.stderr.isatty(), planned=planned)
+@dataclass(frozen=True)
+class _Watch:
+    """What the run is compared with: the plan's figure (with the runtime baseline on the CPU)
+    and the limit past which it drifted; all None without --plan."""
 
-    def drift(sample: mon.Sample) -> None:
+    plan: PlanFile | None = None
+    planned: int | None = None
+    limit: int | None = None
+    runtime: int | None = None
+
+
+def _watch(plan: Path | None, command: list[str]) -> _Watch:
+    from batchfit import monitor as mon  # the process monitor loads to run, not for --help
+
+    if plan is None:
+        return _Watch()
+    plan_file = read_plan(plan)
+    planned, runtime = plan_file.gpu_figure, None
+    if not plan_file.device and not mon.samples_gpu():
+        # a CPU estimate counts tensors; the resident set also holds the interpreter,
+        # torch and transformers: the plan's line and its limit start from that baseline
+        runtime = _runtime(command, _note)
+        planned += runtime or 0
+    return _Watch(plan_file, planned, planned + plan_file.tolerance, runtime)
+
+
+def _run(
+    command: list[str], watch: _Watch, interval: float, log: Path | None, as_json: bool
+) -> MonitorResult:
+    """The command run and sampled, the live line on a terminal, a warning on drift."""
+    # the process monitor and the rendering load to run, not for `batchfit --help`
+    from batchfit import monitor as mon
+    from batchfit.cli.render.monitor import LiveLine, drift_warning
+
+    live = LiveLine(enabled=not as_json and sys.stderr.isatty(), planned=watch.planned)
+    model = watch.plan.model if watch.plan is not None else ""
+
+    def drift(sample: Sample) -> None:
         live.clear()
-        typer.echo(
-            f"batchfit monitor: warning: {human_bytes(_compared(sample))} at "
-            f"{sample.seconds:.0f} s is above the plan for {model} ({human_bytes(planned or 0)}) "
-            f"by more than its headroom",
-            err=True,
-        )
+        typer.echo(drift_warning(_compared(sample), sample.seconds, model, watch.planned), err=True)
 
     log_file: IO[str] | None = mon.write_log_path(log) if log is not None else None
     try:
-        result = mon.run(
+        return mon.run(
             command,
             interval=interval,
             log=log_file,
-            limit_bytes=limit,
+            limit_bytes=watch.limit,
             on_sample=lambda s, _r: live.show(s),
             on_drift=drift,
             compare=_compared,
@@ -233,34 +298,6 @@ def monitor(
         live.clear()
         if log_file is not None:
             log_file.close()
-    if result.exit_code == 127 and not result.samples:
-        typer.echo(f"batchfit monitor: {command[0]}: command not found", err=True)
-    if result.start_error:
-        typer.echo(f"batchfit monitor: {command[0]}: cannot run it: {result.start_error}", err=True)
-    if plot is not None:
-        label = "plan + runtime (interpreter, torch)" if runtime else "plan"
-        mon.plot(result, plot, limit, planned, label)
-    if (
-        plan_file is not None
-        and record
-        and record_calibration(result, plan_file, command, note, runtime)
-    ):
-        typer.echo("batchfit monitor: recorded for `batchfit calibration`", err=True)
-    if as_json:
-        try:
-            _emit_json(result.to_json())
-            sys.stdout.flush()
-        except BrokenPipeError:  # the reader left (`| head`): the command's code still counts
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    else:
-        typer.echo(
-            f"batchfit monitor: peak {human_bytes(result.peak_bytes)} ({result.source}) over "
-            f"{result.seconds:.1f} s, {len(result.samples)} samples, exit code {result.exit_code}"
-            + (f"; plan {human_bytes(planned)}" if planned else "")
-            + (f" (with {human_bytes(runtime)} of runtime: interpreter, torch)" if runtime else ""),
-            err=True,
-        )
-    raise typer.Exit(result.exit_code)
 
 
 def _check_target(path: Path, option: str) -> Path:
@@ -285,73 +322,6 @@ def _check_target(path: Path, option: str) -> Path:
     return target
 
 
-def _compared(sample: Any) -> int:
+def _compared(sample: Sample) -> int:
     """What a plan's per-GPU figure is compared with: the largest process (one per GPU)."""
     return max(sample.processes.values(), default=0)
-
-
-class _LiveLine:
-    """One line on stderr, rewritten at each sample: current, peak, and the plan's figure."""
-
-    def __init__(self, *, enabled: bool, planned: int | None) -> None:
-        self.enabled, self.planned, self.peak = enabled, planned, 0
-
-    def show(self, sample: Any) -> None:
-        self.peak = max(self.peak, sample.total_bytes)
-        if not self.enabled:
-            return
-        gib = sample.total_bytes / BYTES_IN_GIB
-        line = f"monitor: {gib:.2f} GiB now, peak {self.peak / BYTES_IN_GIB:.2f} GiB"
-        if self.planned:
-            line += f", plan {self.planned / BYTES_IN_GIB:.2f} GiB"
-        sys.stderr.write("\r" + line[:120].ljust(80))
-        sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 80 + "\r")
-            sys.stderr.flush()
-
-
-@app.command()
-def calibration(as_json: JsonO = False) -> None:
-    """How far measured peaks came from their estimates, by GPU and torch version.
-
-    Records come from `monitor --plan` (on a GPU against a plan; on the CPU against an
-    `estimate --device cpu --json`, RSS with the Python runtime added), the probe and the
-    training callbacks with a plan; `plan --headroom auto` uses their 99th percentile for
-    the plan's GPU (CPU records never count for a GPU).
-    """
-    from rich.table import Table
-
-    from batchfit import calibration as cal
-    from batchfit.cli.render import out
-
-    records = cal.load(warn=lambda message: typer.echo(f"batchfit: warning: {message}", err=True))
-    rows = cal.summary(records)
-    headroom = cal.auto_headroom(records)
-    if as_json:
-        _emit_json(
-            {
-                "path": str(cal.path()),
-                "records": len(records),
-                "by_device": rows,
-                "headroom_auto": headroom.fraction,
-                "headroom_why": headroom.why,
-            }
-        )
-        return
-    out.print(f"calibration records: {len(records)} in {cal.path()}")
-    if rows:
-        table = Table(title="measured / estimated - 1", title_justify="left")
-        for column in ("device", "torch", "records", "median", "p90", "p99", "worst"):
-            table.add_column(column, justify="left" if column in ("device", "torch") else "right")
-        for r in rows:
-            table.add_row(
-                r["device"],
-                r["torch"],
-                str(r["records"]),
-                *(f"{r[k]:+.1%}" for k in ("median", "p90", "p99", "worst")),
-            )
-        out.print(table)
-    out.print(f"plan --headroom auto (GPU records): {headroom.fraction:.1%} ({headroom.why})")

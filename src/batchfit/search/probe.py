@@ -1,6 +1,6 @@
 """The model-aware probe behind ``batchfit probe``: build the model, search, report.
 
-On the CPU the search runs in a child process (``python -m batchfit.search._probe SPEC``) whose OS
+On the CPU the search runs in a child process (``python -m batchfit.search.probe SPEC``) whose OS
 data limit is set before the model is built, with glibc returning freed blocks to the kernel
 (``MALLOC_MMAP_THRESHOLD_``), so an over-budget step fails for real and a fresh budget applies.
 The child prints one JSON line per trial and a last line with the result.
@@ -37,6 +37,7 @@ from batchfit.search._predict import (
     stand_ins,
     warm_up,
 )
+from batchfit.search._ranks import SHARDINGS as SHARDINGS
 from batchfit.search._report import AccumulationPlan, ProbeReport, report
 from batchfit.search._trials import SearchResult
 from batchfit.spec import TrainingSetup

@@ -1,0 +1,81 @@
+"""Rendering for people: rich tables on stdout, warnings on stderr. No computing here.
+
+This module holds the two consoles and the lines every command prints the same way; each
+command's tables live in a module of their own (``render.plan``, ``render.probe``, ...). Those
+modules print through ``render.out`` and ``render.err`` as attributes, looked up at each call,
+so that :func:`on_stderr` moves a whole answer to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+from rich.markup import escape
+
+
+class _Console(Console):
+    """rich's Console, except that a reader closing the pipe (``| head``) raises
+    ``BrokenPipeError`` for ``cli.main`` to end quietly with 0; rich's own exits with 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+def _width(stream: object) -> int | None:
+    """A terminal's own width (None: rich asks it); 160 columns for a pipe or a file, where
+    rich's 80 cut each technique name of a table over a dozen lines. ``COLUMNS`` decides
+    where it is set."""
+    isatty = getattr(stream, "isatty", None)
+    if (isatty is not None and isatty()) or os.environ.get("COLUMNS"):
+        return None
+    return PIPE_WIDTH
+
+
+PIPE_WIDTH = 160
+# soft_wrap: sentences are never cut into lines (tables still fit the terminal width).
+out = _Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
+err = _Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
+
+
+@contextlib.contextmanager
+def progress(what: str) -> Iterator[Callable[[str], None]]:
+    """A one-line status on stderr while ``what`` runs, on a terminal only; yields the
+    function that updates it."""
+    if not err.is_terminal:
+        yield lambda _text: None
+        return
+    with err.status(what) as status:
+        yield lambda text: status.update(escape(text))
+
+
+def note(text: str) -> None:
+    """One line about the inputs, before the answer (user text escaped)."""
+    out.print(escape(text))
+
+
+def warn(warnings: tuple[str, ...] | list[str]) -> None:
+    """Each warning on stderr, one line each (user text escaped)."""
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {escape(w)}")
+
+
+@contextlib.contextmanager
+def on_stderr() -> Iterator[None]:
+    """Print what would go to stdout on stderr instead (stdout kept for one file's text)."""
+    global out
+    kept, out = out, err
+    try:
+        yield
+    finally:
+        out = kept
+
+
+def sample_size(size: int, image: bool) -> str:
+    """One sample's size as the options spell it: ``seq 512`` or ``image 224 px``."""
+    return f"image {size} px" if image else f"seq {size}"

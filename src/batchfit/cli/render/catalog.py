@@ -1,0 +1,214 @@
+"""Rendering of ``batchfit models`` and ``batchfit gpus``: the catalog tables, their JSON rows,
+and what fits on each GPU (``gpus MODEL``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit._units import gib_figure, human_count
+from batchfit.cli import render
+from batchfit.hardware import GpuSpec
+from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo
+from batchfit.plan import FIT_RULE, TIME_TOLERANCE, FitRow
+
+
+def model_row(info: ModelInfo) -> dict[str, Any]:
+    a = info.arch
+    return {
+        "name": info.name,
+        "hub_id": info.hub_id,
+        "model_type": a.model_type,
+        "task": info.task,
+        "params": info.total_params,
+        "layers": a.num_layers,
+        "hidden_size": a.hidden_size,
+        "heads": a.num_heads,
+        "kv_heads": a.num_kv_heads,
+        "vocab_size": a.vocab_size,
+        "max_positions": a.max_positions,
+    }
+
+
+def _plain_table(
+    title: str, columns: list[tuple[str, bool]], rows: list[list[str]], optional: str
+) -> Table:
+    """A table whose cells never wrap; on narrow terminals the ``optional`` column is left out
+    (``--json`` has everything), so names people type next are never cut."""
+    widths = [max(len(h), *(len(r[k]) for r in rows)) for k, (h, _) in enumerate(columns)]
+    keep = [
+        k
+        for k, (h, _) in enumerate(columns)
+        if h != optional or sum(widths) + 3 * len(widths) + 1 <= render.out.width
+    ]
+    table = Table(title=title, title_justify="left")
+    for k in keep:
+        header, right = columns[k]
+        table.add_column(
+            header, justify="right" if right else "left", no_wrap=True, min_width=widths[k]
+        )
+    for row in rows:
+        table.add_row(*(row[k] for k in keep))
+    return table
+
+
+def models(infos: list[ModelInfo]) -> None:
+    columns = [
+        ("name", False),
+        ("hub id", False),
+        ("type", False),
+        ("params", True),
+        ("layers", True),
+        ("hidden", True),
+        ("heads/kv", False),
+        ("vocab", True),
+        ("positions", True),
+    ]
+    rows = [
+        [
+            i.name,
+            i.hub_id or "",
+            i.arch.model_type,
+            human_count(i.total_params),
+            str(i.arch.num_layers),
+            str(i.arch.hidden_size),
+            # convnets have no heads; Swin's differ by stage
+            "-"
+            if i.arch.model_type in _NO_HEAD_COUNT
+            else f"{i.arch.num_heads}/{i.arch.num_kv_heads}",
+            f"{i.arch.vocab_size:,}" if i.arch.vocab_size else "-",
+            str(i.arch.max_positions or "-"),
+        ]
+        for i in infos
+    ]
+    render.out.print(_plain_table("Catalog models (offline configs)", columns, rows, "hub id"))
+
+
+_NO_HEAD_COUNT = ATTENTION_FREE_TYPES | {"swin", "swinv2"}
+
+
+def gpu_row(g: GpuSpec) -> dict[str, Any]:
+    return {
+        "name": g.name,
+        "full_name": g.full_name,
+        "vendor": g.vendor,
+        "architecture": g.architecture,
+        "memory_bytes": g.memory_bytes,
+        "compute_capability": g.compute_capability,
+        "bf16": g.bf16,
+        "fp8": g.fp8,
+        "fp16_tflops_dense": g.fp16_tflops_dense,
+        "bf16_tflops_dense": g.bf16_tflops_dense,
+        "bandwidth_gb_s": g.bandwidth_gb_s,
+    }
+
+
+def gpus(gpu_list: list[GpuSpec]) -> None:
+    columns = [
+        ("name", False),
+        ("GPU", False),
+        ("arch", False),
+        ("GiB", True),
+        ("CC", False),
+        ("bf16", False),
+        ("fp8", False),
+        ("fp16 TFLOPS", True),
+        ("GB/s", True),
+    ]
+    rows = [
+        [
+            g.name,
+            g.full_name,
+            g.architecture,
+            gib_figure(g.memory_bytes),
+            g.compute_capability or "",
+            "yes" if g.bf16 else "no",
+            "yes" if g.fp8 else "no",
+            f"{g.fp16_tflops_dense or 0:g}",
+            f"{g.bandwidth_gb_s or 0:g}",
+        ]
+        for g in gpu_list
+    ]
+    title = "Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)"
+    render.out.print(_plain_table(title, columns, rows, "GPU"))
+
+
+def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) -> None:
+    """``gpus MODEL``: the largest micro-batch on each GPU, with the rule each row follows."""
+    image = info.task == "image-classification"
+    table = Table(
+        title=f"{escape(info.name)}, {render.sample_size(seq_len, image)}: "
+        "largest micro-batch per GPU "
+        f"({engine} engine; no gradient accumulation)",
+        title_justify="left",
+    )
+    columns = ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "h / 1B tokens")
+    for col in (*columns, "setup (techniques)"):
+        table.add_column(
+            col,
+            justify="right" if col in columns[1:] and col != "precision" else "left",
+            no_wrap=col == "GPU",
+            min_width=max(len(r.gpu.name) for r in rows) if col == "GPU" else None,
+            overflow="fold",
+        )
+    for r in rows:
+        table.add_row(
+            r.gpu.name,
+            gib_figure(r.gpu.memory_bytes),
+            r.precision,
+            str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
+            "-" if r.note else gib_figure(r.device_total_bytes),
+            "-"
+            if r.seconds_per_billion_tokens is None
+            else f"{r.seconds_per_billion_tokens / 3600:,.1f}",
+            _needs(r, engine),
+        )
+    render.out.print(table)
+    _fit_notes(rows, engine)
+
+
+def fit_json(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) -> dict[str, Any]:
+    """``gpus MODEL --json``: the sample's size, the engine that answered, and each GPU's row."""
+    return {
+        "model": info.name,
+        **(
+            {"seq_len": None, "image_size": seq_len}
+            if info.task == "image-classification"
+            else {"seq_len": seq_len}
+        ),
+        "engine": engine,
+        "grad_accum_steps": 1,
+        "gpus": [r.to_json() for r in rows],
+    }
+
+
+def _needs(r: FitRow, engine: str) -> str:
+    """A row's last column: the techniques it needs, or why it cannot run."""
+    needs = (
+        ", ".join(f"{t.name}" + ("*" if t.kind != "exact" else "") for t in r.techniques)
+        or "as given"
+    )
+    if r.note:
+        needs = f"cannot run: {r.note}"
+    elif r.engine != engine:
+        needs += " (analytic)"
+    if r.precision in ("bf16", "amp-bf16") and not r.gpu.bf16:
+        needs += " (no native bf16 on this GPU)"
+    return needs
+
+
+def _fit_notes(rows: list[FitRow], engine: str) -> None:
+    if any(r.seconds_per_billion_tokens for r in rows):
+        render.out.print(
+            "h / 1B tokens: one GPU at the largest micro-batch in the row's setup, the optimizer "
+            "step spread over a 1M-token batch (predicted; batchfit.speed)"
+        )
+    render.out.print(
+        f"{FIT_RULE}; options within {TIME_TOLERANCE:.0%} tie, the fewer techniques win"
+    )
+    if any(t.kind != "exact" for r in rows for t in r.techniques):
+        render.out.print("* changes what is learned; the others are exact")
+    if any(r.engine != engine for r in rows):
+        render.out.print("(analytic): the trace cannot run this setup yet; the formulas answered")

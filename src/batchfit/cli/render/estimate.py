@@ -1,0 +1,241 @@
+"""Rendering of ``batchfit estimate``: the setup line, the memory breakdown (``plan`` prints it
+too), the verdict on a GPU, the step time, the JSON object, and the ``--timeline`` picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count
+from batchfit.cli import render
+from batchfit.hardware import GpuSpec
+from batchfit.lengths import Workload
+from batchfit.memory.device.totals import fits_on_card
+from batchfit.memory.types import COMPONENTS, MemoryEstimate
+from batchfit.models import ModelInfo
+from batchfit.plan import DEFAULT_HEADROOM_BYTES
+from batchfit.views import timeline as tl
+
+
+def breakdown(est: MemoryEstimate, title: str) -> Table:
+    """The components, each line of how they are counted, the peak and the device total."""
+    table = Table(title=title, title_justify="left", show_lines=False)
+    table.add_column("component")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    table.add_column("how it is counted", overflow="fold")
+    for comp in COMPONENTS:
+        first = True
+        # Trace lines that only restate a component at the peak are shown once, below.
+        for line in (
+            ln
+            for ln in est.lines
+            if ln.component == comp and not ln.label.startswith("at the peak")
+        ):
+            table.add_row(
+                comp if first else "",
+                escape(line.label),
+                gib_figure(line.num_bytes),
+                escape(line.formula),
+            )
+            first = False
+    table.add_section()
+    for comp in COMPONENTS:
+        table.add_row(
+            f"[bold]{comp}[/]",
+            f"at the peak ({est.peak_phase})",
+            gib_figure(est.components[comp]),
+            "",
+        )
+    table.add_section()
+    _totals(table, est)
+    return table
+
+
+def _totals(table: Table, est: MemoryEstimate) -> None:
+    table.add_row(
+        "[bold]peak allocated[/]",
+        "",
+        f"[bold]{gib_figure(est.peak_bytes)}[/]",
+        "comparable to torch.cuda.max_memory_allocated"
+        if est.device != "cpu"
+        else "bytes held by tensors",
+    )
+    if est.device != "cpu":
+        table.add_row("reserved", "", gib_figure(est.reserved_bytes), "caching allocator")
+        table.add_row(
+            "[bold]device total[/]",
+            "",
+            f"[bold]{gib_figure(est.device_total_bytes)}[/]",
+            "what nvidia-smi shows: + CUDA context, NCCL",
+        )
+    if est.host_bytes:
+        table.add_row(
+            "host RAM", "", gib_figure(est.host_bytes), "offloaded state, per GPU process"
+        )
+
+
+def estimate(
+    est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None, explain: bool = False
+) -> None:
+    render.out.print(_setup_line(est, info))
+    render.out.print(
+        breakdown(
+            est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} ({est.engine} engine)"
+        )
+    )
+    for note in est.extras.get("notes", []):
+        render.out.print(f"note: {escape(note)}")
+    if explain:
+        _explain(est)
+    if gpu is not None:
+        render.out.print(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
+        time_line(est.speed_json())
+    render.warn(est.warnings)
+
+
+def _setup_line(est: MemoryEstimate, info: ModelInfo) -> str:
+    setup = est.setup
+    return (
+        f"[bold]{escape(info.name)}[/] ({human_count(est.total_params)} params, "
+        f"{human_count(est.trainable_params)} trainable, {info.task}) on [bold]{est.device}[/]: "
+        f"micro-batch {est.micro_batch_size} x {render.sample_size(est.seq_len, est.is_image)}, "
+        f"{setup.precision}, "
+        f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
+        f"{', grad-ckpt' if setup.grad_ckpt else ''}"
+        f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
+        f"{f', loss {setup.loss_label}' if setup.loss != 'full' else ''}"
+        f"{f', adapters {setup.lora_dtype}' if setup.lora_dtype != 'fp32' else ''}"
+        f"{f', frozen base {setup.frozen_dtype}' if setup.frozen_dtype != 'auto' else ''}"
+        f"{f', {setup.optimizer_impl} optimizer' if setup.optimizer_impl != 'auto' else ''}"
+        f", {setup.loop} loop"
+        f"{f', {setup.framework} conventions' if setup.framework else ''}"
+    )
+
+
+def _explain(est: MemoryEstimate) -> None:
+    """``--explain``: the modules holding the most activation memory at the peak."""
+    top = est.extras.get("top_modules") or []
+    if not top:
+        render.out.print("--explain: module attribution comes from the trace engine")
+        return
+    table = Table(
+        title="Activation memory by module at the peak (traced layers)",
+        title_justify="left",
+    )
+    table.add_column("module")
+    table.add_column("GiB", justify="right")
+    for name, num_bytes in top:
+        table.add_row(escape(name) or "(model)", gib_figure(num_bytes, 3))
+    render.out.print(table)
+
+
+def time_line(speed: dict[str, float | None], indent: str = "", source: str | None = None) -> None:
+    """The step time, when there is one: predicted (``batchfit.speed``), or corrected by a
+    probe's measured steps as ``source`` says (``plan --throughput-from``)."""
+    if speed.get("step_seconds") is None:
+        return
+    parts = []
+    if speed.get("comm_seconds"):
+        parts.append(f"{speed['comm_seconds']:.2g} s of communication compute does not hide")
+    if speed.get("offload_seconds"):
+        parts.append(f"{speed['offload_seconds']:.2g} s of CPU offload")
+    within = f" (of which {' and '.join(parts)})" if parts else ""
+    why = (
+        f"--throughput-from: {escape(source)}"
+        if source
+        else "predicted; compute calibrated on an H100, about 15-25% off on measured steps; "
+        "communication and offload not yet checked on real runs"
+    )
+    render.out.print(
+        f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
+        f"{speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+        f"{100 * (speed['mfu'] or 0):.0f}% ({why})"
+    )
+
+
+def fit_verdict(est: MemoryEstimate, gpu: GpuSpec) -> str:
+    """``fits`` only when the device total leaves memory free (``fits_on_card``), and says how much.
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> from batchfit.spec import TrainingSetup
+        >>> t4 = get_gpu("t4")
+        >>> full = MemoryEstimate("m", "analytic", "cuda:t4", 1, 8, TrainingSetup(), {}, 0, 0,
+        ...                       t4.memory_bytes, 0, 0, "backward")
+        >>> fit_verdict(full, t4)
+        '[red]does not fit[/] (no headroom: the card is full)'
+    """
+    free = gpu.memory_bytes - est.device_total_bytes
+    if not fits_on_card(est.device_total_bytes, gpu.memory_bytes):
+        if free == 0:
+            return "[red]does not fit[/] (no headroom: the card is full)"
+        return f"[red]does not fit[/] (short by {_amount(-free)})"
+    if free < DEFAULT_HEADROOM_BYTES:
+        return (
+            f"[yellow]fits, with less than the {gib(DEFAULT_HEADROOM_BYTES)} headroom "
+            f"`plan` keeps[/] (headroom {_amount(free)})"
+        )
+    return f"[green]fits[/] (headroom {_amount(free)})"
+
+
+def _amount(num_bytes: int) -> str:
+    """A positive amount that never prints as zero: GiB, else MiB, else bytes."""
+    if num_bytes >= BYTES_IN_GIB // 100:
+        return gib(num_bytes)
+    if num_bytes >= BYTES_IN_MIB:
+        return f"{num_bytes / BYTES_IN_MIB:.1f} MiB"
+    return f"{num_bytes:,} B"
+
+
+def estimate_json(
+    est: MemoryEstimate, gpu: GpuSpec | None, lengths: Workload | None
+) -> dict[str, Any]:
+    """``estimate --json``: the estimate, and with a GPU whether it fits there."""
+    data = est.to_json()
+    if gpu is not None:
+        data["gpu_bytes"] = gpu.memory_bytes
+        data["headroom_bytes"] = gpu.memory_bytes - est.device_total_bytes
+        data["fits"] = fits_on_card(est.device_total_bytes, gpu.memory_bytes)
+    if lengths is not None:
+        data["lengths"] = lengths.to_json()
+    return data
+
+
+def draw_timeline(
+    est: MemoryEstimate,
+    info: ModelInfo,
+    gpu: GpuSpec | None,
+    grad_accum: int,
+    png: Path | None,
+    pickle_path: Path | None,
+) -> None:
+    """``--timeline`` / ``--snapshot``: a dry run of the whole step, drawn and written."""
+    device: Literal["cpu", "cuda"] = "cpu" if est.device == "cpu" else "cuda"
+    with render.progress(f"dry run of the whole step for {png or pickle_path} ..."):
+        drawn = tl.step_timeline(
+            info,
+            est.setup,
+            micro_batch_size=est.micro_batch_size,
+            seq_len=est.seq_len,
+            device=device,
+            gpu=gpu,
+            grad_accum_steps=grad_accum,
+        )
+    title = (
+        f"{info.name}: micro-batch {est.micro_batch_size} x {est.seq_len}"
+        + (f", accumulation {grad_accum}" if grad_accum > 1 else "")
+        + (
+            f" ({tl.traced_micro_steps(grad_accum)} drawn; the rest repeat the 2nd)"
+            if grad_accum > tl.traced_micro_steps(grad_accum)
+            else ""
+        )
+        + f", {est.setup.precision}, on {gpu.name if gpu else device}"
+    )
+    if png is not None:
+        tl.plot(drawn, png, title, gpu.memory_bytes if gpu else None)
+    if pickle_path is not None:
+        tl.write_snapshot(drawn, pickle_path, device)

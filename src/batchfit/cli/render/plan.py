@@ -1,0 +1,354 @@
+"""Rendering of ``batchfit plan``: the plan's lines, its memory breakdown, the alternatives
+table, the GPU counts (``--num-gpus auto``), where an export went, and the ``--report`` page."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit._units import gib, gib_figure, human_count, human_duration
+from batchfit.cli import render
+from batchfit.cli.render.estimate import breakdown, time_line
+from batchfit.errors import UsageError
+from batchfit.hardware import GpuSpec
+from batchfit.models import ModelInfo
+from batchfit.plan import Alternative, Plan
+from batchfit.spec import TrainingSetup
+from batchfit.views import html as _html
+from batchfit.views import plots as _plots
+from batchfit.views import timeline as tl
+
+
+def technique_flags(p: Plan) -> str:
+    """The flags that switch on what the plan's techniques changed in the setup, for the
+    `batchfit estimate` line that reproduces its figures (``""`` without techniques)."""
+    if not p.techniques:
+        return ""
+    s, base = p.setup, TrainingSetup()
+    flags = [f"--framework {s.framework}"] if s.framework else []
+    if s.grad_ckpt_every is not None:
+        flags.append(f"--grad-ckpt-every {s.grad_ckpt_every}")
+    elif s.grad_ckpt:
+        flags.append("--grad-ckpt")
+    if s.loss != base.loss:
+        flags.append(f"--loss {s.loss_label}")
+    for name, value, default in (
+        ("--method", s.method, base.method),
+        ("--precision", s.precision, base.precision),
+        ("--optimizer", s.optimizer, base.optimizer),
+        ("--optimizer-impl", s.optimizer_impl, base.optimizer_impl),
+        ("--sharding", s.sharding, base.sharding),
+        ("--offload", s.offload, base.offload),
+    ):
+        if value != default:
+            flags.append(f"{name} {value}")
+    return "".join(" " + f for f in flags)
+
+
+def plan(p: Plan, info: ModelInfo) -> None:
+    """The plan for people: its lines, then the tables, then the warnings on stderr."""
+    _batch_lines(p, info)
+    _learning_rate(p)
+    _to_fit(p)
+    if p.num_gpus > 1 and p.setup.sharding in ("none", "ddp"):
+        render.out.print("  sharding: none (DDP: every GPU holds the whole model and optimizer)")
+    time_line(p.speed_json(), "  ", p.throughput.source if p.throughput else None)
+    if p.train_seconds is not None:
+        _the_run(p, p.train_seconds)
+    _memory_and_engine(p)
+    render.out.print(breakdown(p.estimate, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
+    if p.alternatives:
+        _alternatives(p)
+    if p.gpu_counts:
+        _gpu_counts(p)
+    render.warn(p.warnings)
+
+
+def _batch_lines(p: Plan, info: ModelInfo) -> None:
+    """The model and GPUs, micro-batch x accumulation x GPUs, and the largest that fits."""
+    out = render.out
+    out.print(
+        f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], "
+        f"{render.sample_size(p.seq_len, p.is_image)}"
+    )
+    tokens = f" = {p.tokens_per_step:,} tokens per step" if p.tokens_per_step is not None else ""
+    out.print(
+        f"  micro-batch [bold]{p.micro_batch_size}[/] x accumulation "
+        f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
+        f"[bold]{p.global_batch_size:,}[/] samples{tokens}"
+    )
+    if p.max_micro_batch == 0:
+        out.print("  largest micro-batch that fits: [red]none[/]")
+    elif p.max_micro_batch > p.micro_batch_size:
+        out.print(
+            f"  largest micro-batch that fits: {p.max_micro_batch} (the chosen "
+            f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus} "
+            "samples each GPU takes per step)"
+        )
+    elif p.max_micro_batch == p.global_batch_size // p.num_gpus:
+        out.print(
+            f"  largest micro-batch that fits: {p.max_micro_batch} (all the samples each GPU "
+            "takes per step; the search stops there)"
+        )
+    else:
+        out.print(f"  largest micro-batch that fits: {p.max_micro_batch}")
+
+
+def _learning_rate(p: Plan) -> None:
+    if p.learning_rate is None:
+        return
+    render.out.print(
+        f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({escape(p.lr_rule or '')}; valid "
+        "below the critical batch size)"
+    )
+    for line in p.lr_scaling.lines() if p.lr_scaling else []:
+        render.out.print(f"    {escape(line)}")
+
+
+def _to_fit(p: Plan) -> None:
+    if p.techniques:
+        named = ", ".join(
+            f"{t.name} [{'green' if t.kind == 'exact' else 'yellow'}]({t.kind})[/]"
+            for t in p.techniques
+        )
+        render.out.print(f"  to fit: {named}")
+    elif p.max_micro_batch == 0:
+        render.out.print("  to fit: [red]no technique on the ladder is enough[/] (see the warning)")
+    else:
+        render.out.print("  to fit: nothing extra needed")
+
+
+def _the_run(p: Plan, train_seconds: float) -> None:
+    """``--train-tokens`` or ``--epochs``: the run's steps, time and cost."""
+    cost = (
+        f", ${p.cost_usd:,.{0 if p.cost_usd >= 100 else 2}f} at ${p.gpu_hour_price:g}/GPU-hour "
+        f"({escape(p.price_source)})"
+        if p.cost_usd and p.price_source
+        else ""
+        if p.gpu_hour_price
+        else f" (no list price for {p.gpu} in the table: --gpu-hour-price USD adds the cost)"
+    )
+    render.out.print(
+        f"  the run: {p.train_steps:,} optimizer step{'s' if p.train_steps != 1 else ''}, "
+        f"~{human_duration(train_seconds)} on "
+        f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
+    )
+    if p.setup.method == "full" and p.task == "causal-lm" and p.tokens_per_step:
+        tokens = human_count((p.train_steps or 0) * p.tokens_per_step)
+        render.out.print(
+            f"  pre-training? `batchfit batch-size {escape(p.model.removeprefix('generic-'))} "
+            f"--train-tokens {tokens} -s {p.seq_len}`: the batch published laws recommend"
+        )
+
+
+def _memory_and_engine(p: Plan) -> None:
+    est, free = p.estimate, p.headroom_bytes
+    render.out.print(
+        f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
+        f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
+        f"asked for {gib(p.headroom_wanted_bytes)})"
+    )
+    same = (
+        f"batchfit estimate ... -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
+        + technique_flags(p)
+    )
+    if est.engine == "trace":
+        render.out.print(f"  engine: trace (dry runs of the step; `{same}` gives these figures)")
+    else:
+        render.out.print(f"  engine: [yellow]analytic[/] (formulas; `{same} --engine analytic`)")
+
+
+def _alternatives(p: Plan) -> None:
+    """The ladder's options, exact first, and the notes that explain the table."""
+    timed = any(a.step_seconds for a in p.alternatives)
+    # mark the rows the formulas answered, when the trace answered any (it was asked for)
+    traced = p.estimate.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
+    render.out.print(_alternatives_table(p, timed, traced))
+    steps = p.train_steps
+    if timed:
+        marked = any(a.techniques == p.techniques for a in p.alternatives)
+        render.out.print(
+            ("* the plan" if marked else "the plan is the setup as given (no row)")
+            + "; each row is timed at the largest micro-batch that divides the per-GPU "
+            "batch (timed at)" + ("; run and cost for the whole run" if steps else "")
+        )
+    if traced and any(alt.engine == "analytic" for alt in p.alternatives):
+        render.out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
+    if any(alt.throughput_source for alt in p.alternatives):
+        render.out.print(
+            "s / step: corrected by --throughput-from (the model x the probe's "
+            "measured/predicted ratio at the nearest micro-batch it timed; --json gives "
+            "each row's throughput_source)"
+        )
+
+
+def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
+    how = (
+        "; trace engine: each peak moment's line through micro-batch 1 and 2, then "
+        "traced at that size (searched again where it did not fit)"
+        if p.estimate.engine == "trace"
+        else ""
+    )
+    order = "exact first, then by s / step" if timed else "exact rungs first"
+    table = Table(title=f"Alternatives ({order}{how})", title_justify="left")
+    table.add_column("techniques", overflow="fold")
+    table.add_column("kind", overflow="fold")
+    table.add_column("largest micro-batch", justify="right")
+    table.add_column("GiB at that size", justify="right")
+    steps, price = p.train_steps, p.gpu_hour_price
+    if timed:
+        table.add_column("timed at", justify="right")
+        table.add_column("s / step", justify="right")
+        table.add_column("tokens/s/GPU", justify="right")
+        if steps:
+            table.add_column("run", justify="right")
+        if steps and price is not None:
+            table.add_column("cost", justify="right")
+    for alt in ranked(p.alternatives):
+        kinds = {t.kind for t in alt.techniques}
+        table.add_row(
+            _rung_name(alt, p.num_gpus)
+            + (" (analytic)" if traced and alt.engine == "analytic" else "")
+            + (" *" if alt.techniques == p.techniques else ""),
+            "changes-training" if "changes-training" in kinds else "exact",
+            str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
+            gib_figure(alt.device_total_bytes),
+            *(_timed_cells(p, alt) if timed else ()),
+        )
+    return table
+
+
+def _timed_cells(p: Plan, alt: Alternative) -> list[str]:
+    """An alternative's timing columns: timed at, s / step, tokens/s/GPU, and the run's."""
+    steps, price = p.train_steps, p.gpu_hour_price
+    per_gpu = p.global_batch_size // p.num_gpus
+    step = alt.step_seconds
+    run = step * steps if step and steps else None
+    cells = [
+        f"{alt.micro_batch_size} x {per_gpu // alt.micro_batch_size}"
+        if step and alt.micro_batch_size
+        else "-",
+        f"{step:.3g}" if step else "-",
+        f"{alt.tokens_per_s_per_gpu:,.0f}" if alt.tokens_per_s_per_gpu else "-",
+    ]
+    if steps:
+        cells.append(human_duration(run) if run else "-")
+    if steps and price is not None:
+        cells.append(f"${run / 3600 * p.num_gpus * price:,.0f}" if run else "-")
+    return cells
+
+
+def ranked(alternatives: tuple[Alternative, ...]) -> list[Alternative]:
+    """Exact options first, then those that change training; in each, the timed ones fastest
+    first, then the rest in the ladder's order."""
+    order = {id(a): i for i, a in enumerate(alternatives)}
+    return sorted(
+        alternatives,
+        key=lambda a: (
+            any(t.kind != "exact" for t in a.techniques),
+            not a.step_seconds,
+            a.step_seconds or 0.0,
+            order[id(a)],
+        ),
+    )
+
+
+def _rung_name(alt: Alternative, num_gpus: int) -> str:
+    """An alternative's techniques; on several GPUs without sharding, named DDP (else a row
+    of 'fused-loss' alone would not say how the GPUs share the work)."""
+    name = " + ".join(t.name for t in alt.techniques)
+    if num_gpus > 1 and alt.setup.sharding in ("none", "ddp"):
+        return f"ddp + {name}" if name else "ddp"
+    return name
+
+
+def _gpu_counts(p: Plan) -> None:
+    """``--num-gpus auto``: each count's plan in one row, the chosen one marked."""
+    run = any(c.train_seconds for c in p.gpu_counts)
+    cost = any(c.cost_usd for c in p.gpu_counts)
+    table = Table(title="GPU counts (--num-gpus auto)", title_justify="left")
+    for name in ("GPUs", "micro x accum", "s/step", "tokens/s/GPU", "eff."):
+        table.add_column(name, justify="right", no_wrap=True)
+    if run:
+        table.add_column("run", justify="right", no_wrap=True)
+    if cost:
+        table.add_column("cost", justify="right", no_wrap=True)
+    for c in p.gpu_counts:
+        if not c.micro_batch_size:
+            table.add_row(str(c.num_gpus), *["-"] * (4 + run + cost))
+            continue
+        table.add_row(
+            f"[bold]{c.num_gpus}[/] *" if c.chosen else str(c.num_gpus),
+            f"{c.micro_batch_size} x {c.grad_accum_steps}" if c.fits else "[red]none fits[/]",
+            f"{c.step_seconds:.3g}" if c.step_seconds else "-",
+            f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
+            f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
+            *([human_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
+            *([f"${c.cost_usd:,.0f}" if c.cost_usd else "-"] if cost else []),
+        )
+    render.out.print(table)
+    # the techniques below the table, a line each: the figures above stay whole on any width
+    for c in p.gpu_counts:
+        what = c.note if not c.micro_batch_size else " + ".join(c.techniques) or "nothing extra"
+        render.out.print(f"  {c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}: {escape(what)}")
+    render.out.print(
+        f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's"
+    )
+
+
+def export_note(kind: str, path: Path | None, text: str | None) -> None:
+    """Where ``--export`` went: the file written, or its text after the plan."""
+    if path is not None:
+        render.out.print(f"wrote {kind} export to {path}", markup=False)
+    elif text is not None:
+        render.out.print(f"[bold]{kind} export[/]:")
+        render.out.print(text, markup=False)
+
+
+def write_report(result: Plan, info: ModelInfo, gpu: GpuSpec, path: Path) -> None:
+    """``plan --report``: the page, with the chosen setup's traced step drawn in it (a dry run
+    of the whole model) when the trace engine answered."""
+    png = None
+    est = result.estimate
+    if est.engine == "trace" and not est.is_image:
+        _plots.require("--report")
+        png = _report_timeline(result, info, gpu)
+    page = _html.report_page(result.to_json(), png)
+    tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp_path.write_text(page)
+        os.replace(tmp_path, path)
+    except OSError as e:
+        raise UsageError(f"cannot write --report {path}: {e.strerror}") from None
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def _report_timeline(result: Plan, info: ModelInfo, gpu: GpuSpec) -> bytes:
+    """The report's picture: the plan's step, traced whole, as PNG bytes."""
+    est = result.estimate
+    with render.progress("dry run of the whole step for the report ..."):
+        drawn = tl.step_timeline(
+            info,
+            est.setup,
+            micro_batch_size=est.micro_batch_size,
+            seq_len=est.seq_len,
+            device="cuda",
+            gpu=gpu,
+            grad_accum_steps=result.grad_accum_steps,
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        picture = Path(tmp) / "timeline.png"
+        accum = result.grad_accum_steps
+        title = (
+            f"{info.name}: micro-batch {est.micro_batch_size} x {est.seq_len}"
+            + (f", accumulation {accum}" if accum > 1 else "")
+            + f", {est.setup.precision}, on {gpu.name}"
+        )
+        tl.plot(drawn, picture, title, gpu.memory_bytes)
+        return picture.read_bytes()
