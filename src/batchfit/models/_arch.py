@@ -95,7 +95,7 @@ RMSNORM_TYPES = frozenset(
     }
 )
 # Model types whose transformers model class has ``_supports_sdpa = False`` (transformers
-# 5.24; tests/models/test_i10_attention.py checks this against the installed classes). Asked for
+# 5.24; tests/models/test_attention.py checks this against the installed classes). Asked for
 # SDPA, transformers raises; left to choose, it runs eager attention. Kept as data so the
 # analytic engine knows without importing transformers.
 NO_SDPA_TYPES = frozenset(
