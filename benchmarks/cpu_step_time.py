@@ -352,8 +352,8 @@ NOTES: list[str] = [
     "decoder (30522 x 512), because a masked LM's head group (the transform: a dense layer, a "
     "norm, the decoder's bias) was taken for an untied output matrix. Fixed in "
     "`batchfit.speed._step._matmul_params`, for GPUs too (`gpus bert-base-uncased`: hours per "
-    "billion tokens +23%, the one plan golden that moved). No coefficient was refitted: no calibration "
-    "model has such a head.",
+    "billion tokens +23%, the one plan golden that moved). No coefficient was refitted: no "
+    "calibration model has such a head.",
     "- **Misses left.** The evaluation half's 4-layer, width-512 models at seq 128 (OPT, "
     "Pythia, BERT) are over-predicted, +4% to +33% (gen-opt-small at micro-batch 2 the worst), "
     "while the calibration half's model of the same shape, gen-gpt2-small, sits at +4% to +15% "
