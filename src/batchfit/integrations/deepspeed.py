@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from batchfit.train.retry import OomRetry, batch_len, run_micro_steps
+from batchfit.train.retry import OomRetry, RetryState, batch_len, run_micro_steps
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DeepSpeedStepResult:
     ooms: int
 
 
-class DeepSpeedMicroBatcher:
+class DeepSpeedMicroBatcher(RetryState):
     """Run each global batch on a DeepSpeed engine in micro-batches that fit; on an OOM on any
     rank, every rank halves the micro-batch and redoes the global batch from its first sample.
 
@@ -121,26 +121,6 @@ class DeepSpeedMicroBatcher:
             grow_after_steps=grow_after_steps,
             logger=logger,
         )
-
-    @property
-    def min_micro_batch_size(self) -> int:
-        """The smallest micro-batch to try."""
-        return self._retry.min_micro_batch_size
-
-    @property
-    def grow_after_steps(self) -> int | None:
-        """Clean global steps before trying a larger size again; None keeps a reduced size."""
-        return self._retry.grow_after_steps
-
-    @property
-    def num_ooms(self) -> int:
-        """Out-of-memory errors recovered from over the batcher's life."""
-        return self._retry.num_ooms
-
-    @property
-    def micro_batch_size(self) -> int:
-        """The size the next global batch starts with."""
-        return self._retry.size
 
     def run(self, batch: Any, step_fn: DeepSpeedStepFn) -> DeepSpeedStepResult:
         """Run one global batch (this rank's share) and step the engine once.

@@ -29,14 +29,14 @@ from batchfit.train._batches import batch_len
 from batchfit.train._checks import check_positive_int
 from batchfit.train.accumulate import Accumulator, NumItems, StepResult
 from batchfit.train.ramp import BatchRamp
-from batchfit.train.retry import OomRetry, run_micro_steps
+from batchfit.train.retry import OomRetry, RetryState, run_micro_steps
 
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[Any], tuple[torch.Tensor, NumItems]]
 
 
-class MicroBatcher:
+class MicroBatcher(RetryState):
     """Split global batches into micro-batches for an ``Accumulator``, surviving OOM errors.
 
     ``run(batch, step_fn)`` calls ``step_fn(micro_batch)`` for each micro-batch; it runs the
@@ -133,21 +133,6 @@ class MicroBatcher:
         return self._retry.initial_micro_batch_size
 
     @property
-    def min_micro_batch_size(self) -> int:
-        """The smallest micro-batch to try."""
-        return self._retry.min_micro_batch_size
-
-    @property
-    def grow_after_steps(self) -> int | None:
-        """Clean global steps before trying a larger size again; None keeps a reduced size."""
-        return self._retry.grow_after_steps
-
-    @property
-    def num_ooms(self) -> int:
-        """Out-of-memory errors recovered from over the batcher's life."""
-        return self._retry.num_ooms
-
-    @property
     def global_batch_size(self) -> int | None:
         """Samples the next ``run`` covers over all ranks (a ramp's); None without a ramp."""
         return None if self.ramp is None else self.ramp.global_batch_size
@@ -170,11 +155,6 @@ class MicroBatcher:
                 f"the ramp's global batch {global_batch} does not split over {world} ranks: "
                 "use multiples of the world size"
             )
-
-    @property
-    def micro_batch_size(self) -> int:
-        """The size the next global batch starts with."""
-        return self._retry.size
 
     def run(self, batch: Any, step_fn: StepFn) -> StepResult:
         """Run one global batch (this rank's share) and step the optimizer once.

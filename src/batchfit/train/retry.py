@@ -36,6 +36,7 @@ from batchfit.train._restart import BatchStart
 
 __all__ = [
     "OomRetry",
+    "RetryState",
     "batch_len",
     "micro_batch_at_most",
     "run_micro_steps",
@@ -250,3 +251,30 @@ class OomRetry(Generic[R]):
             grown,
         )
         self.size, self._clean_steps = grown, 0
+
+
+class RetryState:
+    """What a batcher built on :class:`OomRetry` reports of it (``MicroBatcher``,
+    ``DeepSpeedMicroBatcher``): the sizes and the errors recovered from."""
+
+    _retry: OomRetry[Any]
+
+    @property
+    def min_micro_batch_size(self) -> int:
+        """The smallest micro-batch to try."""
+        return self._retry.min_micro_batch_size
+
+    @property
+    def grow_after_steps(self) -> int | None:
+        """Clean global steps before trying a larger size again; None keeps a reduced size."""
+        return self._retry.grow_after_steps
+
+    @property
+    def num_ooms(self) -> int:
+        """Out-of-memory errors recovered from over the batcher's life."""
+        return self._retry.num_ooms
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The size the next global batch starts with."""
+        return self._retry.size
