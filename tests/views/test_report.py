@@ -16,7 +16,7 @@ from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.views import html as _html
-from tests.html._browser import BROWSER, NO_BROWSER, render
+from tests.views._browser import BROWSER, NO_BROWSER, render
 
 
 def _plan_json() -> dict[str, object]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.html._browser import BROWSER, NO_BROWSER, render
+from tests.views._browser import BROWSER, NO_BROWSER, render
 
 pytest.importorskip("nbconvert", reason="the notebook test needs the dev extra's nbconvert")
 pytest.importorskip("nbclient")
