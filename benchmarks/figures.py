@@ -246,35 +246,34 @@ _add(
 
 # --- throughput: predicted against published runs --------------------------------------------
 TPUT = "throughput_published_results.json"
-for _index, _half in ((0, "calibration"), (1, "evaluation")):
-    _add(
-        f"throughput_{_half}_median_error_pct",
-        TPUT,
-        lambda h=_half: _search(TPUT, rf"\*\*{h}\*\*.*?median \|error\| ([\d.]+)%"),
-    )
-    _add(
-        f"throughput_{_half}_worst_error_pct",
-        TPUT,
-        lambda i=_index: _worst_abs(_column(TPUT, i, "error")),
-    )
-    _add(
-        f"throughput_{_half}_runs",
-        TPUT,
-        lambda i=_index: float(len(_tables(TPUT)[i]["rows"])) if len(_tables(TPUT)) > i else None,
-    )
-
 CPUT = "cpu_step_time_results.json"
-for _index, _half in ((0, "calibration"), (1, "evaluation")):
-    _add(
-        f"cpu_step_time_{_half}_median_error_pct",
-        CPUT,
-        lambda h=_half: _search(CPUT, rf"\*\*{h}\*\*.*?median \|error\| ([\d.]+)%"),
-    )
-    _add(
-        f"cpu_step_time_{_half}_worst_error_pct",
-        CPUT,
-        lambda i=_index: _worst_abs(_column(CPUT, i, "error")),
-    )
+
+
+def _add_halves(prefix: str, source: str, *, runs: bool) -> None:
+    """Median and worst |error| of a calibration / evaluation split (and its run counts)."""
+    for index, half in ((0, "calibration"), (1, "evaluation")):
+        _add(
+            f"{prefix}_{half}_median_error_pct",
+            source,
+            lambda h=half: _search(source, rf"\*\*{h}\*\*.*?median \|error\| ([\d.]+)%"),
+        )
+        _add(
+            f"{prefix}_{half}_worst_error_pct",
+            source,
+            lambda i=index: _worst_abs(_column(source, i, "error")),
+        )
+        if runs:
+            _add(
+                f"{prefix}_{half}_runs",
+                source,
+                lambda i=index: (
+                    float(len(_tables(source)[i]["rows"])) if len(_tables(source)) > i else None
+                ),
+            )
+
+
+_add_halves("throughput", TPUT, runs=True)
+_add_halves("cpu_step_time", CPUT, runs=False)
 
 # --- published GPU memory -------------------------------------------------------------------
 GPUB = "gpu_published_results.json"
