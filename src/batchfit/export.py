@@ -12,24 +12,12 @@ from typing import Any
 from batchfit._units import ordinal
 from batchfit.errors import UsageError
 from batchfit.memory.formulas.deepspeed import precision_config, zero_optimization
+from batchfit.optimizers import get_optimizer
 from batchfit.plan import Plan
 from batchfit.spec import TrainingSetup, is_deepspeed
 from batchfit.speed import GPUS_PER_NODE
 
 EXPORT_KINDS: tuple[str, ...] = ("hf", "deepspeed", "accelerate", "lightning")
-
-# TrainingArguments(optim=...) names (transformers.training_args.OptimizerNames).
-_HF_OPTIM = {
-    "sgd": "sgd",
-    "sgd-momentum": "sgd",
-    "adam": "adamw_torch",
-    "adamw": "adamw_torch",
-    "adamw-8bit": "adamw_bnb_8bit",
-    "paged-adamw-8bit": "paged_adamw_8bit",
-    "adafactor": "adafactor",
-    "lion": "lion_32bit",
-}
-
 
 _PEFT_TASK = {
     "causal-lm": "CAUSAL_LM",
@@ -37,10 +25,6 @@ _PEFT_TASK = {
     "masked-lm": "FEATURE_EXTRACTION",
     "seq2seq": "SEQ_2_SEQ_LM",
 }
-
-
-# Decoupled weight decay for AdamW, none for Adam (torch.optim defaults).
-_WEIGHT_DECAY = {"adam": 0.0, "adamw": 0.01}
 
 
 def _zero_stage(setup: TrainingSetup) -> int:
@@ -82,11 +66,12 @@ def _peft_settings(plan: Plan) -> dict[str, Any]:
 def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``."""
     setup = plan.setup
+    names = get_optimizer(setup.optimizer).export
     kwargs: dict[str, Any] = {
         "output_dir": "out",
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
-        "optim": _HF_OPTIM[setup.optimizer],  # the fused implementation: below
+        "optim": names.hf_optim,  # the fused implementation: below
         # `activation_checkpointing`: transformers 5.x deprecates `gradient_checkpointing` for it
         "activation_checkpointing": setup.grad_ckpt,
         "bf16": setup.precision in ("amp-bf16", "bf16"),
@@ -96,12 +81,12 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         # Trainer patches the model with Liger's kernels, fused linear cross-entropy among them
         # (trainer.py: _apply_liger_kernel_to_instance); needs `pip install liger-kernel`.
         kwargs["use_liger_kernel"] = True
-    if setup.optimizer in ("adam", "adamw") and setup.optimizer_impl == "fused":
-        kwargs["optim"] = "adamw_torch_fused"  # the plan counted fused AdamW's memory
-    if setup.optimizer == "sgd-momentum":
-        kwargs["optim_args"] = "momentum=0.9"
+    if names.hf_optim_fused is not None and setup.optimizer_impl == "fused":
+        kwargs["optim"] = names.hf_optim_fused  # the plan counted the fused kernel's memory
+    if names.hf_optim_args is not None:
+        kwargs["optim_args"] = names.hf_optim_args
     # The same decay the DeepSpeed export writes: Trainer refuses configs that disagree.
-    kwargs["weight_decay"] = _WEIGHT_DECAY.get(setup.optimizer, 0.0)
+    kwargs["weight_decay"] = names.weight_decay
     if plan.learning_rate is not None:
         kwargs["learning_rate"] = plan.learning_rate
     # fp16 weights training against an fp32 master copy: DeepSpeed (stage 0 is enough) does it;
@@ -141,14 +126,12 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         **precision_config(setup),
         "gradient_clipping": 1.0,
     }
-    if setup.optimizer in ("adam", "adamw"):
-        params: dict[str, Any] = {"weight_decay": _WEIGHT_DECAY[setup.optimizer]}
+    names = get_optimizer(setup.optimizer).export
+    if names.deepspeed_type is not None:
+        params: dict[str, Any] = {"weight_decay": names.weight_decay}
         if plan.learning_rate is not None:
             params["lr"] = plan.learning_rate
-        config["optimizer"] = {
-            "type": "AdamW" if setup.optimizer == "adamw" else "Adam",
-            "params": params,
-        }
+        config["optimizer"] = {"type": names.deepspeed_type, "params": params}
     return config
 
 

@@ -7,21 +7,15 @@ from dataclasses import dataclass, replace
 from typing import Literal, cast, get_args
 
 from batchfit.errors import UsageError
+from batchfit.optimizers import get_optimizer, registered
 
 # "image-classification": a transformers image model (ViT, ConvNeXt, Swin, CLIP vision) or a
 # torchvision model; its per-sample size is the image side in pixels, not tokens.
 Task = Literal["causal-lm", "classification", "masked-lm", "seq2seq", "image-classification"]
 Precision = Literal["auto", "fp32", "amp-fp16", "amp-bf16", "bf16", "fp16"]
-Optimizer = Literal[
-    "sgd",
-    "sgd-momentum",
-    "adam",
-    "adamw",
-    "adamw-8bit",
-    "paged-adamw-8bit",
-    "adafactor",
-    "lion",
-]
+# An optimizer's name in batchfit.optimizers' registry (``OPTIMIZERS``): each registered spec
+# says what it keeps, allocates, streams and exports, and the shardings it runs under.
+Optimizer = str
 OptimizerImpl = Literal["auto", "fused", "foreach", "for-loop"]
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["auto", "eager", "sdpa", "flash"]
@@ -52,7 +46,6 @@ Framework = Literal["hf-trainer", "accelerate", "lightning", "litgpt", "torchtun
 
 TASKS: tuple[str, ...] = get_args(Task)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImpl)
 METHODS: tuple[str, ...] = get_args(Method)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
@@ -63,13 +56,6 @@ LOSSES: tuple[str, ...] = get_args(LossKind)
 LORA_DTYPES: tuple[str, ...] = get_args(LoraDtype)
 FROZEN_DTYPES: tuple[str, ...] = get_args(FrozenDtype)
 FRAMEWORKS: tuple[str, ...] = get_args(Framework)
-
-# Optimizers that plan.scale_learning_rate scales by the square root of the batch ratio.
-# Malladi et al. 2022 (SDE scaling rule) is the source for Adam and AdamW, and the 8-bit
-# variants keep the same two moments. Lion (one momentum buffer, sign update) and Adafactor
-# (factored second moment, no first moment by default) keep other state and have no sourced
-# rule: they get the square-root rule as a guess, and the plan says so (_lr_scaling).
-ADAM_FAMILY = frozenset({"adam", "adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion"})
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -171,7 +157,7 @@ class TrainingSetup:
         if self.task is not None:
             check_choice("--task", self.task, TASKS)
         check_choice("--precision", self.precision, PRECISIONS)
-        check_choice("--optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("--optimizer", self.optimizer, registered())
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         check_choice("--method", self.method, METHODS)
         check_choice("--attention", self.attention, ATTENTIONS)
@@ -226,6 +212,7 @@ class TrainingSetup:
             )
         if self.offload == "optimizer+params" and self.sharding not in ("zero3", "fsdp"):
             raise UsageError("--offload optimizer+params needs --sharding zero3 or fsdp")
+        get_optimizer(self.optimizer).check_sharding(self.sharding)
 
     @property
     def is_lora(self) -> bool:

@@ -24,11 +24,12 @@ from typing import Any, get_args
 
 import pytest
 
-from batchfit.export import _HF_OPTIM, _PEFT_TASK, EXPORT_KINDS, export, render
+from batchfit.export import _PEFT_TASK, EXPORT_KINDS, export, render
 from batchfit.hardware import get_gpu
 from batchfit.models import resolve_model
+from batchfit.optimizers import OPTIMIZERS, get_optimizer
 from batchfit.plan import Plan, make_plan
-from batchfit.spec import OPTIMIZERS, TrainingSetup
+from batchfit.spec import TrainingSetup
 from tests._cli import CONTRACT, run_cli
 
 # The planner's logic, on the fast analytic engine (the trace engine's plans: test_fit.py,
@@ -334,7 +335,9 @@ def test_hf_every_optimizer_is_a_training_arguments_optim(
 ):
     from transformers.training_args import OptimizerNames
 
-    assert _HF_OPTIM[optimizer] in {o.value for o in OptimizerNames}
+    names = get_optimizer(optimizer).export
+    assert names.hf_optim in {o.value for o in OptimizerNames}
+    assert names.hf_optim_fused in {None, *(o.value for o in OptimizerNames)}
     plan = make_plan_analytic(
         resolve_model("gpt2"),
         get_gpu("a100-80gb"),

@@ -13,8 +13,8 @@ from batchfit.memory.estimate import estimate
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace import estimate as _trace_estimate
 from batchfit.memory.trace import hf as _hf_trace
-from batchfit.memory.trace._optim import make_optimizer
 from batchfit.models import resolve_model
+from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
 
 pytestmark = pytest.mark.slow

@@ -21,6 +21,7 @@ import typer
 
 from batchfit.errors import UsageError
 from batchfit.frameworks import with_framework
+from batchfit.optimizers import OPTIMIZERS
 from batchfit.spec import (
     ATTENTIONS,
     FRAMEWORKS,
@@ -30,7 +31,6 @@ from batchfit.spec import (
     METHODS,
     OFFLOADS,
     OPTIMIZER_IMPLS,
-    OPTIMIZERS,
     PRECISIONS,
     SHARDINGS,
     TASKS,
@@ -40,7 +40,6 @@ from batchfit.spec import (
     LoraDtype,
     Method,
     Offload,
-    Optimizer,
     OptimizerImpl,
     Precision,
     Sharding,
@@ -110,7 +109,7 @@ def _setup(raw: dict[str, Any]) -> TrainingSetup:
     return TrainingSetup(
         task=cast(Task, check_choice("--task", raw["task"], TASKS)) if raw["task"] else None,
         precision=cast(Precision, check_choice("--precision", raw["precision"], PRECISIONS)),
-        optimizer=cast(Optimizer, check_choice("--optimizer", raw["optimizer"], OPTIMIZERS)),
+        optimizer=check_choice("--optimizer", raw["optimizer"], OPTIMIZERS),
         optimizer_impl=cast(
             OptimizerImpl, check_choice("--optimizer-impl", raw["optimizer_impl"], OPTIMIZER_IMPLS)
         ),

@@ -14,9 +14,11 @@ from functools import reduce
 from typing import Literal
 
 from batchfit._units import ordinal
+from batchfit.errors import UsageError
 from batchfit.frameworks import adapter_defaults
 from batchfit.hardware import GpuSpec
 from batchfit.models import ModelInfo
+from batchfit.optimizers import get_optimizer
 from batchfit.spec import TrainingSetup
 
 Kind = Literal["exact", "changes-training"]
@@ -208,6 +210,18 @@ ADAMW_8BIT = Technique(
     "8-bit optimizer states",
     lambda s: replace(s, optimizer="adamw-8bit"),
 )
+
+
+def swap_optimizer(name: str) -> Technique:
+    """Train with ``name``, the lighter optimizer the setup's registered spec names."""
+    return Technique(
+        name,
+        "changes-training",
+        get_optimizer(name).summary,
+        lambda s: replace(s, optimizer=name),
+    )
+
+
 PURE_BF16 = Technique(
     "pure-bf16",
     "changes-training",
@@ -276,8 +290,9 @@ def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
 
 def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Combo]:
     changing: list[Technique] = []
-    if setup.optimizer in ("adam", "adamw"):
-        changing.append(ADAMW_8BIT)
+    lighter = get_optimizer(setup.optimizer).lighter
+    if lighter is not None:
+        changing.append(ADAMW_8BIT if lighter == ADAMW_8BIT.name else swap_optimizer(lighter))
     # "auto" under a pure-bf16 preset (torchtune, litgpt) already is pure bf16
     precision = setup.resolved(device="cuda", bf16_supported=gpu.bf16).precision
     if precision != "bf16" and gpu.bf16 and setup.method == "full":
@@ -319,7 +334,7 @@ def ladder(
     loss = lean_loss(model, setup)
     base: Combo = () if loss is None else (loss,)
     first: list[Combo] = [base] if base else []
-    if setup.optimizer in ("adam", "adamw") and setup.optimizer_impl in ("auto", "foreach"):
+    if get_optimizer(setup.optimizer).fused_first and setup.optimizer_impl in ("auto", "foreach"):
         # PyTorch's default on CUDA is foreach (torch/optim/optimizer.py), whose step holds an
         # fp32 copy of every parameter; fused costs no time, so it is tried first, alone (later
         # rungs change where the peak is, and DeepSpeed's bring their own fused optimizer)
@@ -332,4 +347,14 @@ def ladder(
             sharded = [r for r in _exact_rungs(setup, base) if r[-1].name in _SHARDINGS]
         base = (*base, GRAD_CKPT)
         first.append(base)
-    return (*first, *sharded, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))
+    combos = (*first, *sharded, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))
+    return tuple(c for c in combos if _accepted(setup, c))
+
+
+def _accepted(setup: TrainingSetup, combo: Combo) -> bool:
+    """Whether the setup takes ``combo`` (an optimizer may refuse a sharding, QLoRA fp32, ...)."""
+    try:
+        apply(setup, combo)
+    except UsageError:
+        return False
+    return True

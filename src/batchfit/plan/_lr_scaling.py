@@ -12,12 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.errors import UsageError
-from batchfit.spec import ADAM_FAMILY
-
-# In ADAM_FAMILY for want of a better rule, not by a source: the text says so.
-_UNSOURCED = frozenset({"lion", "adafactor"})
-# Adam proper (its β1, β2, ε): Malladi et al.'s rule rescales exactly these.
-_ADAM = ADAM_FAMILY - _UNSOURCED
+from batchfit.optimizers import get_optimizer
 
 DEFAULT_BETAS = (0.9, 0.999)  # torch.optim.Adam / AdamW defaults (bitsandbytes' and HF's too)
 DEFAULT_EPS = 1e-8  # torch.optim.Adam / AdamW default
@@ -54,21 +49,20 @@ def scale_learning_rate(
             f"--base-lr {base_lr:g} scaled to {_count(global_batch)} samples overflows: "
             "give a real rate"
         )
+    rule = get_optimizer(optimizer).lr  # its registered rule and source
+    if rule.scaling == "linear":
+        return base_lr * ratio, (
+            f"linear scaling for {optimizer} ({rule.source}): "
+            f"{base_lr:g} x {_count(global_batch)}/{_count(base_batch)}"
+        )
     sqrt_text = f"{base_lr:g} x sqrt({_count(global_batch)}/{_count(base_batch)})"
-    if optimizer in _UNSOURCED:
+    if rule.source is None:
         return base_lr * math.sqrt(ratio), (
-            f"no published batch-size rule for {optimizer} (it keeps other state than Adam): "
+            f"no published batch-size rule for {optimizer} ({rule.unsourced_why}): "
             f"Adam's square-root rule as a first guess, tune it: {sqrt_text}"
         )
-    if optimizer in ADAM_FAMILY:
-        # Malladi et al. 2022, square-root scaling rule: eta -> sqrt(kappa) * eta
-        return base_lr * math.sqrt(ratio), (
-            f"square-root scaling for {optimizer} (Malladi et al. 2022): {sqrt_text}"
-        )
-    # Goyal et al. 2017, linear scaling rule: eta -> kappa * eta
-    return base_lr * ratio, (
-        f"linear scaling for {optimizer} (Goyal et al. 2017): "
-        f"{base_lr:g} x {_count(global_batch)}/{_count(base_batch)}"
+    return base_lr * math.sqrt(ratio), (
+        f"square-root scaling for {optimizer} ({rule.source}): {sqrt_text}"
     )
 
 
@@ -273,7 +267,7 @@ def follow_batch(
             "--base-batch-tokens tokens) and tune the LR near the new batch",
         )
     adam = None
-    if optimizer in _ADAM and applied != 1:
+    if get_optimizer(optimizer).lr.adam_betas and applied != 1:
         adam = adam_adjustment(applied, base_betas, base_eps)
     return (
         LrScaling(

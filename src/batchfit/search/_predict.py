@@ -17,6 +17,7 @@ from batchfit.hardware import catalog_gpu
 from batchfit.memory import estimate as _estimate
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace import hf as _hf_trace
+from batchfit.optimizers import get_optimizer
 from batchfit.search._trials import SearchResult
 
 if TYPE_CHECKING:
@@ -186,11 +187,13 @@ def predict(
 def stand_ins(setup: Any) -> list[str]:
     """What the probe's step runs in place of the setup's, when this machine cannot run it."""
     notes = []
-    bnb = importlib.util.find_spec("bitsandbytes") is not None and torch.cuda.is_available()
-    if setup.optimizer in ("adamw-8bit", "paged-adamw-8bit") and not bnb:
+    package = get_optimizer(setup.optimizer).needs_cuda_package
+    if package is not None and not (
+        importlib.util.find_spec(package) is not None and torch.cuda.is_available()
+    ):
         notes.append(
-            f"{setup.optimizer}: bitsandbytes does not run here; an emulation with the same "
-            "state sizes ran, so the peak is close but the speed is not bitsandbytes'"
+            f"{setup.optimizer}: {package} does not run here; an emulation with the same "
+            f"state sizes ran, so the peak is close but the speed is not {package}'"
         )
     if setup.method == "qlora":
         notes.append(

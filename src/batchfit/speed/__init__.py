@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from batchfit.hardware import CpuSpec, GpuSpec
 from batchfit.models import ModelInfo
+from batchfit.optimizers import get_optimizer
 from batchfit.spec import TrainingSetup, is_deepspeed
 from batchfit.speed._comm import comm_bytes_per_step as comm_bytes_per_step
 from batchfit.speed._comm import traffic
 from batchfit.speed._cpu import cpu_step_time
-from batchfit.speed._step import UNFUSED_OPTIMIZER_ACCESSES, model_trainable, step_flops
 from batchfit.speed._step import StepTime as StepTime
+from batchfit.speed._step import model_trainable, step_flops
 
 # Utilisation of the tensor cores' dense peak that a step's matmuls reach, by generation: the
 # ceiling for wide models. Hopper 0.50: llama-3.2-1b (width 2048) reached 0.35 at the margin on
@@ -66,19 +67,7 @@ U_FP32 = 0.54
 # fused kernel's 7 accesses the same intercepts give 3.1, 3.8 and 1.5 ms; then 3.0 and 1.5.)
 LAUNCH_S_PER_LAYER = {"amp": 2.6e-3, "plain": 1.3e-3}
 # The optimizer step is memory-bound: elements it streams per trainable parameter, at the
-# state's element size. A fused kernel (torch's fused=True, DeepSpeed's FusedAdam, the 8-bit
-# kernels) reads each tensor once and writes the updated ones back: AdamW reads weights,
-# gradients and two moments and writes three of them = 7.
-OPTIMIZER_ACCESSES = {
-    "adamw": 7,
-    "adam": 7,
-    "sgd": 3,
-    "sgd-momentum": 5,
-    "lion": 5,
-    "adafactor": 4,
-    "adamw-8bit": 4,
-    "paged-adamw-8bit": 4,
-}
+# state's element size, as its registered spec counts them (batchfit.optimizers ``Accesses``).
 # Gradient clipping by norm before the update: torch's clip_grad_norm_ (torch/nn/utils/
 # clip_grad.py) reads every gradient for _foreach_norm, then scales each in place with
 # _foreach_mul_ whether or not the norm exceeds the limit: 3 accesses a trainable parameter.
@@ -302,11 +291,9 @@ def optimizer_accesses(setup: TrainingSetup) -> int:
         ...     TrainingSetup(framework="hf-trainer", optimizer_impl="fused"))
         10
     """
+    accesses = get_optimizer(setup.optimizer).accesses
     fused = setup.optimizer_impl == "fused" or is_deepspeed(setup)
-    if not fused and setup.optimizer in UNFUSED_OPTIMIZER_ACCESSES:
-        update = UNFUSED_OPTIMIZER_ACCESSES[setup.optimizer]
-    else:
-        update = OPTIMIZER_ACCESSES.get(setup.optimizer, 7)
+    update = accesses.kernel if fused or accesses.unfused is None else accesses.unfused
     return update + (CLIP_ACCESSES if setup.framework in CLIPPING_FRAMEWORKS else 0)
 
 

@@ -8,7 +8,7 @@ Per micro-step::
               + elementwise passes x activation bytes / bandwidth
 
 and once per optimizer step the update, PyTorch's per-parameter loop streaming each tensor
-through memory (``OPTIMIZER_ACCESSES``, counted from the loop's source, not fitted).
+through memory (its registered ``Accesses.cpu``, counted from the loop's source, not fitted).
 
 The three coefficients below were fitted (least squares on relative error) on the calibration
 half of ``benchmarks/cpu_step_time.py`` only: fp32 AdamW steps of gen-gpt2-small,
@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from batchfit.hardware import CpuSpec
 from batchfit.models import ModelInfo
+from batchfit.optimizers import get_optimizer
 from batchfit.spec import TrainingSetup
-from batchfit.speed._step import UNFUSED_OPTIMIZER_ACCESSES, StepTime, model_trainable, step_flops
+from batchfit.speed._step import StepTime, model_trainable, step_flops
 
 # Fitted on the calibration half of benchmarks/cpu_step_time.py (see the module docstring;
 # 20 steps, median |error| 8%, worst -16%). A per-layer launch term, as on a GPU, came out
@@ -33,13 +34,6 @@ from batchfit.speed._step import UNFUSED_OPTIMIZER_ACCESSES, StepTime, model_tra
 UTIL = 0.636  # of the profile's 2048^3 matmul rate that a step's matmuls reach at many rows
 HALF_ROWS = 64.0  # tokens in a micro-step at which the matmuls run at half that rate
 ELEMENTWISE_PASSES = 30.0  # 4-byte passes over each layer's width and the logits, per token
-# PyTorch's per-parameter AdamW loop (torch/optim/adam.py, _single_tensor_adam, the CPU
-# default) streams 4-byte elements: mul_ (decoupled weight decay) 2, exp_avg.lerp_ 3,
-# exp_avg_sq.mul_ 2 and addcmul_ 3, sqrt 2, division 2, add_(eps) 2, param.addcdiv_ 4 = 20
-# accesses per parameter; Adam without weight decay 18. SGD: add_ 3; with momentum
-# buf.mul_().add_() 5 and add_ 3. Others: AdamW's count (unmeasured). The foreach variant on a
-# GPU runs the same operations (batchfit.speed.UNFUSED_OPTIMIZER_ACCESSES, this table).
-OPTIMIZER_ACCESSES = UNFUSED_OPTIMIZER_ACCESSES
 # the fitted terms, in the order benchmarks/cpu_step_time.py fits them
 FEATURES = ("compute_at_peak_seconds", "compute_per_row_seconds", "elementwise_seconds")
 
@@ -68,7 +62,7 @@ def cpu_terms(
     if model.task in ("causal-lm", "masked-lm"):
         width_elements += arch.vocab_size
     trainable = model_trainable(model, setup)
-    accesses = OPTIMIZER_ACCESSES.get(setup.optimizer, OPTIMIZER_ACCESSES["adamw"])
+    accesses = get_optimizer(setup.optimizer).accesses.cpu
     return {
         "compute_at_peak_seconds": at_peak,
         "compute_per_row_seconds": at_peak / tokens,

@@ -1,6 +1,6 @@
 """What a step computes, whatever it runs on: its FLOPs a token (``step_flops``), the trainable
-parameters, the optimizer's element accesses when unfused, and the ``StepTime`` value the GPU
-model (``batchfit.speed``) and the CPU model (``_cpu``) both return."""
+parameters, and the ``StepTime`` value the GPU model (``batchfit.speed``) and the CPU model
+(``_cpu``) both return."""
 
 from __future__ import annotations
 
@@ -8,16 +8,6 @@ from dataclasses import dataclass
 
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
-
-# PyTorch's foreach implementation (its default for CUDA tensors, torch/optim/optimizer.py
-# _default_to_fused_or_foreach) and its per-parameter loop run one kernel per operation, each
-# streaming its tensors: AdamW in torch/optim/adam.py _multi_tensor_adam (torch 2.13, decoupled
-# weight decay on, capturable off): _foreach_mul_(params) 2, _foreach_lerp_(exp_avgs, grads) 3,
-# _foreach_mul_(exp_avg_sqs) 2, _foreach_addcmul_(exp_avg_sqs, grads, grads) 3,
-# _foreach_sqrt 2, _foreach_div_ 2, _foreach_add_(eps) 2, _foreach_addcdiv_(params) 4 = 20;
-# Adam without weight decay 18; SGD _foreach_add_ 3, with momentum _foreach_mul_ 2 + add_ 3 +
-# add_ 3 = 8. _single_tensor_adam runs the same operations tensor by tensor (speed/_cpu.py).
-UNFUSED_OPTIMIZER_ACCESSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd-momentum": 8}
 
 
 @dataclass(frozen=True)

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from batchfit._units import human_count
 from batchfit.memory.types import Line
 from batchfit.models import ModelInfo
+from batchfit.optimizers import ParamTensor, get_optimizer
 from batchfit.spec import TrainingSetup
 
 # QLoRA NF4 with double quantisation: 4 bits + 8-bit absmax per 64-block + fp32 absmax per
 # 256 of those (Dettmers et al. 2023, QLoRA, section 3: 0.127 bits of constants per param).
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-# bitsandbytes 8-bit optimizers: 1 byte per state element plus an fp32 absmax per 256-block;
-# tensors under min_8bit_size=4096 elements keep 32-bit states (bnb/optim/optimizer.py).
-BNB_BLOCK = 256
-BNB_MIN_8BIT_SIZE = 4096
-
-Shapes = list[tuple[tuple[int, ...], int]]  # (shape, how many tensors of it)
+# Trainable tensors by shape and kind: what an optimizer's state and step depend on.
+Shapes = list[ParamTensor]
 
 
 @dataclass(frozen=True)
@@ -65,7 +61,7 @@ def param_bytes(precision: str) -> ParamBytes:
 
 
 def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str, state_elem: int) -> float:
-    """Optimizer state of one parameter tensor.
+    """Optimizer state of one parameter tensor (``batchfit.optimizers``' registered spec).
 
     Example:
         >>> optimizer_state_bytes((4096, 4096), "adamw", 4)
@@ -73,25 +69,7 @@ def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str, state_elem: in
         >>> optimizer_state_bytes((4096, 4096), "adafactor", 4)  # factored: rows + cols
         32768
     """
-    n = math.prod(shape)
-    if optimizer == "sgd":
-        return 0
-    if optimizer in ("sgd-momentum", "lion"):
-        return n * state_elem  # one momentum buffer
-    if optimizer in ("adam", "adamw"):
-        return 2 * n * state_elem  # exp_avg, exp_avg_sq
-    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        if n < BNB_MIN_8BIT_SIZE:
-            return 2 * n * 4
-        return 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
-    if optimizer == "adafactor":
-        # HF Adafactor (beta1=None): fp32 row and column second moments for >= 2-D tensors.
-        if len(shape) >= 2:
-            rows = math.prod(shape[:-1])
-            cols = math.prod(shape[:-2]) * shape[-1]
-            return 4 * (rows + cols)
-        return 4 * n
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    return get_optimizer(optimizer).state(ParamTensor(shape), state_elem)
 
 
 @dataclass(frozen=True)
@@ -132,13 +110,15 @@ def parameters(model: ModelInfo, setup: TrainingSetup) -> Params:
         Line("gradients", "gradients", grads, f"{w.trainable:,} trainable x {w.per_param.grad} B"),
     ]
     elem = w.per_param.state_elem
-    states = sum(optimizer_state_bytes(s, setup.optimizer, elem) * c for s, c in w.shapes)
+    optimizer = get_optimizer(setup.optimizer)
+    states = optimizer.state_bytes(w.shapes, elem)
+    per = optimizer.state_text.format(elem=elem)
     lines.append(
         Line(
             "optimizer_state",
             setup.optimizer,
             int(states),
-            _state_formula(setup.optimizer, w.trainable, elem),
+            f"{human_count(w.trainable)} trainable: {per}",
         )
     )
     if w.per_param.master:
@@ -172,7 +152,7 @@ def _full_weights(model: ModelInfo, setup: TrainingSetup) -> _Weights:
     return _Weights(
         weights=weights,
         trainable=total,
-        shapes=[(g.shape, g.count) for g in model.params],
+        shapes=[ParamTensor(g.shape, g.count, g.kind) for g in model.params],
         per_param=pb,
         lines=(Line("weights", "weights", weights, why),),
     )
@@ -238,7 +218,8 @@ def _lora_shapes(model: ModelInfo, rank: int, targets: tuple[str, ...]) -> Shape
     shapes: Shapes = []
     for group in model.lora_groups(targets):
         d0, d1 = group.shape
-        shapes += [((rank, d1), group.count), ((d0, rank), group.count)]
+        shapes += [ParamTensor((rank, d1), group.count, "lora")]
+        shapes += [ParamTensor((d0, rank), group.count, "lora")]
     return shapes
 
 
@@ -250,17 +231,3 @@ def _weight_why(precision: str) -> str:
         "bf16": "pure bf16",
         "fp16": "fp16 weights; the fp32 master copy is optimizer state",
     }[precision]
-
-
-def _state_formula(optimizer: str, trainable: int, elem: int) -> str:
-    per = {
-        "sgd": "no state",
-        "sgd-momentum": f"1 momentum x {elem} B",
-        "lion": f"1 momentum x {elem} B",
-        "adam": f"2 moments x {elem} B",
-        "adamw": f"2 moments x {elem} B",
-        "adamw-8bit": "2 moments x 1 B + fp32 absmax per 256 (tensors < 4096 elems: 2 x 4 B)",
-        "paged-adamw-8bit": "2 x 1 B + absmax per 256, paged (can spill to CPU under pressure)",
-        "adafactor": "factored fp32 row + column second moments",
-    }[optimizer]
-    return f"{human_count(trainable)} trainable: {per}"

@@ -7,7 +7,6 @@ recomputed layer), and ``optimizer.step()`` (gradients plus the optimizer's temp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from batchfit.memory.device.totals import Device
@@ -15,6 +14,7 @@ from batchfit.memory.formulas._params import Params, Shapes
 from batchfit.memory.formulas._sharding import Sharded
 from batchfit.memory.formulas.activations import Activations
 from batchfit.memory.types import Line
+from batchfit.optimizers import StepContext, get_optimizer
 from batchfit.spec import TrainingSetup
 
 
@@ -31,34 +31,10 @@ def step_temporaries(
     shapes: Shapes, setup: TrainingSetup, state_elem: int, device: Device, grad_bytes: int = 4
 ) -> tuple[float, str]:
     """Bytes the optimizer's step allocates on top of its state, and why (the most alive at
-    once; the trace engine checks these against the optimizers' code)."""
-    opt, impl = setup.optimizer, setup.optimizer_impl
-    total = sum(math.prod(s) * c for s, c in shapes)
-    largest = max((math.prod(s) for s, _ in shapes), default=0)
-    torch_native = opt in ("sgd", "sgd-momentum", "adam", "adamw")
-    if impl == "auto":
-        # torch.optim picks foreach for CUDA tensors, the per-parameter loop on the CPU;
-        # HF's and bitsandbytes' optimizers are per-parameter loops.
-        impl = "foreach" if device == "cuda" and torch_native else "for-loop"
-    if opt in ("adam", "adamw"):
-        if impl == "foreach":
-            return total * state_elem, "foreach AdamW: _foreach_sqrt(exp_avg_sq) of every parameter"
-        if impl == "for-loop":
-            # torch.optim.adam._single_tensor_adam: (exp_avg_sq.sqrt() / bias_correction2_sqrt)
-            return 2 * largest * state_elem, (
-                "per-parameter AdamW: sqrt(exp_avg_sq) and its division by the bias "
-                "correction, one parameter at a time"
-            )
-        return 0, "fused AdamW: no temporaries"
-    if opt == "adafactor":
-        # transformers' Adafactor.step: update = grad**2 + eps (two fp32 tensors at once); 16-bit
-        # parameters are first copied to fp32 (grad.float(), p.float()) for the whole step
-        if grad_bytes < 4:
-            return 4 * 4 * largest, "Adafactor: fp32 copies of grad and weight, grad^2, + eps"
-        return 2 * 4 * largest, "Adafactor: grad^2 and grad^2 + eps of one parameter"
-    if opt == "lion":
-        return largest * state_elem, "Lion: one update tensor at a time"
-    return 0, "in place"
+    once; the optimizer's registered spec says, and the trace checks it against its code)."""
+    optimizer = get_optimizer(setup.optimizer)
+    impl = optimizer.resolve_impl(setup.optimizer_impl, on_cuda=device == "cuda")
+    return optimizer.temporaries(StepContext(shapes, impl, state_elem, grad_bytes))
 
 
 def peak(

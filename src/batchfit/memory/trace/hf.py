@@ -21,11 +21,11 @@ from batchfit.memory.formulas.activations import EAGER_ONLY_TYPES
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace._lm_loss import Fp32Outputs, HeadLoss
 from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears
-from batchfit.memory.trace._optim import make_optimizer
 from batchfit.memory.trace.dry_run import layer_stacks
 from batchfit.memory.trace.fsdp import fake_world, is_fsdp, shard
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import LAYER_KEYS, ModelInfo, auto_class, build_torchvision, make_config
+from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
 
 # What a dry run cannot do, as opposed to a bug: FakeTensor's operators without a fake kernel

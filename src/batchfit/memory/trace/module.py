@@ -15,10 +15,10 @@ from batchfit.memory.device.allocator import simulate
 from batchfit.memory.device.kernels import emulation
 from batchfit.memory.device.totals import StepMemory, assemble, device_totals
 from batchfit.memory.trace import dry_run as trace
-from batchfit.memory.trace._optim import make_optimizer
 from batchfit.memory.trace.hf import materialize_fake
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.memory.types import Line, MemoryEstimate
+from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
 
 ModelFn = Callable[[], torch.nn.Module]
