@@ -8,6 +8,7 @@ from typing import Literal, cast, get_args
 
 from batchfit.errors import UsageError
 from batchfit.optimizers import get_optimizer, registered
+from batchfit.presets import FRAMEWORKS, Preset, preset
 
 # "image-classification": a transformers image model (ViT, ConvNeXt, Swin, CLIP vision) or a
 # torchvision model; its per-sample size is the image side in pixels, not tokens.
@@ -39,10 +40,10 @@ LoraDtype = Literal["fp32", "bf16", "fp16"]
 # loaded with ``torch_dtype``), fp32 under fp32; "fp32" as Lightning ``bf16-mixed`` keeps it.
 FrozenDtype = Literal["auto", "fp32", "bf16", "fp16"]
 DEFAULT_LOSS_CHUNKS = 8  # torchtune's LinearCrossEntropyLoss(num_output_chunks=8)
-# The training framework whose conventions the step follows (batchfit/frameworks.py: each
-# preset's loop, loss, dtypes and optimizer, with the framework's source lines). None:
-# batchfit's defaults (HF Trainer's loop and loss, PyTorch's optimizer implementation).
-Framework = Literal["hf-trainer", "accelerate", "lightning", "litgpt", "torchtune", "axolotl"]
+# The training framework whose conventions the step follows: a name in batchfit/presets.py
+# (each preset's loop, loss, dtypes, optimizer and traits, with the framework's source lines).
+# None: batchfit's defaults (HF Trainer's loop and loss, PyTorch's optimizer implementation).
+Framework = str
 
 TASKS: tuple[str, ...] = get_args(Task)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -55,7 +56,6 @@ LOOPS: tuple[str, ...] = get_args(Loop)
 LOSSES: tuple[str, ...] = get_args(LossKind)
 LORA_DTYPES: tuple[str, ...] = get_args(LoraDtype)
 FROZEN_DTYPES: tuple[str, ...] = get_args(FrozenDtype)
-FRAMEWORKS: tuple[str, ...] = get_args(Framework)
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -215,6 +215,11 @@ class TrainingSetup:
         get_optimizer(self.optimizer).check_sharding(self.sharding)
 
     @property
+    def conventions(self) -> Preset:
+        """The framework's preset, with its traits (``presets.DEFAULT`` without a framework)."""
+        return preset(self.framework)
+
+    @property
     def is_lora(self) -> bool:
         return self.method in ("lora", "qlora")
 
@@ -251,7 +256,7 @@ class TrainingSetup:
         ``model.forward``; HF Trainer and axolotl go through it) and Fabric's
         ``convert_output`` (litgpt; ``fabric/wrappers.py``), both to the default dtype."""
         mixed = self.precision not in ("fp32", "auto")
-        return mixed and self.framework in ("hf-trainer", "accelerate", "axolotl", "litgpt")
+        return mixed and self.conventions.outputs_fp32
 
     def checkpointed_layers(self, num_layers: int) -> int:
         """How many of ``num_layers`` layers are checkpointed (``grad_ckpt_every``).
@@ -274,22 +279,23 @@ class TrainingSetup:
             'amp-bf16'
         """
         precision = self.precision
-        # torchtune has no autocast (pure bf16, its recipes' `dtype: bf16`); litgpt's shipped
-        # configs all set `precision: bf16-true`
-        pure_bf16 = self.framework in ("torchtune", "litgpt")
+        # a preset without autocast (torchtune's recipes' `dtype: bf16`; litgpt's shipped
+        # configs' `precision: bf16-true`) trains in pure bf16
+        conventions = self.conventions
+        pure_bf16 = conventions.pure_bf16
         if precision == "auto" and device != "cpu" and bf16_supported and pure_bf16:
             precision = "bf16"
         lora_dtype = self.lora_dtype
         if precision == "auto" and device != "cpu" and not bf16_supported and pure_bf16:
-            if self.framework == "torchtune" and self.method == "qlora":
+            if conventions.qlora_needs_bf16 and self.method == "qlora":
+                name = conventions.name
                 raise UsageError(
-                    "torchtune's QLoRA needs bf16: torchtune trains in bf16 or fp32 (no fp16) "
-                    "and this GPU has no bf16; drop --framework torchtune (bitsandbytes QLoRA "
+                    f"{name}'s QLoRA needs bf16: {name} trains in bf16 or fp32 (no fp16) "
+                    f"and this GPU has no bf16; drop --framework {name} (bitsandbytes QLoRA "
                     "computes in fp16) or choose a GPU with bf16"
                 )
-            # no bf16 (T4, V100): torchtune refuses fp16 (training/precision.py: fp32 or bf16);
-            # litgpt's "16-mixed" keeps the parameters, adapters included, in fp32
-            precision = "fp32" if self.framework == "torchtune" else "amp-fp16"
+            # no bf16 (T4, V100): what the preset trains in instead (its sources say)
+            precision = cast(Precision, conventions.no_bf16_precision or "amp-fp16")
             lora_dtype = "fp32" if lora_dtype == "bf16" else lora_dtype
         if precision == "auto" and device == "cpu" and self.method == "qlora":
             precision = "amp-bf16"  # QLoRA computes in 16-bit: bf16 autocast, which CPUs run

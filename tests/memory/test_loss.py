@@ -232,8 +232,7 @@ def test_the_cli_passes_the_loss_through(capsys):
 
 
 def test_every_preset_value_is_a_valid_setup_and_cites_its_source():
-    from batchfit.frameworks import PRESETS, with_framework
-    from batchfit.spec import FRAMEWORKS
+    from batchfit.frameworks import FRAMEWORKS, PRESETS, with_framework
 
     assert set(PRESETS) == set(FRAMEWORKS)
     for name, preset in PRESETS.items():

@@ -22,9 +22,9 @@ import typer
 from batchfit.errors import UsageError
 from batchfit.frameworks import with_framework
 from batchfit.optimizers import OPTIMIZERS
+from batchfit.presets import FRAMEWORKS
 from batchfit.spec import (
     ATTENTIONS,
-    FRAMEWORKS,
     FROZEN_DTYPES,
     LOOPS,
     LORA_DTYPES,

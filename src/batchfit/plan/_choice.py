@@ -19,7 +19,6 @@ from batchfit.plan._ladder import (
     GRAD_CKPT,
     OFFLOADS,
     PARTIAL_CKPT_EVERY,
-    PARTIAL_CKPT_FRAMEWORKS,
     apply,
     ladder,
     partial_ckpt,
@@ -50,7 +49,7 @@ class _Dial(NamedTuple):
 
 def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
     """``fit`` with full checkpointing replaced by every K-th layer's (K in
-    ``PARTIAL_CKPT_EVERY``, only where the run can select layers: ``PARTIAL_CKPT_FRAMEWORKS``)
+    ``PARTIAL_CKPT_EVERY``, only where the run can select layers: ``Preset.selects_ckpt_layers``)
     or by none, where that fits ``wanted`` and the time model predicts it faster (at equal
     times, the fewest checkpointed layers). An option that needs more than
     ``MAX_QUIET_ACCUM`` micro-steps (and more than full checkpointing's) wins only when over
@@ -78,7 +77,7 @@ def _dial_options(target: _Target, fit: _Fit, wanted: int | None, layers: int) -
     everies = [
         every
         for every in PARTIAL_CKPT_EVERY
-        if layers // every >= 1 and fit.setup.framework in PARTIAL_CKPT_FRAMEWORKS
+        if layers // every >= 1 and fit.setup.conventions.selects_ckpt_layers
     ]
     for every in (*everies, None):  # None: no checkpointing (offload may have made room)
         if every is None:

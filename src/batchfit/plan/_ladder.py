@@ -56,12 +56,12 @@ OFFLOAD_MARGIN = 0.25
 
 # every K-th layer, K tried by the planner when full checkpointing fits (``partial_ckpt``)
 PARTIAL_CKPT_EVERY = (2, 3, 4)
-# the frameworks whose runs can checkpoint a chosen set of layers: your own loop (wrap the
-# layers with torch.utils.checkpoint) and torchtune (selective ``ac_option: K`` in its
-# distributed recipes, as torchtitan's per-layer mode). HF Trainer's, Lightning's, accelerate's
-# and axolotl's switch (gradient_checkpointing_enable) wraps every layer, and no export here
-# can name layers, so under those presets the planner keeps full checkpointing
-PARTIAL_CKPT_FRAMEWORKS = frozenset({None, "torchtune"})
+# Whether a run can checkpoint a chosen set of layers is the framework preset's trait
+# (``Preset.selects_ckpt_layers``): your own loop (wrap the layers with
+# torch.utils.checkpoint) and torchtune (selective ``ac_option: K``, as torchtitan's per-layer
+# mode) can. HF Trainer's, Lightning's, accelerate's and axolotl's switch
+# (gradient_checkpointing_enable) wraps every layer, and no export here can name layers, so
+# under those presets the planner keeps full checkpointing.
 
 
 def partial_ckpt(every: int, num_layers: int | None = None) -> Technique:
@@ -244,7 +244,7 @@ def qlora(gpu: GpuSpec) -> Technique:
         precision = s.precision
         # "auto" under a pure-bf16 preset stays: it resolves to the preset's bf16 (the ladder
         # offers QLoRA there only on a GPU with bf16)
-        pure_preset = s.framework in ("torchtune", "litgpt") and precision == "auto"
+        pure_preset = s.conventions.pure_bf16 and precision == "auto"
         if precision in ("auto", "fp32") and not pure_preset:
             precision = "amp-bf16" if gpu.bf16 else "amp-fp16"
         return replace(
@@ -266,10 +266,10 @@ def apply(setup: TrainingSetup, techniques: Combo) -> TrainingSetup:
 
 def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
     rungs: list[Combo] = []
-    if setup.framework in ("torchtune", "litgpt"):
-        # torchtune shards with FSDP2 (recipes/full_finetune_distributed.py, fsdp_cpu_offload)
-        # and litgpt's finetune scripts with Fabric's FSDPStrategy; neither plans DeepSpeed, and
-        # their single-device recipes shard and offload nothing
+    if not setup.conventions.plans_deepspeed:
+        # torchtune shards with FSDP2 and litgpt's finetune scripts with Fabric's FSDPStrategy
+        # (their presets' sources); neither plans DeepSpeed, and their single-device recipes
+        # shard and offload nothing
         if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
             rungs.append((*base, FSDP))
             if setup.offload == "none" and setup.method != "qlora":

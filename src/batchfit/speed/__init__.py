@@ -72,9 +72,7 @@ LAUNCH_S_PER_LAYER = {"amp": 2.6e-3, "plain": 1.3e-3}
 # clip_grad.py) reads every gradient for _foreach_norm, then scales each in place with
 # _foreach_mul_ whether or not the norm exceeds the limit: 3 accesses a trainable parameter.
 CLIP_ACCESSES = 3
-# Loops that clip by default: HF Trainer (transformers 5.24.0 training_args.py:866
-# max_grad_norm default 1.0; trainer.py:2787 accelerator.clip_grad_norm_ every step).
-CLIPPING_FRAMEWORKS = frozenset({"hf-trainer"})
+# Which loops clip by default is the framework preset's trait (``Preset.clips_grad_norm``).
 BANDWIDTH_EFFICIENCY = 0.8  # of the catalog's peak bandwidth, for long streaming kernels
 # torch.compile's fused kernels: +16-23% throughput on published FSDP runs (torchtitan's
 # Llama 3.1 8B on H100s +16%, IBM fms-fsdp's 7B on A100s +21%)
@@ -294,7 +292,7 @@ def optimizer_accesses(setup: TrainingSetup) -> int:
     accesses = get_optimizer(setup.optimizer).accesses
     fused = setup.optimizer_impl == "fused" or is_deepspeed(setup)
     update = accesses.kernel if fused or accesses.unfused is None else accesses.unfused
-    return update + (CLIP_ACCESSES if setup.framework in CLIPPING_FRAMEWORKS else 0)
+    return update + (CLIP_ACCESSES if setup.conventions.clips_grad_norm else 0)
 
 
 def _exposed(comm_seconds: float, beside_seconds: float) -> float:
