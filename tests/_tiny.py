@@ -2,7 +2,8 @@
 
 - Configs (``config.json`` contents): ``TINY_GPT2`` is examples/train_tiny_gpt2.py's own config
   (2 layers of width 64, a vocabulary of 96), read from the example so the two agree;
-  ``PROBE_GPT2`` is the GPT-2 the probe runs real steps on; ``DEBERTA_V3_BASE`` is
+  ``PROBE_GPT2`` is the GPT-2 the probe runs real steps on; ``TIMELINE_GPT2`` the one the
+  step's timeline is traced and drawn for; ``DEBERTA_V3_BASE`` is
   microsoft/deberta-v3-base's config and ``TINY_DEBERTA_V3`` the same narrowed to 2 layers of
   width 64.
 - Models: ``example_gpt2`` builds ``TINY_GPT2``; ``linear_stack``, ``tiny_gpt2_lm`` and
@@ -47,6 +48,16 @@ PROBE_GPT2: dict[str, Any] = {
     "vocab_size": 512,
     "n_positions": 256,
     "architectures": ["GPT2LMHeadModel"],
+}
+
+TIMELINE_GPT2: dict[str, Any] = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 256,
+    "vocab_size": 3000,
 }
 
 # microsoft/deberta-v3-base's config.json (the keys that shape it)

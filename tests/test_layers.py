@@ -1,8 +1,9 @@
 """The package's layers hold: import-linter's contracts (pyproject.toml), private modules used
-only inside their own package, and no import loops."""
+only inside their own package, no import loops, and rooms of a readable size."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ grimp = pytest.importorskip("grimp")
 pytest.importorskip("importlinter")
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "batchfit"
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +87,23 @@ def _loops(graph: grimp.ImportGraph) -> list[frozenset[str]]:
 def test_no_import_loops(graph: grimp.ImportGraph) -> None:
     loops = [sorted(loop) for loop in _loops(graph)]
     assert not loops, f"import loops: {loops}"
+
+
+_MAX_FILE_LINES = 500
+_MAX_FUNCTION_LINES = 80
+
+
+def test_no_file_over_500_lines_and_no_function_over_80() -> None:
+    too_long = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(SRC).as_posix()
+        if text.count("\n") > _MAX_FILE_LINES:
+            too_long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = (node.end_lineno or node.lineno) - first + 1
+                if lines > _MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
+    assert too_long == []

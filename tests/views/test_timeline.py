@@ -15,74 +15,33 @@ import pytest
 
 from batchfit.hardware import get_gpu
 from batchfit.memory.formulas.analytic import resolve_setup
-from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.memory.trace.result import CATEGORIES
+from batchfit.memory.trace.timeline import StepTimeline, group_modules, step_timeline
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.views import timeline
+from tests._tiny import TIMELINE_GPT2
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {
-    "model_type": "gpt2",
-    "architectures": ["GPT2LMHeadModel"],
-    "n_embd": 128,
-    "n_layer": 2,
-    "n_head": 4,
-    "n_positions": 256,
-    "vocab_size": 3000,
-}
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY))
+    path.write_text(json.dumps(TIMELINE_GPT2))
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def cuda_timeline(tiny: str) -> timeline.StepTimeline:
+def cuda_timeline(tiny: str) -> StepTimeline:
     model, gpu = resolve_model(tiny), get_gpu("t4")
     setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
-    return timeline.step_timeline(
+    return step_timeline(
         model, setup, micro_batch_size=2, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2
     )
 
 
-def test_the_timeline_is_the_estimates_dry_run(tiny: str) -> None:
-    model = resolve_model(tiny)
-    setup = resolve_setup(model, TrainingSetup(), "cpu", None)
-    tl = timeline.step_timeline(
-        model, setup, micro_batch_size=2, seq_len=64, device="cpu", gpu=None
-    )
-    est = estimate_trace(
-        model,
-        TrainingSetup(),
-        micro_batch_size=2,
-        seq_len=64,
-        device="cpu",
-        gpu=None,
-        full_depth=True,
-    )
-    assert tl.peak_bytes == est.peak_bytes
-    assert all(len(s) == len(tl.events) for s in tl.series.values())
-    assert {p for _, p in tl.phases} >= {"forward", "backward", "optimizer-step", "zero-grad"}
-    assert tl.reserved is None  # no allocator on the CPU
-
-
-def test_cuda_timeline_draws_the_reserve_and_accumulation(
-    cuda_timeline: timeline.StepTimeline,
-) -> None:
-    tl = cuda_timeline
-    assert tl.reserved is not None
-    totals = [sum(tl.series[c][i] for c in CATEGORIES) for i in range(len(tl.events))]
-    assert all(r >= t for r, t in zip(tl.reserved, totals, strict=True))
-    # two steps of two micro-steps: four forwards
-    assert sum(1 for _, p in tl.phases if p == "forward") == 4
-    assert "later micro-step" in tl.peak_label
-
-
-def test_plot_writes_a_png(cuda_timeline: timeline.StepTimeline, tmp_path: Path) -> None:
+def test_plot_writes_a_png(cuda_timeline: StepTimeline, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "t.png"
     timeline.plot(cuda_timeline, path, "tiny", get_gpu("t4").memory_bytes)
@@ -90,7 +49,7 @@ def test_plot_writes_a_png(cuda_timeline: timeline.StepTimeline, tmp_path: Path)
 
 
 def test_snapshot_replays_to_the_same_peak_and_pytorch_reads_it(
-    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+    cuda_timeline: StepTimeline, tmp_path: Path
 ) -> None:
     path = tmp_path / "s.pickle"
     timeline.write_snapshot(cuda_timeline, path, "cuda")
@@ -129,7 +88,7 @@ def _memory_viz(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_snapshot_holds_what_the_step_leaves_allocated(
-    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+    cuda_timeline: StepTimeline, tmp_path: Path
 ) -> None:
     """As a real ``_snapshot()`` after a step: weights and optimizer state stay allocated;
     zero_grad(set_to_none=True) freed the gradients; the activations are gone."""
@@ -163,7 +122,7 @@ def test_snapshot_holds_what_the_step_leaves_allocated(
 
 
 def test_snapshot_frames_name_the_module_and_phase(
-    cuda_timeline: timeline.StepTimeline, tmp_path: Path
+    cuda_timeline: StepTimeline, tmp_path: Path
 ) -> None:
     """What trace_plot's hover shows for an allocation: its module, category and phase."""
     path = tmp_path / "s.pickle"
@@ -189,7 +148,7 @@ def test_snapshot_frames_name_the_module_and_phase(
     }
 
 
-def test_peak_label_groups_a_stacks_layers(cuda_timeline: timeline.StepTimeline) -> None:
+def test_peak_label_groups_a_stacks_layers(cuda_timeline: StepTimeline) -> None:
     """The two layers' modules are one line each (``transformer.h.*.mlp.act: 2 x 1.0 MiB``),
     not one line a layer; each line gives its size."""
     text = timeline.peak_modules_text(cuda_timeline.top_modules)
@@ -219,7 +178,7 @@ def test_group_modules_ranks_groups_by_their_total() -> None:
         "model.layers.5.mlp.experts.7": 1 << 20,
         "model.layers.5.mlp.experts.6": 1 << 20,
     }
-    groups = timeline.group_modules(by_module)
+    groups = group_modules(by_module)
     assert [(g.name, g.count, g.total_bytes, g.each_bytes) for g in groups] == [
         ("model.layers.*.self_attn", 12, sum(range(100, 112)) << 20, None),
         ("model.layers.*.mlp.act_fn", 12, 12 * 84 << 20, 84 << 20),
@@ -235,7 +194,7 @@ def test_group_modules_ranks_groups_by_their_total() -> None:
     ]
 
 
-def test_the_peak_label_hides_nothing_drawn(cuda_timeline: timeline.StepTimeline) -> None:
+def test_the_peak_label_hides_nothing_drawn(cuda_timeline: StepTimeline) -> None:
     """The label box sits above the curve, the reserve and the GPU's line (the y axis leaves
     it room); the legend is outside the axes."""
     pytest.importorskip("matplotlib")
@@ -259,20 +218,6 @@ def test_the_peak_label_hides_nothing_drawn(cuda_timeline: timeline.StepTimeline
         assert legend.x0 >= ax.get_window_extent().x1
     finally:
         plt.close(fig)
-
-
-def test_each_traced_step_runs_at_most_two_micro_steps(tiny: str) -> None:
-    """What the report's caption says: accumulating 4, each of the two traced optimizer steps
-    runs 2 micro-steps (forwards); the later ones are not traced."""
-    model, gpu = resolve_model(tiny), get_gpu("t4")
-    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
-    tl = timeline.step_timeline(
-        model, setup, micro_batch_size=1, seq_len=32, device="cuda", gpu=gpu, grad_accum_steps=4
-    )
-    phases = [p for _, p in tl.phases]
-    assert phases.count("optimizer-step") == 2
-    assert phases.count("forward") == 2 * timeline.traced_micro_steps(4) == 4
-    assert timeline.traced_micro_steps(1) == 1
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

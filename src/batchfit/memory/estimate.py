@@ -174,6 +174,35 @@ def estimate(
     if micro_batch_size is None or seq_len is None:
         raise UsageError("give micro_batch_size and seq_len for a resolved model")
     warnings = _workload_warnings(model, setup, micro_batch_size, seq_len)
+    usable, engine_note = usable_engine(engine)
+    if engine_note:
+        warnings.insert(0, engine_note)
+    result = _run_engine(
+        usable,
+        model,
+        setup,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        device=device,
+        gpu=gpu,
+        grad_accum_steps=grad_accum_steps,
+    )
+    result = _with_warnings(result, model, setup, warnings)
+    return _with_step_time(result, model, gpu if device == "cuda" else host_cpu(), grad_accum_steps)
+
+
+def _run_engine(
+    engine: str,
+    model: ModelInfo,
+    setup: TrainingSetup,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device: Literal["cpu", "cuda"],
+    gpu: GpuSpec | None,
+    grad_accum_steps: int,
+) -> MemoryEstimate:
+    """The estimate of ``engine`` (one that can run here), which must model ``model``."""
     kwargs: dict[str, Any] = {
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
@@ -181,24 +210,27 @@ def estimate(
         "gpu": gpu,
         "grad_accum_steps": grad_accum_steps,
     }
-    engine, engine_note = usable_engine(engine)  # type: ignore[assignment]
-    if engine_note:
-        warnings.insert(0, engine_note)
     if engine == "analytic" and model.arch.family == "vision":
         raise UsageError(
             f"--engine analytic: the formulas model token models; {model.name} is an image "
             "model, estimated by the trace (--engine trace, the default)"
         )
     if engine == "trace":
-        result = estimate_trace(model, setup, **kwargs)
-    else:
-        result = estimate_analytic(model, setup, **kwargs)
+        return estimate_trace(model, setup, **kwargs)
+    return estimate_analytic(model, setup, **kwargs)
+
+
+def _with_warnings(
+    result: MemoryEstimate, model: ModelInfo, setup: TrainingSetup, warnings: list[str]
+) -> MemoryEstimate:
+    """``result`` with ``warnings`` (about the workload and the engine) first, and LoRA's
+    guessed targets where the engine did not say so."""
     guessed = model.guessed_targets_warning(setup.lora_targets) if setup.is_lora else None
     if guessed and guessed not in result.warnings:  # the formulas say it; the trace does not
         warnings.append(guessed)
     if warnings:
         result = replace(result, warnings=(*warnings, *result.warnings))
-    return _with_step_time(result, model, gpu if device == "cuda" else host_cpu(), grad_accum_steps)
+    return result
 
 
 def _estimate_own_module(

@@ -437,7 +437,7 @@ def report_page(plan: dict[str, Any], timeline_png: bytes | None = None) -> str:
 
 def _traced_steps_caption(grad_accum_steps: int) -> str:
     """What the picture's dry run holds against the plan's accumulation: each of its two
-    optimizer steps traces at most two micro-steps (``timeline.traced_micro_steps``).
+    optimizer steps traces at most two micro-steps (``memory.trace.timeline.traced_micro_steps``).
 
     Example:
         >>> print(_traced_steps_caption(8))
@@ -446,7 +446,7 @@ micro-steps of the plan's 8. Micro-steps 3 to 8 are not traced: each would repea
 which already holds the gradients the earlier ones accumulated (the same memory, the same peak).
     """
     # lazy: `import batchfit` loads this module; the timeline's would bring models and hardware
-    from batchfit.views.timeline import traced_micro_steps
+    from batchfit.memory.trace.timeline import traced_micro_steps
 
     traced = traced_micro_steps(grad_accum_steps)
     head = "Two optimizer steps are traced (the first creates the optimizer state)"

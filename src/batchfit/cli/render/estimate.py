@@ -14,6 +14,7 @@ from batchfit.cli import render
 from batchfit.hardware import GpuSpec
 from batchfit.lengths import Workload
 from batchfit.memory.device.totals import fits_on_card
+from batchfit.memory.trace.timeline import step_timeline, traced_micro_steps
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan import DEFAULT_HEADROOM_BYTES
@@ -216,7 +217,7 @@ def draw_timeline(
     """``--timeline`` / ``--snapshot``: a dry run of the whole step, drawn and written."""
     device: Literal["cpu", "cuda"] = "cpu" if est.device == "cpu" else "cuda"
     with render.progress(f"dry run of the whole step for {png or pickle_path} ..."):
-        drawn = tl.step_timeline(
+        drawn = step_timeline(
             info,
             est.setup,
             micro_batch_size=est.micro_batch_size,
@@ -229,8 +230,8 @@ def draw_timeline(
         f"{info.name}: micro-batch {est.micro_batch_size} x {est.seq_len}"
         + (f", accumulation {grad_accum}" if grad_accum > 1 else "")
         + (
-            f" ({tl.traced_micro_steps(grad_accum)} drawn; the rest repeat the 2nd)"
-            if grad_accum > tl.traced_micro_steps(grad_accum)
+            f" ({traced_micro_steps(grad_accum)} drawn; the rest repeat the 2nd)"
+            if grad_accum > traced_micro_steps(grad_accum)
             else ""
         )
         + f", {est.setup.precision}, on {gpu.name if gpu else device}"

@@ -15,6 +15,7 @@ from batchfit.cli import render
 from batchfit.cli.render.estimate import breakdown, time_line
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
+from batchfit.memory.trace.timeline import step_timeline
 from batchfit.models import ModelInfo
 from batchfit.plan import Alternative, Plan
 from batchfit.spec import TrainingSetup
@@ -333,7 +334,7 @@ def _report_timeline(result: Plan, info: ModelInfo, gpu: GpuSpec) -> bytes:
     """The report's picture: the plan's step, traced whole, as PNG bytes."""
     est = result.estimate
     with render.progress("dry run of the whole step for the report ..."):
-        drawn = tl.step_timeline(
+        drawn = step_timeline(
             info,
             est.setup,
             micro_batch_size=est.micro_batch_size,

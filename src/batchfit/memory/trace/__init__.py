@@ -4,7 +4,9 @@
 - ``hf``: a Hugging Face model built from its config; ``module``: the user's own ``nn.Module``;
 - ``fsdp``: FSDP2 under a fake process group;
 - ``estimate``: results (from a dry run, or read back from the cache through ``result``) turned
-  into a ``MemoryEstimate``.
+  into a ``MemoryEstimate``;
+- ``timeline``: one dry run of the whole step as its allocation stream by category, for the
+  picture and the snapshot ``views.timeline`` draws.
 
 Importing the package imports nothing else, so a cached result is read without torch. The dry
 run's names (``run_steps``, ``training_steps``, ``fake_mode``, ``layer_stacks``, ``quiet``)

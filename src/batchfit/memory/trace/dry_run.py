@@ -253,52 +253,17 @@ def run_steps(
     """
     start = time.perf_counter()
     tracker = AllocationTracker(gemm_scratch, gloo_scratch)
-    for p in model.parameters():
-        tracker.track(p, "weights")
-    for b in model.buffers():
-        tracker.track(b, "weights")
-    handles = []
-    for p in model.parameters():
-        if p.requires_grad:
-            handles.append(
-                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call, unused-ignore]
-                    lambda param: tracker.label(param.grad, "gradients")
-                )
-            )
-    module_names = {id(m): n or "(top level: loss and outputs)" for n, m in model.named_modules()}
-
-    stack: list[str] = []
-
-    def enter(module: torch.nn.Module, *_: Any) -> None:
-        if tracker.phase == "forward":
-            stack.append(module_names.get(id(module), ""))
-            tracker.module = stack[-1]
-
-    def leave(module: torch.nn.Module, *_: Any) -> None:
-        if tracker.phase == "forward" and stack:
-            stack.pop()
-            # Work after a submodule returns (the loss after lm_head) is its parent's.
-            tracker.module = stack[-1] if stack else ""
-
-    handles.append(torch.nn.modules.module.register_module_forward_pre_hook(enter))
-    handles.append(torch.nn.modules.module.register_module_forward_hook(leave))
+    handles = _track_parameters(tracker, model)
+    modules = _ForwardModules(tracker, model)
+    handles.extend(modules.handles)
     moments = _Moments(tracker, layer_stacks(model))
     handles.extend(moments.handles)
 
     def on_phase(phase: str) -> None:
         if phase in ("forward", "backward"):
-            stack.clear()
-            tracker.module = ""
+            modules.reset()
         moments.enter(phase)
-        if phase == "optimizer-step":  # FSDP2 sets its sharded gradients without a hook
-            for param in model.parameters():
-                if param.grad is not None:
-                    tracker.label(param.grad, "gradients")
-        if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
-            for state in optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        tracker.label(value, "optimizer_state")
+        _label_step_tensors(tracker, model, optimizer, phase)
 
     try:
         with tracker:
@@ -323,6 +288,73 @@ def run_steps(
         for handle in handles:
             handle.remove()
     return _result(tracker.timeline, time.perf_counter() - start)
+
+
+def _track_parameters(tracker: AllocationTracker, model: torch.nn.Module) -> list[Any]:
+    """Count the model's parameters and buffers as weights, and each gradient as a gradient
+    once accumulated; returns the hooks' handles."""
+    for p in model.parameters():
+        tracker.track(p, "weights")
+    for b in model.buffers():
+        tracker.track(b, "weights")
+    handles = []
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call, unused-ignore]
+                    lambda param: tracker.label(param.grad, "gradients")
+                )
+            )
+    return handles
+
+
+class _ForwardModules:
+    """Tells the tracker whose forward is running (the innermost module), so that each
+    activation is attributed to the module that made it."""
+
+    def __init__(self, tracker: AllocationTracker, model: torch.nn.Module):
+        self.tracker = tracker
+        self.names = {id(m): n or "(top level: loss and outputs)" for n, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
+            torch.nn.modules.module.register_module_forward_hook(self._leave),
+        ]
+
+    def _enter(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.tracker.phase == "forward":
+            self.stack.append(self.names.get(id(module), ""))
+            self.tracker.module = self.stack[-1]
+
+    def _leave(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.tracker.phase == "forward" and self.stack:
+            self.stack.pop()
+            # Work after a submodule returns (the loss after lm_head) is its parent's.
+            self.tracker.module = self.stack[-1] if self.stack else ""
+
+    def reset(self) -> None:
+        """Outside any module: a forward or a backward begins."""
+        self.stack.clear()
+        self.tracker.module = ""
+
+
+def _label_step_tensors(
+    tracker: AllocationTracker,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    phase: str,
+) -> None:
+    """Label what no hook sees as it is made, as ``phase`` begins: the gradients before the
+    optimizer step, the optimizer's state after it."""
+    if phase == "optimizer-step":  # FSDP2 sets its sharded gradients without a hook
+        for param in model.parameters():
+            if param.grad is not None:
+                tracker.label(param.grad, "gradients")
+    if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.label(value, "optimizer_state")
 
 
 def _result(timeline: Timeline, seconds: float) -> TraceResult:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from batchfit import _cache
@@ -101,6 +101,17 @@ def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """What a dry run is traced at besides the model and the setup (``trace_once``'s keywords)."""
+
+    micro: int
+    seq: int
+    device: Literal["cpu", "cuda"]
+    workspace: int
+    grad_accum_steps: int
+
+
 def traced_result(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -119,67 +130,20 @@ def traced_result(
     """
     depth = model.arch.num_layers
     low, high = trace_depths(model, setup)
-    # An encoder-decoder's two stacks are cut to one traced depth; stacks of unequal depth
-    # (a 12-layer encoder, a 2-layer decoder) do not extrapolate along one line: trace them whole.
-    unequal = model.arch.family == "encoder-decoder" and (
-        model.arch.num_decoder_layers != model.arch.num_layers
-    )
-    # image models are traced whole: stages of other widths (ConvNeXt, Swin) do not lie on
-    # one line through two depths, and they are small enough to trace in a second
-    unequal = unequal or model.arch.family == "vision"
-    extrapolated = not (full_depth or depth <= high or unequal)
+    extrapolated = not (full_depth or depth <= high or _traced_whole(model))
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
-    if device == "cuda" and model.arch.model_type in ATTENTION_FREE_TYPES:
-        notes.append(
-            "convolutions: cuDNN's workspaces (taken from the caching allocator, larger with "
-            "torch.backends.cudnn.benchmark) are not counted"
-        )
-    if is_fsdp(setup):
-        policy = (
-            f"MixedPrecisionPolicy(param_dtype={setup.precision.removeprefix('amp-')}, "
-            "reduce_dtype=fp32) under autocast"
-            if setup.precision.startswith("amp-")
-            else "no mixed-precision policy (parameters gathered as stored)"
-        )
-        notes.append(
-            f"FSDP2: rank 0 of {setup.num_gpus} under a fake process group; fully_shard per "
-            f"layer, then the root, reshard_after_forward=True, {policy}; parameters, gradients "
-            "and optimizer state are this rank's shards; gathered parameters (the running "
-            "layer, the prefetched one, the root's) and reduce-scatter buffers count as other"
-        )
-    if model.arch.num_experts:
-        notes.append(
-            f"MoE: {model.arch.num_experts} experts, {model.arch.experts_per_token} per token; "
-            "each routed token-expert pair is one row of transformers' grouped expert matmul, "
-            "so memory follows the routed total, not how the router spreads the tokens"
-        )
-    if setup.method == "qlora":
-        notes.append(
-            "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
-            "double-quantised statistics, the 16-bit weight dequantised in forward and backward)"
-        )
-        experts = model.fused_expert_params()
-        if experts:
-            share = experts / max(1, model.total_params)
-            notes.append(
-                f"QLoRA on MoE: the fused expert tensors ({share:.0%} of the weights) are not "
-                "nn.Linear layers, so bitsandbytes leaves them 16-bit "
-                "(bitsandbytes-foundation/bitsandbytes#1849)"
-            )
+    notes += _setup_notes(model, setup, device)
     if not is_fsdp(setup):
         # one process without DDP (its buckets are added after): the dry run on 2 or 8 GPUs
         # is the one on 1, and one record serves every count
         setup = replace(setup, num_gpus=1, sharding="none")
+    sizes = _Sizes(micro, seq, device, workspace, grad_accum_steps)
     key = {
         "model": model.name,
         "config": model.config,
         "task": model.task,
         "setup": asdict(setup),
-        "micro": micro,
-        "seq": seq,
-        "device": device,
-        "workspace": workspace,
-        "grad_accum_steps": grad_accum_steps,
+        **asdict(sizes),
         "full_depth": full_depth,
     }
     record = _cache.load(CACHE_NAMESPACE, key)
@@ -188,27 +152,95 @@ def traced_result(
             return result_from_json(record), notes
         except (KeyError, TypeError, ValueError, AttributeError):
             pass  # a record of another shape: trace again and overwrite it
+    result = _dry_runs(model, setup, sizes, (low, high) if extrapolated else None)
+    _cache.store(CACHE_NAMESPACE, key, result_to_json(result))
+    return result, notes
+
+
+def _traced_whole(model: ModelInfo) -> bool:
+    """Whether ``model``'s stacks are traced at their full depth, not extrapolated."""
+    # An encoder-decoder's two stacks are cut to one traced depth; stacks of unequal depth
+    # (a 12-layer encoder, a 2-layer decoder) do not extrapolate along one line: trace them whole.
+    unequal = model.arch.family == "encoder-decoder" and (
+        model.arch.num_decoder_layers != model.arch.num_layers
+    )
+    # image models are traced whole: stages of other widths (ConvNeXt, Swin) do not lie on
+    # one line through two depths, and they are small enough to trace in a second
+    return unequal or model.arch.family == "vision"
+
+
+def _setup_notes(model: ModelInfo, setup: TrainingSetup, device: str) -> list[str]:
+    """What the dry run of ``model`` under ``setup`` emulates, or leaves out, on ``device``."""
+    notes = []
+    if device == "cuda" and model.arch.model_type in ATTENTION_FREE_TYPES:
+        notes.append(
+            "convolutions: cuDNN's workspaces (taken from the caching allocator, larger with "
+            "torch.backends.cudnn.benchmark) are not counted"
+        )
+    if is_fsdp(setup):
+        notes.append(_fsdp_note(setup))
+    if model.arch.num_experts:
+        notes.append(
+            f"MoE: {model.arch.num_experts} experts, {model.arch.experts_per_token} per token; "
+            "each routed token-expert pair is one row of transformers' grouped expert matmul, "
+            "so memory follows the routed total, not how the router spreads the tokens"
+        )
+    if setup.method == "qlora":
+        notes += _qlora_notes(model)
+    return notes
+
+
+def _fsdp_note(setup: TrainingSetup) -> str:
+    """How FSDP2 is traced: one rank, its wrapping and mixed-precision policy, what counts."""
+    policy = (
+        f"MixedPrecisionPolicy(param_dtype={setup.precision.removeprefix('amp-')}, "
+        "reduce_dtype=fp32) under autocast"
+        if setup.precision.startswith("amp-")
+        else "no mixed-precision policy (parameters gathered as stored)"
+    )
+    return (
+        f"FSDP2: rank 0 of {setup.num_gpus} under a fake process group; fully_shard per "
+        f"layer, then the root, reshard_after_forward=True, {policy}; parameters, gradients "
+        "and optimizer state are this rank's shards; gathered parameters (the running "
+        "layer, the prefetched one, the root's) and reduce-scatter buffers count as other"
+    )
+
+
+def _qlora_notes(model: ModelInfo) -> list[str]:
+    """How QLoRA's 4-bit linears are emulated, and the expert tensors they leave 16-bit."""
+    notes = [
+        "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
+        "double-quantised statistics, the 16-bit weight dequantised in forward and backward)"
+    ]
+    experts = model.fused_expert_params()
+    if experts:
+        share = experts / max(1, model.total_params)
+        notes.append(
+            f"QLoRA on MoE: the fused expert tensors ({share:.0%} of the weights) are not "
+            "nn.Linear layers, so bitsandbytes leaves them 16-bit "
+            "(bitsandbytes-foundation/bitsandbytes#1849)"
+        )
+    return notes
+
+
+def _dry_runs(
+    model: ModelInfo, setup: TrainingSetup, sizes: _Sizes, depths: tuple[int, int] | None
+) -> TraceResult:
+    """One dry run of the whole model (``depths`` None), or two at ``depths`` extrapolated to
+    the model's depth."""
     # lazy: torch and transformers (~2 s), only when no cached result answers
     from batchfit.memory.trace.hf import trace_once
 
-    kw: dict[str, Any] = {
-        "micro": micro,
-        "seq": seq,
-        "device": device,
-        "workspace": workspace,
-        "grad_accum_steps": grad_accum_steps,
-    }
-    if extrapolated:
-        _announce(model, micro, seq, low)
-        shallow = trace_once(model, setup, depth=low, **kw)
-        _announce(model, micro, seq, high)
-        deep = trace_once(model, setup, depth=high, **kw)
-        result = extrapolate(shallow, deep, low, high, depth)
-    else:
-        _announce(model, micro, seq, None)
-        result = trace_once(model, setup, depth=None, **kw)
-    _cache.store(CACHE_NAMESPACE, key, result_to_json(result))
-    return result, notes
+    kw: dict[str, Any] = asdict(sizes)
+    if depths is None:
+        _announce(model, sizes.micro, sizes.seq, None)
+        return trace_once(model, setup, depth=None, **kw)
+    low, high = depths
+    _announce(model, sizes.micro, sizes.seq, low)
+    shallow = trace_once(model, setup, depth=low, **kw)
+    _announce(model, sizes.micro, sizes.seq, high)
+    deep = trace_once(model, setup, depth=high, **kw)
+    return extrapolate(shallow, deep, low, high, model.arch.num_layers)
 
 
 def estimate_trace(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -16,6 +16,7 @@ from batchfit.memory.device.kernels import emulation
 from batchfit.memory.device.totals import StepMemory, assemble, device_totals
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace.hf import materialize_fake
+from batchfit.memory.trace.result import TraceResult
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.optimizers import make_optimizer
@@ -76,22 +77,73 @@ def estimate_module(
         )
     resolved = setup.resolved(device=device, bf16_supported=gpu.bf16 if gpu else True)
     store = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolved.precision, torch.float32)
-    autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(resolved.precision)
-    emulate_cuda = device == "cuda"
     if store != torch.float32:  # a pure 16-bit model takes 16-bit inputs (the user casts them)
-        users_batch_fn = batch_fn
+        batch_fn = _cast_floating(batch_fn, store)
+    run = _dry_run(
+        model_fn,
+        resolved,
+        store,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn or default_loss,
+        emulate_cuda=device == "cuda",
+        grad_accum_steps=grad_accum_steps,
+    )
+    peak = run.result.peak
+    reserved = peak.total
+    if device == "cuda":
+        simulated = simulate(run.result.events, expandable_segments=setup.expandable_segments)
+        reserved = max(simulated.reserved_bytes, peak.total)
+    return assemble(
+        _step_memory(run),
+        device_totals(peak.total, reserved, device, gpu, resolved),
+        model=_name(model_fn),
+        engine="trace",
+        setup=replace(resolved, task=None),
+        workload=run.shape,
+        device=device,
+        gpu=gpu,
+    )
 
-        def batch_fn() -> Any:
-            return tree_map_only(
-                torch.Tensor,
-                lambda t: t.to(store) if t.is_floating_point() else t,
-                users_batch_fn(),
-            )
 
-    kernels = emulation(emulate_cuda)
+def _cast_floating(batch_fn: BatchFn, dtype: torch.dtype) -> BatchFn:
+    """``batch_fn`` with its floating tensors cast to ``dtype``."""
+
+    def cast_batch_fn() -> Any:
+        return tree_map_only(
+            torch.Tensor,
+            lambda t: t.to(dtype) if t.is_floating_point() else t,
+            batch_fn(),
+        )
+
+    return cast_batch_fn
+
+
+@dataclass(frozen=True)
+class _ModuleRun:
+    """A dry run of the user's module: its result, the fake module and its trainable
+    parameters, and the batch's shape (samples, tokens or pixels)."""
+
+    result: TraceResult
+    net: torch.nn.Module
+    trainable: list[torch.nn.Parameter]
+    shape: tuple[int, int]
+
+
+def _dry_run(
+    model_fn: ModelFn,
+    resolved: TrainingSetup,
+    store: torch.dtype,
+    *,
+    batch_fn: BatchFn,
+    loss_fn: LossFn,
+    emulate_cuda: bool,
+    grad_accum_steps: int,
+) -> _ModuleRun:
+    """The module built in ``store``'s dtype on fake tensors, and its step traced."""
+    autocast = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(resolved.precision)
     with trace.quiet():
         net = _build_on_meta(model_fn, store)
-        with trace.fake_mode(), kernels:
+        with trace.fake_mode(), emulation(emulate_cuda):
             net = materialize_fake(net)
             net.train()
             params = [p for p in net.parameters() if p.requires_grad]
@@ -101,7 +153,7 @@ def estimate_module(
                 net,
                 opt,
                 batch_fn,
-                loss_fn or default_loss,
+                loss_fn,
                 autocast_dtype=autocast,
                 # memory is the same for any count from 2 up: later micro-steps hold the
                 # gradients of earlier ones (the HF trace caps it the same way)
@@ -110,38 +162,29 @@ def estimate_module(
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
                 prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
             )
-    peak = result.peak
-    reserved = peak.total
-    if emulate_cuda:
-        simulated = simulate(result.events, expandable_segments=setup.expandable_segments)
-        reserved = max(simulated.reserved_bytes, peak.total)
-    step = StepMemory(
+    return _ModuleRun(result, net, params, shape)
+
+
+def _step_memory(run: _ModuleRun) -> StepMemory:
+    """The step's memory at the dry run's peak, each component one line."""
+    peak = run.result.peak
+    return StepMemory(
         components=dict(peak.components),
         peak_phase=peak.phase,
-        activation_peak_bytes=max(p.components["activations"] for p in result.phases),
-        total_params=sum(p.numel() for p in net.parameters()),
-        trainable_params=sum(p.numel() for p in params),
+        activation_peak_bytes=max(p.components["activations"] for p in run.result.phases),
+        total_params=sum(p.numel() for p in run.net.parameters()),
+        trainable_params=sum(p.numel() for p in run.trainable),
         lines=tuple(
             Line(c, f"at the peak ({peak.phase})", v, "dry run of your module")
             for c, v in peak.components.items()
         ),
-        warnings=_batchnorm_warnings(net, shape[0]),
+        warnings=_batchnorm_warnings(run.net, run.shape[0]),
         extras={
-            "top_modules": list(result.top_modules),
-            "trace_seconds": result.seconds,
+            "top_modules": list(run.result.top_modules),
+            "trace_seconds": run.result.seconds,
             # each moment's total: the planner fits its lines through sizes 1 and 2
-            "moments": {p.key: p.total for p in result.phases},
+            "moments": {p.key: p.total for p in run.result.phases},
         },
-    )
-    return assemble(
-        step,
-        device_totals(peak.total, reserved, device, gpu, resolved),
-        model=_name(model_fn),
-        engine="trace",
-        setup=replace(resolved, task=None),
-        workload=shape,
-        device=device,
-        gpu=gpu,
     )
 
 
