@@ -81,6 +81,8 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
         # Trainer patches the model with Liger's kernels, fused linear cross-entropy among them
         # (trainer.py: _apply_liger_kernel_to_instance); needs `pip install liger-kernel`.
         kwargs["use_liger_kernel"] = True
+    if names.hf_optim is None:  # transformers has no name: export_caveats says what to do
+        del kwargs["optim"]
     if names.hf_optim_fused is not None and setup.optimizer_impl == "fused":
         kwargs["optim"] = names.hf_optim_fused  # the plan counted the fused kernel's memory
     if names.hf_optim_args is not None:
@@ -308,6 +310,12 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
             f"the plan assumes a chunked loss ({setup.loss_label}), which the {kind} config "
             "cannot switch on: compute the loss per chunk in your loss function (Trainer's "
             "compute_loss_func, your training_step), or plan with --loss full"
+        )
+    if kind == "hf" and get_optimizer(setup.optimizer).export.hf_optim is None:
+        caveats.append(
+            f"transformers has no TrainingArguments optim name for {setup.optimizer}, so the "
+            "hf config leaves optim out (the Trainer's default is AdamW): build the optimizer "
+            "in your script and pass it as Trainer(optimizer_cls_and_kwargs=(cls, kwargs))"
         )
     torch_layout = setup.sharding == "fsdp" or (
         setup.precision == "bf16" and not is_deepspeed(setup)

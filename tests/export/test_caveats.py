@@ -46,3 +46,14 @@ def test_a_deepspeed_export_of_a_pure_bf16_plan_says_it_needs_more():
         ),
         "deepspeed",
     )
+
+
+def test_hf_export_of_an_optimizer_transformers_cannot_name_leaves_optim_out(capsys):
+    # transformers' OptimizerNames has no Adan: the export says how to hand it to the Trainer
+    args = ["plan", "gpt2", "--gpu", "a100-40gb", "--seq-len", "256", "--global-batch", "64"]
+    args += ["--optimizer", "adan", "--engine", "analytic"]
+    code, out, err = run_cli([*args, "--export", "hf", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert "optim" not in data["exports"]["hf"]["training_arguments"]
+    assert any("optimizer_cls_and_kwargs" in w for w in data["warnings"])

@@ -336,7 +336,8 @@ def test_hf_every_optimizer_is_a_training_arguments_optim(
     from transformers.training_args import OptimizerNames
 
     names = get_optimizer(optimizer).export
-    assert names.hf_optim in {o.value for o in OptimizerNames}
+    # None: transformers has no name (the export leaves optim out and warns, test_caveats.py)
+    assert names.hf_optim in {None, *(o.value for o in OptimizerNames)}
     assert names.hf_optim_fused in {None, *(o.value for o in OptimizerNames)}
     plan = make_plan_analytic(
         resolve_model("gpt2"),
@@ -349,7 +350,9 @@ def test_hf_every_optimizer_is_a_training_arguments_optim(
     )
     kwargs = export(plan, "hf")["training_arguments"]
     args = _training_arguments(plan, tmp_path, monkeypatch, kwargs)
-    assert args.optim == kwargs["optim"]
+    assert ("optim" in kwargs) == (names.hf_optim is not None)
+    if names.hf_optim is not None:
+        assert args.optim == kwargs["optim"]
     assert args.learning_rate == pytest.approx(plan.learning_rate)
     assert args.optim_args == kwargs.get("optim_args")
 

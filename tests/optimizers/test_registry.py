@@ -78,15 +78,18 @@ def test_exported_names_are_names_transformers_knows(name: str):
 
     known = {o.value for o in OptimizerNames}
     names = get_optimizer(name).export
-    assert names.hf_optim in known
+    if names.hf_optim is None:  # only where transformers really has no name for it
+        assert not any(name.replace("-", "_") in value for value in known)
+    else:
+        assert names.hf_optim in known
     assert names.hf_optim_fused is None or names.hf_optim_fused in known
 
 
 def test_an_unknown_optimizer_is_one_line_naming_the_choices():
-    with pytest.raises(UsageError, match=r"--optimizer 'adan' is not one of: sgd, "):
-        TrainingSetup(optimizer="adan")
+    with pytest.raises(UsageError, match=r"--optimizer 'sophia' is not one of: sgd, "):
+        TrainingSetup(optimizer="sophia")
     with pytest.raises(UsageError, match="adamw"):
-        get_optimizer("adan")
+        get_optimizer("sophia")
 
 
 def test_a_name_registers_once():
@@ -123,7 +126,7 @@ def test_the_ladder_offers_no_sharding_the_optimizer_refuses(unsharded_only: str
 def test_the_docs_table_lists_every_registered_optimizer():
     text = DOCS.read_text(encoding="utf-8")
     rows = re.findall(
-        r"^\| `([a-z0-9-]+)` \| (.+?) \| (linear|square root), (.+?) \| `(\w+)` \|$",
+        r"^\| `([a-z0-9-]+)` \| (.+?) \| (linear|square root), (.+?) \| `?(\w+)`? \|$",
         text,
         flags=re.MULTILINE,
     )
@@ -133,4 +136,4 @@ def test_the_docs_table_lists_every_registered_optimizer():
         assert state == spec.state_text.replace("{elem}", "s")
         assert scaling == {"linear": "linear", "sqrt": "square root"}[spec.lr.scaling]
         assert source == (spec.lr.source or "no published rule")
-        assert hf_optim == spec.export.hf_optim
+        assert hf_optim == (spec.export.hf_optim or "none")

@@ -198,8 +198,8 @@ def test_non_finite_learning_rate_inputs_are_refused(base_lr, base_batch, flag):
         )
 
 
-@pytest.mark.parametrize("optimizer", ["lion", "adafactor"])
-def test_lion_and_adafactor_scaling_is_said_to_have_no_source(optimizer: str) -> None:
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor", "adan"])
+def test_lion_adafactor_and_adan_scaling_is_said_to_have_no_source(optimizer: str) -> None:
     lr, why = scale_learning_rate(1e-4, 256, 1024, optimizer)
     assert lr == pytest.approx(2e-4)
     assert "no published" in why and "Malladi" not in why

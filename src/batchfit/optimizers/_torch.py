@@ -1,7 +1,8 @@
 """Optimizers the dry run and the probe step where the real one is not at hand.
 
-bitsandbytes (8-bit and paged AdamW) does not install on a CPU-only machine, and Lion is not in
-torch: their memory behaviour is written here, state by state, as ``torch.optim.Optimizer``s.
+bitsandbytes (8-bit and paged AdamW) does not install on a CPU-only machine, and Lion and Adan
+are not in torch: their memory behaviour is written here, state by state, as
+``torch.optim.Optimizer``s.
 """
 
 from __future__ import annotations
@@ -64,3 +65,96 @@ class Lion(torch.optim.Optimizer):
                 update = exp_avg.clone().mul_(beta1).add_(p.grad, alpha=1 - beta1).sign_()
                 p.add_(update, alpha=-group["lr"])
                 exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class Adan(torch.optim.Optimizer):
+    """Adan (Xie et al. 2022) as sail-sg/Adan's adan.py writes it (``max_grad_norm=0``,
+    ``no_prox=False``): three moments and the negated previous gradient per parameter, the
+    multi-tensor step (``foreach=True``, its default) or the per-parameter loop."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float, float] = (0.98, 0.92, 0.99),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        foreach: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2, beta3 = group["betas"]
+            group["step"] = group.get("step", 0) + 1
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            exp_avg_diffs: list[torch.Tensor] = []
+            neg_pre_grads: list[torch.Tensor] = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["exp_avg_diff"] = torch.zeros_like(p)
+                if "neg_pre_grad" not in state or group["step"] == 1:
+                    # clip_global_grad_norm is 1.0 without max_grad_norm
+                    state["neg_pre_grad"] = p.grad.clone().mul_(-1.0)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                exp_avg_diffs.append(state["exp_avg_diff"])
+                neg_pre_grads.append(state["neg_pre_grad"])
+            if not params:
+                continue
+            step = group["step"]
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            bias3_sqrt = math.sqrt(1.0 - beta3**step)
+            step_size = lr / (1.0 - beta1**step)
+            step_size_diff = lr * beta2 / (1.0 - beta2**step)
+            if group["foreach"]:  # _multi_tensor_adan
+                torch._foreach_mul_(grads, 1.0)
+                torch._foreach_add_(neg_pre_grads, grads)
+                torch._foreach_mul_(exp_avgs, beta1)
+                torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+                torch._foreach_mul_(exp_avg_diffs, beta2)
+                torch._foreach_add_(exp_avg_diffs, neg_pre_grads, alpha=1 - beta2)
+                torch._foreach_mul_(neg_pre_grads, beta2)
+                torch._foreach_add_(neg_pre_grads, grads)
+                torch._foreach_mul_(exp_avg_sqs, beta3)
+                torch._foreach_addcmul_(exp_avg_sqs, neg_pre_grads, neg_pre_grads, value=1 - beta3)
+                denoms = torch._foreach_sqrt(exp_avg_sqs)  # every parameter's at once
+                torch._foreach_div_(denoms, bias3_sqrt)
+                torch._foreach_add_(denoms, eps)
+                torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-step_size)
+                torch._foreach_addcdiv_(params, exp_avg_diffs, denoms, value=-step_size_diff)
+                torch._foreach_div_(params, 1 + lr * decay)
+                torch._foreach_zero_(neg_pre_grads)
+                torch._foreach_add_(neg_pre_grads, grads, alpha=-1.0)
+                continue
+            for i, p in enumerate(params):  # _single_tensor_adan
+                grad, neg = grads[i], neg_pre_grads[i]
+                grad.mul_(1.0)
+                neg.add_(grad)
+                exp_avgs[i].mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_diffs[i].mul_(beta2).add_(neg, alpha=1 - beta2)
+                neg.mul_(beta2).add_(grad)
+                exp_avg_sqs[i].mul_(beta3).addcmul_(neg, neg, value=1 - beta3)
+                denom = (exp_avg_sqs[i].sqrt() / bias3_sqrt).add_(eps)
+                p.addcdiv_(exp_avgs[i], denom, value=-step_size)
+                p.addcdiv_(exp_avg_diffs[i], denom, value=-step_size_diff)
+                p.div_(1 + lr * decay)
+                neg.zero_().add_(grad, alpha=-1.0)

@@ -90,14 +90,16 @@ class LrRule:
 class ExportNames:
     """The optimizer's names in the configs batchfit writes.
 
-    ``hf_optim``: ``TrainingArguments(optim=...)`` (transformers' ``OptimizerNames``);
+    ``hf_optim``: ``TrainingArguments(optim=...)`` (transformers' ``OptimizerNames``), None
+    where transformers has none (the export then leaves ``optim`` out and warns that the
+    script must hand the optimizer to the Trainer);
     ``hf_optim_fused``: the same under ``--optimizer-impl fused``, None where there is no fused
     name; ``hf_optim_args``: ``optim_args``; ``weight_decay``: written to both configs so they
     agree; ``deepspeed_type``: DeepSpeed's ``optimizer.type``, None where DeepSpeed has none
     (the Trainer's optimizer is then handed to DeepSpeed).
     """
 
-    hf_optim: str
+    hf_optim: str | None
     hf_optim_fused: str | None = None
     hf_optim_args: str | None = None
     weight_decay: float = 0.0

@@ -1,6 +1,7 @@
 """The optimizers batchfit ships: torch.optim's SGD, Adam and AdamW, bitsandbytes' 8-bit AdamW
-(plain and paged), transformers' Adafactor and Lion. Each is one ``register(OptimizerSpec(...))``
-below; ``docs/design.md`` says what each field means to the engines."""
+(plain and paged), transformers' Adafactor, Lion and Adan. Each is one
+``register(OptimizerSpec(...))`` below; ``docs/design.md`` says what each field means to the
+engines."""
 
 from __future__ import annotations
 
@@ -41,6 +42,18 @@ UNSOURCED = LrRule("sqrt", None, unsourced_why="it keeps other state than Adam")
 # gradients and two moments and writes three of them = 7.
 # Optimizers outside torch.optim have no counted CPU loop: AdamW's 20 stands in (STAND_IN_CPU).
 STAND_IN_CPU = 20
+# Adan in sail-sg/Adan adan.py (max_grad_norm=0, no_prox=False), _multi_tensor_adan op by op
+# (_single_tensor_adan runs the same ones tensor by tensor): _foreach_mul_(grads, clip) 2,
+# _foreach_add_(neg_pre_grads, grads) 3, _foreach_mul_(exp_avgs) 2, _foreach_add_(exp_avgs,
+# grads) 3, _foreach_mul_(exp_avg_diffs) 2, _foreach_add_(exp_avg_diffs, neg_pre_grads) 3,
+# _foreach_mul_(neg_pre_grads) 2, _foreach_add_(neg_pre_grads, grads) 3,
+# _foreach_mul_(exp_avg_sqs) 2, _foreach_addcmul_(exp_avg_sqs, neg_pre_grads, neg_pre_grads) 3,
+# _foreach_sqrt 2, _foreach_div_ 2, _foreach_add_(eps) 2, _foreach_addcdiv_(params, exp_avgs) 4,
+# _foreach_addcdiv_(params, exp_avg_diffs) 4, _foreach_div_(params) 2,
+# _foreach_zero_(neg_pre_grads) 1, _foreach_add_(neg_pre_grads, grads) 3 = 45. batchfit
+# registers no fused Adan (sail-sg's fused=True needs its compiled CUDA extension), and
+# DeepSpeed, which has no Adan type, steps the client's optimizer: a fused ask runs these 45 too.
+ADAN_ACCESSES = 45
 
 
 def _torch_optim(cls_name: str, lr: float, **extra: Any) -> Factory:
@@ -76,6 +89,12 @@ def _adafactor(params: list[torch.nn.Parameter], impl: Impl) -> torch.optim.Opti
     )
 
 
+def _adan(params: list[torch.nn.Parameter], impl: Impl) -> torch.optim.Optimizer:
+    from batchfit.optimizers import _torch  # lazy: torch (~1 s), the dry run only
+
+    return _torch.Adan(params, lr=1e-3, foreach=impl == "foreach")
+
+
 def _no_state(t: ParamTensor, elem: int) -> float:
     return 0
 
@@ -86,6 +105,12 @@ def _one_buffer(t: ParamTensor, elem: int) -> float:
 
 def _two_moments(t: ParamTensor, elem: int) -> float:
     return 2 * t.numel * elem  # exp_avg, exp_avg_sq
+
+
+def _adan_state(t: ParamTensor, elem: int) -> float:
+    # sail-sg/Adan adan.py step(): exp_avg, exp_avg_sq, exp_avg_diff = zeros_like(p) and
+    # neg_pre_grad = p.grad.clone() (the gradient's dtype, the state's under AMP and pure 16-bit)
+    return 4 * t.numel * elem
 
 
 def _bnb_8bit(t: ParamTensor, elem: int) -> float:
@@ -131,6 +156,19 @@ def _adafactor_temps(ctx: StepContext) -> tuple[float, str]:
 
 def _lion_temps(ctx: StepContext) -> tuple[float, str]:
     return ctx.largest * ctx.state_elem, "Lion: one update tensor at a time"
+
+
+def _adan_temps(ctx: StepContext) -> tuple[float, str]:
+    if ctx.impl == "foreach":
+        # adan.py _multi_tensor_adan: denom = torch._foreach_sqrt(exp_avg_sqs), every parameter's
+        return ctx.total * ctx.state_elem, (
+            "foreach Adan: _foreach_sqrt(exp_avg_sq) of every parameter"
+        )
+    # adan.py _single_tensor_adan: denom = (exp_avg_sq.sqrt() / bias_correction3_sqrt).add_(eps)
+    return 2 * ctx.largest * ctx.state_elem, (
+        "per-parameter Adan: sqrt(exp_avg_sq) and its division by the bias correction, one "
+        "parameter at a time"
+    )
 
 
 register(
@@ -248,5 +286,21 @@ register(
         build=_emulated("Lion", 1e-4),
         lr=UNSOURCED,
         export=ExportNames("lion_32bit"),
+    )
+)
+register(
+    OptimizerSpec(
+        name="adan",
+        summary="Adan (Xie et al. 2022): three moments and the previous gradient",
+        state=_adan_state,
+        state_text="3 moments + previous gradient x {elem} B",
+        temporaries=_adan_temps,
+        # ADAN_ACCESSES: the count from sail-sg/Adan adan.py, above
+        accesses=Accesses(kernel=ADAN_ACCESSES, unfused=ADAN_ACCESSES, cpu=ADAN_ACCESSES),
+        build=_adan,
+        lr=LrRule("sqrt", None, unsourced_why="Adan's paper gives no batch-size rule"),
+        export=ExportNames(None),
+        # sail-sg's default is foreach=True on every device: the last, what auto runs on the CPU
+        impls=("for-loop", "foreach"),
     )
 )
