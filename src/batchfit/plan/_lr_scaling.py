@@ -27,9 +27,10 @@ def scale_learning_rate(
 ) -> tuple[float, str]:
     """Scale a learning rate tuned at ``base_batch`` to ``global_batch``.
 
-    Linear for SGD (Goyal et al. 2017), square root for Adam-family optimizers (Malladi et al.
-    2022); both hold only below the critical batch size. Lion, Adafactor and Adan have no
-    published rule: they get the square root too, and the returned text says it is a guess.
+    The optimizer's registered ``LrRule`` says which: linear for SGD (Goyal et al. 2017), the
+    square root for the Adam family (Malladi et al. 2022); both hold only below the critical
+    batch size. An optimizer with no published rule gets the square root, and the returned
+    text says it is a guess.
 
     Example:
         >>> scale_learning_rate(1e-4, 256, 1024, "adamw")[0]
