@@ -4,6 +4,7 @@ names the same one first."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -38,6 +39,10 @@ CASES: list[tuple[list[str], dict[str, Any]]] = [
     (
         [*GPT2, "--global-batch", "64", "--epochs", "1", "--dataset-size", "0"],
         {"epochs": 1.0, "dataset_size": 0},
+    ),
+    (
+        [*GPT2, "--global-batch", "64", "--epochs", "inf", "--dataset-size", "10"],
+        {"epochs": math.inf, "dataset_size": 10},
     ),
     (
         [*GPT2, "--global-batch", "64", "--headroom", "16GiB", "--epochs", "2"],

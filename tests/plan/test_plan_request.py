@@ -80,6 +80,7 @@ def _factory() -> object:  # an own-model factory: never built by these checks
         # a dataset size below 1 is the product's, as `batchfit plan` has always said it
         ({"epochs": 1.0, "dataset_size": 0}, "--epochs x --dataset-size must be a positive"),
         ({"epochs": 1.0, "dataset_size": 2.5}, "--dataset-size must be a whole number"),
+        ({"epochs": math.inf, "dataset_size": 10}, "must be a finite number of samples"),
         ({"epochs": 1.0, "dataset_size": 9, "train_samples": 9}, "not both"),
         ({"train_tokens": 0}, "--train-tokens must be a positive number, got 0"),
         ({"train_tokens": 10**9, "train_samples": 10**6}, "give --train-tokens or --epochs"),

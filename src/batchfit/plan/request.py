@@ -222,6 +222,12 @@ class PlanRequest:
         size = self.dataset_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
             raise UsageError(f"--dataset-size must be a whole number of samples, got {size!r}")
+        if self.epochs is not None and size is not None and not math.isfinite(self.epochs * size):
+            # the run's samples are a whole number: infinity has none
+            raise UsageError(
+                f"--epochs x --dataset-size must be a finite number of samples, got "
+                f"{self.epochs} x {size}: give a finite --epochs"
+            )
         if self.epochs is not None and self.train_samples is not None:
             raise UsageError("give train_samples or epochs with dataset_size, not both")
 
