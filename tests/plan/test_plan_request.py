@@ -77,7 +77,10 @@ def _factory() -> object:  # an own-model factory: never built by these checks
         ({"dataset_size": 1000}, "--epochs and --dataset-size go together"),
         ({"epochs": 0.0, "dataset_size": 1000}, "--epochs must be positive, got 0.0"),
         ({"epochs": math.nan, "dataset_size": 1000}, "--epochs must be positive, got nan"),
-        ({"epochs": 1.0, "dataset_size": 0}, "--dataset-size must be a positive number"),
+        # a dataset size below 1 is the product's, as `batchfit plan` has always said it
+        ({"epochs": 1.0, "dataset_size": 0}, "--epochs x --dataset-size must be a positive"),
+        ({"epochs": 1.0, "dataset_size": 2.5}, "--dataset-size must be a whole number"),
+        ({"epochs": math.inf, "dataset_size": 10}, "must be a finite number of samples"),
         ({"epochs": 1.0, "dataset_size": 9, "train_samples": 9}, "not both"),
         ({"train_tokens": 0}, "--train-tokens must be a positive number, got 0"),
         ({"train_tokens": 10**9, "train_samples": 10**6}, "give --train-tokens or --epochs"),
@@ -93,7 +96,10 @@ def _factory() -> object:  # an own-model factory: never built by these checks
         ({"critical_batch": 64, "critical_batch_tokens": 65536}, "not both"),
         # the headroom, the engine, the GPU
         ({"headroom_bytes": -1}, "headroom_bytes must be a whole number of bytes from 0"),
-        ({"headroom_bytes": T4.memory_bytes}, "is all of t4's"),
+        ({"headroom_bytes": T4.memory_bytes}, "--headroom 15.00 GiB is all of t4's 15.00 GiB"),
+        ({"headroom_bytes": "16GiB"}, "--headroom 16GiB is all of t4's 15.00 GiB: keep less"),
+        ({"headroom_bytes": "lots"}, "--headroom 'lots' is not a size"),
+        ({"headroom_bytes": 1.5}, "headroom_bytes must be a whole number of bytes from 0"),
         ({"engine": "fast"}, "engine must be 'trace' or 'analytic', got 'fast'"),
         ({"gpu": "t4"}, "gpu must be a GpuSpec"),
     ],
@@ -101,6 +107,52 @@ def _factory() -> object:  # an own-model factory: never built by these checks
 def test_each_rule_raises_with_the_fix(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _request(**changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # a price without the run's length first, unless epochs were given without a size
+        ({"gpu_hour_price": 2.0, "dataset_size": 10}, "--gpu-hour-price prices the run"),
+        ({"gpu_hour_price": 2.0, "epochs": 2.0}, "--epochs and --dataset-size go together"),
+        ({"max_gpus": 4, "epochs": 2.0}, "--max-gpus goes with --num-gpus auto"),
+        ({"headroom_bytes": "16GiB", "epochs": 2.0}, "--epochs and --dataset-size go together"),
+        ({"headroom_bytes": "16GiB", "gpu_hour_price": 2.0}, "--gpu-hour-price prices the run"),
+        ({"headroom_bytes": "16GiB", "global_batch": 0}, "--headroom 16GiB is all of"),
+        ({"headroom_bytes": "16GiB", "micro_batch_size": 3}, "--headroom 16GiB is all of"),
+        ({"headroom_bytes": "16GiB", "seq_len": 4096}, "--headroom 16GiB is all of"),
+        # the run's size comes after the target batch, and before the micro-batch
+        (
+            {"epochs": 1.0, "dataset_size": 0, "global_batch": None, "global_batch_tokens": 1000},
+            "--global-batch-tokens 1000 is not a multiple",
+        ),
+        (
+            {"epochs": 1.0, "dataset_size": 0, "micro_batch_size": 3},
+            "--epochs x --dataset-size must be a positive number, got 0",
+        ),
+        (
+            {"train_tokens": 10**9, "epochs": 1.0, "dataset_size": 10, "gpu_hour_price": -1.0},
+            "give --train-tokens or --epochs with --dataset-size, not both",
+        ),
+    ],
+)
+def test_two_mistakes_name_the_one_batchfit_plan_names(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(UsageError, match=message):
+        _request(**changes)
+
+
+def test_the_headroom_as_typed() -> None:
+    auto = _request(headroom_bytes=" AUTO ")  # as `--headroom` takes it
+    assert auto.headroom_auto and auto.headroom_wanted_bytes is None
+    assert _request(headroom_bytes="1GiB").headroom_wanted_bytes == 2**30
+    assert _request(headroom_bytes=0).headroom_wanted_bytes == 0
+    assert not _request(headroom_bytes="0.5GiB").headroom_auto
+    # tokens on an image model is a sample rule: the headroom's comes first
+    with pytest.raises(UsageError, match="--headroom 16GiB is all of"):
+        PlanRequest(VIT, T4, global_batch_tokens=2048, headroom_bytes="16GiB")
+    _same(make_plan(_request(headroom_bytes="2GiB")), make_plan(_request(headroom_bytes=2**31)))
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,10 @@
 """``batchfit plan MODEL --gpu G``: micro-batch x accumulation x GPUs for a global batch. This
-module parses the options and checks them; ``plan/`` computes, ``render.plan`` prints."""
+module parses the options into a ``PlanRequest``, whose checks are the plan's rules
+(``plan/request.py``); ``plan/`` computes, ``render.plan`` prints."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,7 +12,6 @@ from typing import Annotated, Any
 import typer
 
 from batchfit import models
-from batchfit._units import gib, parse_size
 from batchfit.cli._workload import ImageSizeO, sample_size
 from batchfit.cli.batch_size import parse_tokens
 from batchfit.cli.common import _cache_switch, _check_output, _emit_json
@@ -35,9 +33,15 @@ from batchfit.cli.options import (
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec, get_gpu
 from batchfit.lengths import Workload
-from batchfit.memory.estimate import check_workload
 from batchfit.models import ModelInfo
-from batchfit.plan import Plan, ProbeFile, make_plan, make_plan_auto, parse_betas, read_probe
+from batchfit.plan import (
+    DEFAULT_MAX_GPUS,
+    Plan,
+    PlanRequest,
+    make_plan,
+    parse_betas,
+    read_probe,
+)
 from batchfit.spec import TrainingSetup, check_choice
 
 GpuArg = Annotated[
@@ -170,71 +174,55 @@ def plan(
     dataset_size: DatasetSizeO = None,
     gpu_hour_price: GpuHourPriceO = None,
     throughput_from: ThroughputFromO = None,
-    max_gpus: MaxGpusO = 8,
+    max_gpus: MaxGpusO = DEFAULT_MAX_GPUS,
     report: ReportO = None,
     as_json: JsonO = False,
     num_gpus_auto: bool = False,
 ) -> None:
     """Plan micro-batch x accumulation x GPUs that hit a global batch exactly, and what fits."""
-    run_tokens = _check_options(max_gpus, num_gpus_auto, export_kind, out, report, train_tokens)
-    inputs = _plan_inputs(
-        model,
-        gpu,
+    run_tokens = _check_outputs(export_kind, out, report, train_tokens)
+    looked_up = _look_up(model, gpu, setup, engine, _Sample(seq_len, image_size, lengths, padding))
+    request = PlanRequest(
+        looked_up.info,
+        looked_up.gpu,
         setup,
-        _Sample(seq_len, image_size, lengths, padding),
-        engine=engine,
-        headroom=headroom,
-        run=_RunLength(run_tokens, epochs, dataset_size, gpu_hour_price),
+        global_batch=global_batch,
         global_batch_tokens=global_batch_tokens,
-        micro_batch=micro_batch,
-        throughput_from=throughput_from,
+        seq_len=seq_len if looked_up.lengths is None else None,  # --lengths truncates at it
+        image_size=image_size,
+        lengths=looked_up.lengths,
+        num_gpus="auto" if num_gpus_auto else None,
+        # the option's default stands for "not given": --max-gpus 8 alone is no mistake
+        max_gpus=None if max_gpus == DEFAULT_MAX_GPUS else max_gpus,
+        micro_batch_size=micro_batch,
+        base_lr=base_lr,
+        base_batch=base_batch,
+        base_batch_tokens=base_batch_tokens,
+        base_betas=parse_betas(base_betas),
+        base_eps=base_eps,
+        critical_batch=critical_batch,
+        critical_batch_tokens=critical_batch_tokens,
+        headroom_bytes=headroom,
+        engine=looked_up.engine,
+        train_tokens=run_tokens,
+        epochs=epochs,
+        dataset_size=dataset_size,
+        gpu_hour_price=gpu_hour_price,
+        throughput_from=read_probe(throughput_from) if throughput_from is not None else None,
     )
     with _cache_switch(no_cache, verbose) as stage:
-        planner = (
-            functools.partial(make_plan_auto, max_gpus=max_gpus, progress=stage)
-            if num_gpus_auto
-            else make_plan
-        )
-        result = planner(
-            inputs.info,
-            inputs.gpu,
-            setup,
-            seq_len=inputs.seq_len,
-            global_batch=global_batch,
-            global_batch_tokens=global_batch_tokens,
-            micro_batch_size=micro_batch,
-            base_lr=base_lr,
-            base_batch=base_batch,
-            base_batch_tokens=base_batch_tokens,
-            base_betas=parse_betas(base_betas),
-            base_eps=base_eps,
-            critical_batch=critical_batch,
-            critical_batch_tokens=critical_batch_tokens,
-            train_tokens=run_tokens,
-            train_samples=inputs.train_samples,
-            gpu_hour_price=gpu_hour_price,
-            throughput_from=inputs.probe_file,
-            headroom_bytes=inputs.headroom_bytes,
-            engine=inputs.engine,
-        )
-    _answer(inputs.with_headroom_note(result), inputs, export_kind, out, report, as_json)
+        result = make_plan(request, progress=stage, warn=_warn)
+    _answer(result, looked_up, export_kind, out, report, as_json)
 
 
-def _check_options(
-    max_gpus: int,
-    num_gpus_auto: bool,
-    export_kind: str | None,
-    out: Path | None,
-    report: Path | None,
-    train_tokens: str | None,
+def _check_outputs(
+    export_kind: str | None, out: Path | None, report: Path | None, train_tokens: str | None
 ) -> int | None:
-    """The options that go together, and the outputs, checked before anything runs; the
+    """The export and the files it and the report write, checked before anything runs; the
     run's tokens (``--train-tokens``) parsed."""
     # the exports load when `plan` runs, not for `batchfit --help`
     from batchfit.export import EXPORT_KINDS
 
-    if max_gpus != 8 and not num_gpus_auto:
-        raise UsageError("--max-gpus goes with --num-gpus auto")
     if export_kind is not None:
         check_choice("--export", export_kind, EXPORT_KINDS)
     if out is not None:
@@ -257,138 +245,40 @@ class _Sample:
 
 
 @dataclass(frozen=True)
-class _RunLength:
-    """The run's length (--train-tokens, or --epochs over --dataset-size) and its price."""
-
-    tokens: int | None
-    epochs: float | None
-    dataset_size: int | None
-    gpu_hour_price: float | None
-
-
-@dataclass(frozen=True)
-class _PlanInputs:
-    """What the planner takes beyond the options passed through as given."""
+class _LookedUp:
+    """What the options name, looked up: the model, the GPU, the engine, the dataset's
+    lengths (read from --lengths)."""
 
     info: ModelInfo
     gpu: GpuSpec
-    seq_len: int
-    lengths: Workload | None
     engine: Engine
-    train_samples: int | None
-    headroom_bytes: int
-    headroom_note: str | None
-    probe_file: ProbeFile | None
-
-    def with_headroom_note(self, result: Plan) -> Plan:
-        """The plan with ``--headroom auto``'s figure and reason as its first warning."""
-        if self.headroom_note is None:
-            return result
-        return replace(result, warnings=(self.headroom_note, *result.warnings))
+    lengths: Workload | None
 
 
-def _plan_inputs(
-    model: str,
-    gpu: str,
-    setup: TrainingSetup,
-    sample: _Sample,
-    *,
-    engine: str,
-    headroom: str,
-    run: _RunLength,
-    global_batch_tokens: int | None,
-    micro_batch: int | None,
-    throughput_from: Path | None,
-) -> _PlanInputs:
-    """The plan's inputs, looked up and checked in the order the errors must come.
-
-    Plan rules (they belong with the planner's request; the rest is looking up the engine,
-    the GPU, the model, the sample size and the probe file):
-
-    - a price needs the run's length (--train-tokens, or --epochs with --dataset-size);
-    - --epochs and --dataset-size go together, --epochs is positive;
-    - epochs x dataset size, rounded up, is the run's length in samples;
-    - --headroom auto is the calibration records' 99th percentile for the GPU, as a share
-      of its memory, with a note saying so;
-    - the headroom is less than the GPU's memory;
-    - --global-batch-tokens counts tokens: not for an image model, nor with dynamic padding;
-    - the workload (micro-batch, sample size) is one the model can take.
-    """
-    if run.gpu_hour_price and run.gpu_hour_price > 0 and run.tokens is None and run.epochs is None:
-        raise UsageError(
-            "--gpu-hour-price prices the run: give its length too (--train-tokens N, or "
-            "--epochs E --dataset-size N)"
-        )
-    if (run.epochs is None) != (run.dataset_size is None):
-        raise UsageError("--epochs and --dataset-size go together (the run's length in samples)")
-    if run.epochs is not None and not run.epochs > 0:
-        raise UsageError(f"--epochs must be positive, got {run.epochs}")
-    train_samples = None
-    if run.epochs is not None and run.dataset_size is not None:
-        train_samples = math.ceil(run.epochs * run.dataset_size)
+def _look_up(model: str, gpu: str, setup: TrainingSetup, engine: str, sample: _Sample) -> _LookedUp:
+    """The engine, the GPU and the model by name, and the --lengths files read; the plan's
+    rules are ``PlanRequest``'s (``plan/request.py``)."""
     engine_name = parse_engine(engine)
     gpu_spec = get_gpu(gpu)
-    headroom_bytes, headroom_note = _headroom(headroom, gpu_spec)
-    if headroom_bytes >= gpu_spec.memory_bytes:
-        raise UsageError(
-            f"--headroom {headroom} is all of {gpu_spec.name}'s "
-            f"{gib(gpu_spec.memory_bytes)}: keep less free, e.g. 0.5GiB"
-        )
     info = models.resolve_model(model, setup.task)  # on its module: a test may stand in for it
-    seq, lengths_seen = sample_size(
+    _, lengths_seen = sample_size(
         info,
         seq_len=sample.seq_len,
         image_size=sample.image_size,
         lengths=sample.lengths,
         padding=sample.padding,
     )
-    if global_batch_tokens and info.task == "image-classification":
-        raise UsageError(
-            f"--global-batch-tokens counts tokens; {info.name} sees images: give --global-batch"
-        )
-    if lengths_seen is not None and lengths_seen.padding == "longest" and global_batch_tokens:
-        raise UsageError(
-            "--global-batch-tokens needs a fixed number of tokens per sample, and with dynamic "
-            "padding (--padding longest) a step's tokens vary: give --global-batch in samples, "
-            "or --padding packed (or max) with --seq-len"
-        )
-    check_workload(info, micro_batch or 1, seq)
-    probe_file = read_probe(throughput_from) if throughput_from is not None else None
-    return _PlanInputs(
-        info,
-        gpu_spec,
-        seq,
-        lengths_seen,
-        engine_name,
-        train_samples,
-        headroom_bytes,
-        headroom_note,
-        probe_file,
-    )
+    return _LookedUp(info, gpu_spec, engine_name, lengths_seen)
 
 
-def _headroom(headroom: str, gpu: GpuSpec) -> tuple[int, str | None]:
-    """``--headroom``: a size, or ``auto`` from the calibration records (with its note)."""
-    if headroom.strip().lower() != "auto":
-        return parse_size(headroom, what="--headroom", allow_zero=True), None
-    # the calibration records load for --headroom auto only
-    from batchfit import calibration
-
-    records = calibration.load(
-        warn=lambda message: typer.echo(f"batchfit: warning: {message}", err=True)
-    )
-    auto = calibration.auto_headroom(records, gpu.name)
-    headroom_bytes = int(auto.fraction * gpu.memory_bytes)
-    note = (
-        f"--headroom auto: {auto.fraction:.1%} of {gib(gpu.memory_bytes)} = "
-        f"{gib(headroom_bytes)} ({auto.why})"
-    )
-    return headroom_bytes, note
+def _warn(message: str) -> None:
+    """A calibration file set aside while ``--headroom auto`` reads the records."""
+    typer.echo(f"batchfit: warning: {message}", err=True)
 
 
 def _answer(
     result: Plan,
-    inputs: _PlanInputs,
+    inputs: _LookedUp,
     export_kind: str | None,
     out: Path | None,
     report: Path | None,

@@ -19,6 +19,7 @@ from batchfit.plan._choice import MAX_QUIET_ACCUM as MAX_QUIET_ACCUM
 from batchfit.plan._divisors import largest_divisor_at_most as largest_divisor_at_most
 from batchfit.plan._fit_table import FIT_RULE as FIT_RULE
 from batchfit.plan._fit_table import FitRow, fit_table
+from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS
 from batchfit.plan._ladder import OFFLOAD_MARGIN as OFFLOAD_MARGIN
 from batchfit.plan._ladder import TIME_TOLERANCE as TIME_TOLERANCE
 from batchfit.plan._ladder import Technique
@@ -35,6 +36,7 @@ from batchfit.plan.request import PlanRequest, samples_from_target
 
 __all__ = [
     "DEFAULT_HEADROOM_BYTES",
+    "DEFAULT_MAX_GPUS",
     "Alternative",
     "FitRow",
     "Plan",

@@ -62,7 +62,7 @@ def make_plan(
     base_eps: float = ...,
     critical_batch: int | None = None,
     critical_batch_tokens: int | None = None,
-    headroom_bytes: int = ...,
+    headroom_bytes: int | str = ...,
     engine: str = "trace",
     train_tokens: int | None = None,
     train_samples: int | None = None,
@@ -102,7 +102,7 @@ def make_plan(
     cost is at ``gpu_hour_price``, else the catalog's price for the GPU (``plan/_prices.py``).
 
     With ``num_gpus="auto"`` each count is planned in full (``make_plan_auto``), ``progress``
-    told of each; with ``headroom_bytes="auto"`` the calibration records are read
+    told of each; with ``headroom_bytes="auto"`` (any case) the calibration records are read
     (``warn(message)`` for a file it had to set aside, else a ``UserWarning``) and the plan's
     first warning says what they gave.
 
@@ -186,7 +186,7 @@ def _with_headroom(
 ) -> tuple[PlanRequest, str | None]:
     """``headroom_bytes="auto"`` resolved from the calibration records, and the note that says
     how; the request as it is otherwise."""
-    if request.headroom_bytes != "auto":
+    if not request.headroom_auto:
         return request, None
     gpu = request.gpu
     auto = calibration.auto_headroom(calibration.load(warn=warn), gpu.name)
@@ -201,13 +201,13 @@ def _with_headroom(
 def _plan(request: PlanRequest) -> Plan:
     """One plan on the request's GPU count: the ladder's choice, the micro-batch that divides
     the per-GPU batch, its estimate, the LR, the warnings."""
-    assert isinstance(request.headroom_bytes, int)  # "auto" is resolved by make_plan
+    headroom = request.headroom_wanted_bytes
+    assert headroom is not None  # "auto" is resolved by make_plan
     setup, model, gpu = request.run_setup, request.target_model, request.gpu
     seq = request.sample_size
     measured, probe_note = bind(request.throughput_from, model, gpu, setup, seq)
     engine, engine_note = usable_engine(request.engine)
     per_gpu = request.per_gpu_samples
-    headroom = request.headroom_bytes
     target = _Target(model, gpu, seq, per_gpu, headroom, engine, measured)
     fit = _climb(target, setup, request.micro_batch_size)
     micro = request.micro_batch_size or largest_divisor_at_most(

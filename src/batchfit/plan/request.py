@@ -2,9 +2,11 @@
 
 The rules here are about the plan, not the command line: the target batch in samples or
 tokens (tokens only for a model that reads them), the run's length in tokens, samples or
-epochs of a dataset, the headroom in bytes or ``"auto"``, the GPU count or ``"auto"``, the
-base LR with its batch. ``make_plan(request)`` plans it; ``batchfit plan`` builds one from its
-options. A bad value raises ``UsageError`` (a ``ValueError``) naming it and the fix.
+epochs of a dataset, the headroom in bytes, a size or ``"auto"``, the GPU count or
+``"auto"``, the base LR with its batch. ``make_plan(request)`` plans it; ``batchfit plan``
+parses its options into one and checks nothing of its own, so a Python caller gets the
+command's errors, in the same order. A bad value raises ``UsageError`` (a ``ValueError``)
+naming it and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from batchfit._units import gib
+from batchfit._units import gib, parse_size
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import check_workload
@@ -60,8 +62,9 @@ class PlanRequest:
         max_gpus: With ``num_gpus="auto"``: the most GPUs tried (default 8).
         micro_batch_size: A fixed micro-batch instead of the largest that fits.
         base_lr: The learning rate tuned at ``base_batch`` (or ``base_batch_tokens``).
-        headroom_bytes: Free memory to keep on the GPU, or ``"auto"``: the 99th percentile of
-            ``batchfit calibration``'s records, as a fraction of the GPU's memory.
+        headroom_bytes: Free memory to keep on the GPU: bytes, a size such as ``"1GiB"``, or
+            ``"auto"`` (any case): the 99th percentile of ``batchfit calibration``'s records,
+            as a fraction of the GPU's memory, which ``make_plan`` reads.
         engine: ``"trace"`` (a dry run; the formulas answer, and say so, without torch) or
             ``"analytic"``.
         train_tokens: Tokens of the whole run (adds its steps, time and cost).
@@ -104,7 +107,7 @@ class PlanRequest:
     base_eps: float = DEFAULT_EPS
     critical_batch: int | None = None
     critical_batch_tokens: int | None = None
-    headroom_bytes: int | Literal["auto"] = DEFAULT_HEADROOM_BYTES
+    headroom_bytes: int | str = DEFAULT_HEADROOM_BYTES
     engine: Engine = "trace"
     train_tokens: int | None = None
     train_samples: int | None = None
@@ -116,15 +119,20 @@ class PlanRequest:
     loss_fn: Callable[[Any, Any], Any] | None = None
 
     def __post_init__(self) -> None:
-        # in the order make_plan has always checked them, so the first error is the same
+        # in the order `batchfit plan` has always reported them: with two mistakes, the
+        # command and a Python caller name the same one first
         self._check_kinds()
+        if self.max_gpus is not None and self.num_gpus != "auto":
+            raise UsageError("--max-gpus goes with --num-gpus auto")
+        self._check_run_length()
+        self._check_headroom()
         self._check_model()
         self._check_sample()
         self._check_gpu_count()
         samples_from_target(
             self.global_batch, self.global_batch_tokens, self.sample_size, self.gpu_count
         )
-        self._check_run_length()
+        self._check_run_size()
         _hour_price(self.gpu_hour_price, self.gpu.name)  # a positive number of dollars
         self._check_batches()
         lr_options(
@@ -193,23 +201,39 @@ class PlanRequest:
                     f"num_gpus={count} and setup.num_gpus={setup.num_gpus} disagree: give the "
                     "count once"
                 )
-        if self.max_gpus is not None and count != "auto":
-            raise UsageError("--max-gpus goes with --num-gpus auto")
         if self.max_gpus is not None:
             gpu_counts(self.max_gpus)  # 1 to MAX_AUTO_GPUS
 
     def _check_run_length(self) -> None:
-        """The run's length: tokens, samples, or epochs of a dataset; one of them."""
+        """The run's length as given: a price needs one; epochs go with a dataset size."""
+        price = self.gpu_hour_price
+        given = (self.train_tokens, self.train_samples, self.epochs)
+        if price is not None and price > 0 and all(length is None for length in given):
+            raise UsageError(
+                "--gpu-hour-price prices the run: give its length too (--train-tokens N, or "
+                "--epochs E --dataset-size N)"
+            )
         if (self.epochs is None) != (self.dataset_size is None):
             raise UsageError(
                 "--epochs and --dataset-size go together (the run's length in samples)"
             )
         if self.epochs is not None and not self.epochs > 0:  # `not > 0` refuses NaN too
             raise UsageError(f"--epochs must be positive, got {self.epochs}")
-        if self.dataset_size is not None and not _positive_int(self.dataset_size):
-            raise UsageError(f"--dataset-size must be a positive number, got {self.dataset_size}")
+        size = self.dataset_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise UsageError(f"--dataset-size must be a whole number of samples, got {size!r}")
+        if self.epochs is not None and size is not None and not math.isfinite(self.epochs * size):
+            # the run's samples are a whole number: infinity has none
+            raise UsageError(
+                f"--epochs x --dataset-size must be a finite number of samples, got "
+                f"{self.epochs} x {size}: give a finite --epochs"
+            )
         if self.epochs is not None and self.train_samples is not None:
             raise UsageError("give train_samples or epochs with dataset_size, not both")
+
+    def _check_run_size(self) -> None:
+        """The run's length in tokens or samples: positive, and one of them. A dataset size
+        below 1 shows here as the product's, after the target batch's checks."""
         samples = self.run_samples
         lengths = (("--train-tokens", self.train_tokens), ("--epochs x --dataset-size", samples))
         for name, value in lengths:
@@ -217,12 +241,6 @@ class PlanRequest:
                 raise UsageError(f"{name} must be a positive number, got {value}")
         if self.train_tokens is not None and samples is not None:
             raise UsageError("give --train-tokens or --epochs with --dataset-size, not both")
-        price = self.gpu_hour_price
-        if price is not None and price > 0 and self.train_tokens is None and samples is None:
-            raise UsageError(
-                "--gpu-hour-price prices the run: give its length too (--train-tokens N, or "
-                "--epochs E --dataset-size N)"
-            )
 
     def _check_batches(self) -> None:
         """The micro-batch against the per-GPU batch; the base LR with its batch."""
@@ -250,17 +268,24 @@ class PlanRequest:
             )
 
     def _check_headroom(self) -> None:
+        """A size or bytes from 0, less than the GPU's memory; "auto" is checked when read."""
         headroom, gpu = self.headroom_bytes, self.gpu
-        if headroom == "auto":
+        if self.headroom_auto:
             return
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
+        if not isinstance(headroom, str) and (
+            isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0
+        ):
             raise UsageError(
-                f"headroom_bytes must be a whole number of bytes from 0 (or 'auto'), got "
-                f"{headroom!r}"
+                "headroom_bytes must be a whole number of bytes from 0, a size such as '1GiB' "
+                f"or 'auto', got {headroom!r}"
             )
-        if headroom >= gpu.memory_bytes:
+        wanted = self.headroom_wanted_bytes
+        assert wanted is not None  # not "auto" (returned above)
+        if wanted >= gpu.memory_bytes:
+            # the size as it was typed, so the message quotes the command line
+            shown = headroom if isinstance(headroom, str) else gib(headroom)
             raise UsageError(
-                f"--headroom {gib(headroom)} is all of {gpu.name}'s {gib(gpu.memory_bytes)}: "
+                f"--headroom {shown} is all of {gpu.name}'s {gib(gpu.memory_bytes)}: "
                 "keep less free, e.g. 0.5GiB"
             )
 
@@ -282,6 +307,23 @@ class PlanRequest:
         if self.lengths is not None:
             return self.lengths.seq_len
         return self.seq_len or 0
+
+    @property
+    def headroom_auto(self) -> bool:
+        """Whether the headroom is ``"auto"`` (any case, spaces around it allowed)."""
+        headroom = self.headroom_bytes
+        return isinstance(headroom, str) and headroom.strip().lower() == "auto"
+
+    @property
+    def headroom_wanted_bytes(self) -> int | None:
+        """The headroom in bytes (a size parsed); None for ``"auto"``, which ``make_plan``
+        resolves from the calibration records."""
+        headroom = self.headroom_bytes
+        if not isinstance(headroom, str):
+            return headroom
+        if self.headroom_auto:
+            return None
+        return parse_size(headroom, what="--headroom", allow_zero=True)
 
     @property
     def gpu_count(self) -> int:
@@ -393,10 +435,6 @@ def _check_tokens(model: ModelInfo, request: PlanRequest) -> None:
             "padding (--padding longest) a step's tokens vary: give --global-batch in samples, "
             "or --padding packed (or max) with --seq-len"
         )
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def samples_from_target(
