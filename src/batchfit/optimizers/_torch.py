@@ -1,7 +1,7 @@
 """Optimizers the dry run and the probe step where the real one is not at hand.
 
-bitsandbytes (8-bit and paged AdamW) does not install on a CPU-only machine, and Lion and Adan
-are not in torch: their memory behaviour is written here, state by state, as
+bitsandbytes (8-bit and paged AdamW) does not install on a CPU-only machine, and Lion, Adan and
+SophiaG are not in torch: their memory behaviour is written here, state by state, as
 ``torch.optim.Optimizer``s.
 """
 
@@ -158,3 +158,61 @@ class Adan(torch.optim.Optimizer):
                 p.addcdiv_(exp_avg_diffs[i], denom, value=-step_size_diff)
                 p.div_(1 + lr * decay)
                 neg.zero_().add_(grad, alpha=-1.0)
+
+
+class SophiaG(torch.optim.Optimizer):
+    """SophiaG (Liu et al. 2023) as the reference ``sophia.py`` writes it (``capturable`` off):
+    a momentum ``exp_avg`` and a diagonal Hessian estimate ``hessian`` per parameter, and a
+    per-parameter loop whose update is ``sign(m) * min(|m| / (rho * bs * h + 1e-15), 1)``.
+
+    The training loop refreshes ``hessian`` every k steps: a backward on labels sampled from the
+    model's own logits, then ``update_hessian()``. ``step(bs=...)`` takes the batch in tokens
+    (5120 by default), which scales the Hessian estimate in the clipping threshold.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.965, 0.99),
+        rho: float = 0.04,
+        weight_decay: float = 1e-1,
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "rho": rho, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state: dict[str, Any] = self.state[p]
+        if not state:  # a CPU step counter, then the two buffers in the parameter's dtype
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["hessian"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def update_hessian(self) -> None:
+        """Fold the squared gradients now in ``p.grad`` into the Hessian estimate, in place."""
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                if p.grad is not None:
+                    hess = self._state(p)["hessian"]
+                    hess.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, bs: int = 5120) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            lr, rho, decay = group["lr"], group["rho"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p)
+                exp_avg, hess = state["exp_avg"], state["hessian"]
+                state["step"] += 1
+                p.mul_(1 - lr * decay)  # decoupled weight decay
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                # |m| and rho * bs * h + eps are alive at once, as in the reference's expression;
+                # the clipped ratio stays bound until the next parameter's replaces it
+                ratio = (exp_avg.abs() / (rho * bs * hess + 1e-15)).clamp(None, 1)
+                p.addcmul_(exp_avg.sign(), ratio, value=-lr)

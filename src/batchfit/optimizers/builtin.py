@@ -1,5 +1,5 @@
 """The optimizers batchfit ships: torch.optim's SGD, Adam and AdamW, bitsandbytes' 8-bit AdamW
-(plain and paged), transformers' Adafactor, Lion and Adan. Each is one
+(plain and paged), transformers' Adafactor, Lion, Adan and SophiaG. Each is one
 ``register(OptimizerSpec(...))`` below; ``docs/design.md`` says what each field means to the
 engines."""
 
@@ -54,6 +54,14 @@ STAND_IN_CPU = 20
 # registers no fused Adan (sail-sg's fused=True needs its compiled CUDA extension), and
 # DeepSpeed, which has no Adan type, steps the client's optimizer: a fused ask runs these 45 too.
 ADAN_ACCESSES = 45
+# SophiaG in Liu et al.'s sophia.py, _single_tensor_sophiag op by op (capturable off; its only
+# loop, on every device): param.mul_(1 - lr * wd) 2, exp_avg.mul_(beta1) 2,
+# exp_avg.add_(grad) 3, exp_avg.abs() 2, rho * bs * hess 2, + 1e-15 2, abs / denominator 3,
+# .clamp(None, 1) 2, exp_avg.sign() 2, param.addcmul_(sign, ratio) 4 = 24. The Hessian refresh
+# the training loop runs every k steps (update_hessian: hessian.mul_ 2 + addcmul_ 3, after a
+# backward on sampled labels) is outside step() and not counted. DeepSpeed has no Sophia type
+# and steps the client's optimizer: a fused ask runs these 24 too.
+SOPHIA_ACCESSES = 24
 
 
 def _torch_optim(cls_name: str, lr: float, **extra: Any) -> Factory:
@@ -95,6 +103,12 @@ def _adan(params: list[torch.nn.Parameter], impl: Impl) -> torch.optim.Optimizer
     return _torch.Adan(params, lr=1e-3, foreach=impl == "foreach")
 
 
+def _sophia(params: list[torch.nn.Parameter], impl: Impl) -> torch.optim.Optimizer:
+    from batchfit.optimizers import _torch  # lazy: torch (~1 s), the dry run only
+
+    return _torch.SophiaG(params, lr=1e-4)  # one loop, whatever impl asks
+
+
 def _no_state(t: ParamTensor, elem: int) -> float:
     return 0
 
@@ -111,6 +125,11 @@ def _adan_state(t: ParamTensor, elem: int) -> float:
     # sail-sg/Adan adan.py step(): exp_avg, exp_avg_sq, exp_avg_diff = zeros_like(p) and
     # neg_pre_grad = p.grad.clone() (the gradient's dtype, the state's under AMP and pure 16-bit)
     return 4 * t.numel * elem
+
+
+def _sophia_state(t: ParamTensor, elem: int) -> float:
+    # sophia.py SophiaG.step(): exp_avg, hessian = zeros_like(p) (the step counter is a CPU scalar)
+    return 2 * t.numel * elem
 
 
 def _bnb_8bit(t: ParamTensor, elem: int) -> float:
@@ -168,6 +187,14 @@ def _adan_temps(ctx: StepContext) -> tuple[float, str]:
     return 2 * ctx.largest * ctx.state_elem, (
         "per-parameter Adan: sqrt(exp_avg_sq) and its division by the bias correction, one "
         "parameter at a time"
+    )
+
+
+def _sophia_temps(ctx: StepContext) -> tuple[float, str]:
+    # sophia.py _single_tensor_sophiag: exp_avg.abs(), rho * bs * hess and its + 1e-15 are alive
+    # together (then abs / denominator and clamp, sign(exp_avg) beside the ratio: two at most)
+    return 3 * ctx.largest * ctx.state_elem, (
+        "SophiaG: |exp_avg|, rho * bs * hessian and its + eps, one parameter at a time"
     )
 
 
@@ -302,5 +329,23 @@ register(
         export=ExportNames(None),
         # sail-sg's default is foreach=True on every device: the last, what auto runs on the CPU
         impls=("for-loop", "foreach"),
+    )
+)
+register(
+    OptimizerSpec(
+        name="sophia",
+        summary="SophiaG (Liu et al. 2023): momentum and a diagonal Hessian estimate, clipped",
+        state=_sophia_state,
+        state_text="1 momentum + 1 Hessian diagonal x {elem} B",
+        temporaries=_sophia_temps,
+        # SOPHIA_ACCESSES: the count from Liu et al.'s sophia.py, above
+        accesses=Accesses(kernel=SOPHIA_ACCESSES, unfused=None, cpu=SOPHIA_ACCESSES),
+        build=_sophia,
+        lr=LrRule(
+            "sqrt",
+            None,
+            unsourced_why="Sophia's paper gives none; pass the new tokens per step as step(bs=...)",
+        ),
+        export=ExportNames(None),
     )
 )
