@@ -34,7 +34,7 @@ from batchfit.cli.options import (
 )
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec, get_gpu
-from batchfit.lengths import Workload
+from batchfit.lengths import LengthsSummary
 from batchfit.memory.estimate import check_workload
 from batchfit.models import ModelInfo
 from batchfit.plan import Plan, ProbeFile, make_plan, make_plan_auto, parse_betas, read_probe
@@ -273,7 +273,7 @@ class _PlanInputs:
     info: ModelInfo
     gpu: GpuSpec
     seq_len: int
-    lengths: Workload | None
+    lengths: LengthsSummary | None
     engine: Engine
     train_samples: int | None
     headroom_bytes: int
