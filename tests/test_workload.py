@@ -102,6 +102,12 @@ def test_estimate_refuses_a_workload_beside_its_keywords():
         estimate(GPT2, TrainingSetup(), engine="analytic", workload=(2, 64))  # type: ignore[arg-type]
 
 
+def test_an_own_module_takes_no_workload():
+    # its sizes come from its batch_fn: refused before anything is built
+    with pytest.raises(UsageError, match="reads your module's sizes from batch_fn"):
+        estimate(lambda: None, batch_fn=lambda: None, workload=Workload(2, 64, "cpu"))
+
+
 def test_estimate_keyword_form_checks_what_a_workload_checks():
     with pytest.raises(UsageError, match="--grad-accum must be a positive integer, got 0"):
         estimate(GPT2, micro_batch_size=2, seq_len=64, gpu=T4, grad_accum_steps=0)

@@ -36,7 +36,8 @@ class Workload:
         seq_len: One sample's size: tokens (``--seq-len``), or for an image model the image
             side in pixels (``--image-size``).
         device: ``"cuda"`` or ``"cpu"`` (``--device``).
-        gpu: The GPU, on ``"cuda"`` (``--gpu``); None: an Ampere card is assumed.
+        gpu: The GPU, on ``"cuda"`` only (``--gpu``); None on ``"cuda"``: the CUDA costs of
+            an Ampere card, and no step time.
         grad_accum_steps: Micro-steps per optimizer step (``--grad-accum``).
         lengths: What a dataset's lengths say (``--lengths``); its ``seq_len`` is this one.
 
