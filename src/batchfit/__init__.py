@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         class_weights,
         cross_entropy_sum,
     )
+    from batchfit.workload import Workload
 
 _EXPORTS = {
     "TrainingSetup": "batchfit.spec",
@@ -62,6 +63,7 @@ _EXPORTS = {
     "StepResult": "batchfit.train",
     "class_weights": "batchfit.train",
     "cross_entropy_sum": "batchfit.train",
+    "Workload": "batchfit.workload",
 }
 
 __all__ = [
@@ -75,6 +77,7 @@ __all__ = [
     "StepResult",
     "TrainingSetup",
     "UsageError",
+    "Workload",
     "__version__",
     "all_gpus",
     "class_weights",

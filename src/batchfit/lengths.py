@@ -47,7 +47,7 @@ class LengthFile:
 
 
 @dataclass(frozen=True)
-class Workload:
+class LengthsSummary:
     """The tokens per sample memory is planned for, and what the lengths say besides."""
 
     seq_len: int  # the worst micro-batch's tokens per sample
@@ -187,7 +187,7 @@ def first_longer(specs: list[str], limit: int) -> str:
     return "--lengths"
 
 
-def workload(specs: list[str], padding: str, seq_len: int | None) -> Workload:
+def workload(specs: list[str], padding: str, seq_len: int | None) -> LengthsSummary:
     r"""The tokens per sample to plan memory for, from the length files and the padding.
 
     Example:
@@ -213,7 +213,7 @@ def workload(specs: list[str], padding: str, seq_len: int | None) -> Workload:
     mean = sum(f.weight * f.mean(seq_len) for f in files) / total_weight
     if padding == "packed":
         mean = float(worst)  # every packed row is full
-    return Workload(
+    return LengthsSummary(
         seq_len=worst,
         padding=padding,  # type: ignore[arg-type]
         longest=longest,

@@ -15,6 +15,7 @@ from batchfit.memory.formulas.analytic import (
 )
 from batchfit.models import ParamGroup, resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 LLAMA8B = resolve_model("llama-3.1-8b")
 
@@ -23,11 +24,13 @@ def run(model, micro=1, seq=512, device="cuda", gpu="a100-80gb", accum=1, **setu
     return estimate_analytic(
         model,
         TrainingSetup(**setup),
-        micro_batch_size=micro,
-        seq_len=seq,
-        device=device,
-        gpu=get_gpu(gpu) if gpu else None,
-        grad_accum_steps=accum,
+        Workload(
+            micro_batch_size=micro,
+            seq_len=seq,
+            device=device,
+            gpu=get_gpu(gpu) if gpu else None,
+            grad_accum_steps=accum,
+        ),
     )
 
 

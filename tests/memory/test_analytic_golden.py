@@ -19,6 +19,7 @@ from batchfit.memory.formulas.analytic import estimate_analytic
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 GOLDEN = Path(__file__).parent / "golden" / "analytic.json"
 
@@ -273,11 +274,13 @@ def _run(name: str) -> dict[str, Any]:
     est = estimate_analytic(
         resolve_model(model),
         TrainingSetup(**setup),
-        micro_batch_size=micro,
-        seq_len=seq,
-        device=device,  # type: ignore[arg-type]
-        gpu=get_gpu(gpu) if gpu else None,
-        grad_accum_steps=accum,
+        Workload(
+            micro_batch_size=micro,
+            seq_len=seq,
+            device=device,  # type: ignore[arg-type]
+            gpu=get_gpu(gpu) if gpu else None,
+            grad_accum_steps=accum,
+        ),
     )
     return _record(est)
 

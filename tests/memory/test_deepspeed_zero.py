@@ -48,6 +48,7 @@ from batchfit.memory.formulas.deepspeed import (
 from batchfit.models import ModelInfo, resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
 
@@ -151,7 +152,7 @@ def test_llama8b_bf16_deepspeed_keeps_16bit_weights_and_gradients():
     model = resolve_model("llama-3.1-8b")
     setup = TrainingSetup(precision="amp-bf16", sharding="zero2", offload="optimizer")
     est = estimate_analytic(
-        model, setup, micro_batch_size=1, seq_len=4096, gpu=get_gpu("h100-80gb")
+        model, setup, Workload(micro_batch_size=1, seq_len=4096, gpu=get_gpu("h100-80gb"))
     )
     n = model.total_params
     assert est.components["weights"] == 2 * n  # bf16 parameters, whole on the one GPU
@@ -168,7 +169,9 @@ def test_zero_stages_shard_what_deepspeed_shards():
 
     def states(stage: str) -> dict[str, int]:
         setup = TrainingSetup(precision="amp-bf16", sharding=stage, num_gpus=dp)  # type: ignore[arg-type]
-        est = estimate_analytic(model, setup, micro_batch_size=1, seq_len=512, grad_accum_steps=2)
+        est = estimate_analytic(
+            model, setup, Workload(micro_batch_size=1, seq_len=512, grad_accum_steps=2)
+        )
         return est.components
 
     one, two, three = states("zero1"), states("zero2"), states("zero3")
@@ -184,7 +187,7 @@ def test_zero_stages_shard_what_deepspeed_shards():
 def test_zero3_lora_says_the_frozen_base_is_partitioned():
     model = resolve_model("llama-3.2-1b")
     setup = TrainingSetup(precision="amp-bf16", method="lora", sharding="zero3", num_gpus=4)
-    est = estimate_analytic(model, setup, micro_batch_size=1, seq_len=512)
+    est = estimate_analytic(model, setup, Workload(micro_batch_size=1, seq_len=512))
     assert any("ZeRO-3 partitions LoRA's frozen base" in w for w in est.warnings)
     base = next(ln for ln in est.lines if ln.label.startswith("frozen base"))
     assert base.num_bytes == pytest.approx(2 * model.total_params / 4, rel=1e-6)

@@ -19,6 +19,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -49,10 +50,7 @@ def test_fsdp_peak_is_non_decreasing_in_the_micro_batch(tmp_path: Path, grad_ckp
         estimate_trace(
             model,
             setup,
-            micro_batch_size=micro,
-            seq_len=400,
-            device="cuda",
-            gpu=get_gpu("h100-80gb"),
+            Workload(micro_batch_size=micro, seq_len=400, gpu=get_gpu("h100-80gb")),
         )
         for micro in (1, 2, 4)
     ]

@@ -12,6 +12,7 @@ from batchfit.memory.trace.estimate import estimate_trace, trace_depths
 from batchfit.memory.trace.tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 from tests._torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,10 +44,7 @@ def _trace(path: Path, *, full_depth: bool = False, **setup: object) -> object:
     return estimate_trace(
         resolve_model(str(path)),
         TrainingSetup(**setup),  # type: ignore[arg-type]
-        micro_batch_size=2,
-        seq_len=64,
-        device="cpu",
-        gpu=None,
+        Workload(micro_batch_size=2, seq_len=64, device="cpu"),
         full_depth=full_depth,
     )
 
@@ -153,10 +151,7 @@ def test_traced_rank_peak_matches_two_real_gloo_ranks(tiny: Path) -> None:
     est = estimate_trace(
         resolve_model(str(tiny)),
         TrainingSetup(num_gpus=2, sharding="fsdp"),
-        micro_batch_size=8,
-        seq_len=256,
-        device="cpu",
-        gpu=None,
+        Workload(micro_batch_size=8, seq_len=256, device="cpu"),
     )
     for rank in ranks:
         assert est.peak_bytes == pytest.approx(rank["truth_bytes"], rel=0.03), (

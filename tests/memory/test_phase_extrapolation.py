@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from batchfit.memory.trace import estimate as _trace_estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +40,7 @@ def _traced(info, setup, micro, seq, full, accum=1):
     result = _trace_estimate._estimate_traced(
         info,
         setup.resolved(device="cpu", bf16_supported=True),
-        micro_batch_size=micro,
-        seq_len=seq,
-        device="cpu",
-        gpu=None,
-        grad_accum_steps=accum,
+        Workload(micro_batch_size=micro, seq_len=seq, device="cpu", grad_accum_steps=accum),
         full_depth=full,
     )
     return result.peak_bytes, result.extras["peak_moment"]

@@ -13,6 +13,7 @@ from batchfit.memory.trace.result import CATEGORIES
 from batchfit.memory.trace.timeline import StepTimeline, step_timeline, traced_micro_steps
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 from tests._tiny import TIMELINE_GPT2
 
 
@@ -39,10 +40,7 @@ def test_the_timeline_is_the_estimates_dry_run(tiny: str) -> None:
     est = estimate_trace(
         model,
         TrainingSetup(),
-        micro_batch_size=2,
-        seq_len=64,
-        device="cpu",
-        gpu=None,
+        Workload(micro_batch_size=2, seq_len=64, device="cpu"),
         full_depth=True,
     )
     assert tl.peak_bytes == est.peak_bytes

@@ -16,6 +16,7 @@ from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import resolve_model
 from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 pytestmark = pytest.mark.slow
 
@@ -159,9 +160,9 @@ def test_extrapolation_matches_a_full_trace(tiny):
             TrainingSetup(precision="fp32"),
             TrainingSetup(precision="bf16", grad_ckpt=True),
         ):
-            kw = {"micro_batch_size": 4, "seq_len": 128, "device": "cpu", "gpu": None}
-            full = _trace_estimate.estimate_trace(info, setup, full_depth=True, **kw)
-            extrapolated = _trace_estimate.estimate_trace(info, setup, **kw)
+            work = Workload(micro_batch_size=4, seq_len=128, device="cpu")
+            full = _trace_estimate.estimate_trace(info, setup, work, full_depth=True)
+            extrapolated = _trace_estimate.estimate_trace(info, setup, work)
             assert extrapolated.extras["notes"]  # it did extrapolate
             assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=0.005)
 

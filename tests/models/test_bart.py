@@ -9,6 +9,7 @@ from batchfit.memory.trace import estimate as _trace_estimate
 from batchfit.memory.trace import hf as _hf_trace
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 # facebook/bart-base's config.json (shape keys and the token ids the model needs).
 BART_BASE = {
@@ -120,9 +121,9 @@ def test_bart_family_configs_estimate(tmp_path, model_type):
 
 def test_bart_extrapolation_matches_a_full_depth_trace(tmp_path):
     info = _write(tmp_path, BART_BASE)
-    kw = {"micro_batch_size": 2, "seq_len": 128, "device": "cpu", "gpu": None}
-    extrapolated = _trace_estimate.estimate_trace(info, TrainingSetup(), **kw)
-    full = _trace_estimate.estimate_trace(info, TrainingSetup(), full_depth=True, **kw)
+    work = Workload(micro_batch_size=2, seq_len=128, device="cpu")
+    extrapolated = _trace_estimate.estimate_trace(info, TrainingSetup(), work)
+    full = _trace_estimate.estimate_trace(info, TrainingSetup(), work, full_depth=True)
     assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=0.005)
 
 

@@ -15,6 +15,7 @@ from batchfit.memory.trace.estimate import estimate_trace, trace_depths
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.speed import step_time
+from batchfit.workload import Workload
 from tests._cli import run_cli
 
 LLAMA = {
@@ -59,13 +60,13 @@ def test_the_dry_run_checkpoints_the_chosen_layers(llama: str) -> None:
 
 def test_both_engines_put_the_dial_between_none_and_all(llama: str) -> None:
     model = resolve_model(llama)
-    kw = {"micro_batch_size": 4, "seq_len": 256, "device": "cpu", "gpu": None}
+    work = Workload(micro_batch_size=4, seq_len=256, device="cpu")
 
     def both(**setup: object) -> tuple[int, int]:
         s = TrainingSetup(**setup)  # type: ignore[arg-type]
         return (
-            estimate_trace(model, s, **kw).components["activations"],  # type: ignore[arg-type]
-            estimate_analytic(model, s, **kw).components["activations"],  # type: ignore[arg-type]
+            estimate_trace(model, s, work).components["activations"],
+            estimate_analytic(model, s, work).components["activations"],
         )
 
     none, every2, every4, full = (
@@ -85,9 +86,9 @@ def test_the_trace_extrapolates_over_whole_periods(llama: str) -> None:
     model = resolve_model(llama)
     setup = TrainingSetup(grad_ckpt_every=2)
     assert trace_depths(model, setup) == (2, 4)
-    kw = {"micro_batch_size": 2, "seq_len": 128, "device": "cpu", "gpu": None}
-    short = estimate_trace(model, setup, **kw)  # type: ignore[arg-type]
-    whole = estimate_trace(model, setup, full_depth=True, **kw)  # type: ignore[arg-type]
+    work = Workload(micro_batch_size=2, seq_len=128, device="cpu")
+    short = estimate_trace(model, setup, work)
+    whole = estimate_trace(model, setup, work, full_depth=True)
     assert short.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.005)
 
 

@@ -13,7 +13,7 @@ import pytest
 import batchfit
 from batchfit.errors import UsageError
 from batchfit.hardware import get_gpu
-from batchfit.lengths import Workload
+from batchfit.lengths import LengthsSummary
 from batchfit.models import resolve_model
 from batchfit.plan import PlanRequest, make_plan, make_plan_auto
 from batchfit.spec import TrainingSetup
@@ -29,8 +29,8 @@ def _request(**changes: Any) -> PlanRequest:
     return PlanRequest(**fields)
 
 
-def _lengths(padding: str, seq_len: int = 512) -> Workload:
-    return Workload(seq_len, padding, seq_len, seq_len / 2, 100, ("lengths.txt",))  # type: ignore[arg-type]
+def _lengths(padding: str, seq_len: int = 512) -> LengthsSummary:
+    return LengthsSummary(seq_len, padding, seq_len, seq_len / 2, 100, ("lengths.txt",))  # type: ignore[arg-type]
 
 
 def _factory() -> object:  # an own-model factory: never built by these checks

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from batchfit.errors import UsageError
-from batchfit.lengths import Workload, first_longer, workload
+from batchfit.lengths import LengthsSummary, first_longer, workload
 
 if TYPE_CHECKING:
     from batchfit.models import ModelInfo
@@ -31,8 +31,8 @@ def sample_size(
     image_size: int | None,
     lengths: list[str] | None = None,
     padding: str | None = None,
-) -> tuple[int, Workload | None]:
-    """The size of one sample to plan memory for, and the lengths workload behind it.
+) -> tuple[int, LengthsSummary | None]:
+    """The size of one sample to plan memory for, and the lengths summary behind it.
 
     For a token model: ``--seq-len``, or what ``--lengths`` and ``--padding`` say. For an
     image model: ``--image-size`` (the config's own by default), the side of a square image.

@@ -32,7 +32,7 @@ from batchfit.cli.options import (
 )
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec, get_gpu
-from batchfit.lengths import Workload
+from batchfit.lengths import LengthsSummary
 from batchfit.models import ModelInfo
 from batchfit.plan import (
     DEFAULT_MAX_GPUS,
@@ -252,7 +252,7 @@ class _LookedUp:
     info: ModelInfo
     gpu: GpuSpec
     engine: Engine
-    lengths: Workload | None
+    lengths: LengthsSummary | None
 
 
 def _look_up(model: str, gpu: str, setup: TrainingSetup, engine: str, sample: _Sample) -> _LookedUp:

@@ -9,13 +9,14 @@ from typing import Any, Literal, get_args
 
 from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
-from batchfit.hardware import CpuSpec, GpuSpec, host_cpu
+from batchfit.hardware import GpuSpec, host_cpu
 from batchfit.memory.formulas.analytic import estimate_analytic
 from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
 from batchfit.speed import step_time
+from batchfit.workload import Workload
 
 Engine = Literal["analytic", "trace"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -127,12 +128,14 @@ def estimate(
     gpu: GpuSpec | None = None,
     engine: Engine = "trace",
     grad_accum_steps: int = 1,
+    workload: Workload | None = None,
 ) -> MemoryEstimate:
     """Memory of one training step, per GPU (or on the CPU).
 
     ``model`` is a resolved catalog/config model (:func:`batchfit.resolve_model`), with
-    ``micro_batch_size`` and ``seq_len``; or a zero-argument factory of your own
-    ``nn.Module``, with ``batch_fn`` (returns the inputs: a dict of keyword arguments, a tuple,
+    ``micro_batch_size`` and ``seq_len`` (and ``device``, ``gpu``, ``grad_accum_steps``), or all
+    of them as one ``workload`` (:class:`batchfit.Workload`); or a zero-argument factory of your
+    own ``nn.Module``, with ``batch_fn`` (returns the inputs: a dict of keyword arguments, a tuple,
     or a tensor) and ``loss_fn(out, batch)`` (default: ``out.loss`` or a scalar output). The
     factory runs on the meta device and the step on fake tensors: no memory, no GPU.
     ``engine="trace"`` (the default) dry-runs the real step; ``"analytic"`` uses formulas.
@@ -143,6 +146,10 @@ def estimate(
         ...                seq_len=256, device="cpu", engine="analytic")
         >>> est.engine, est.peak_bytes > est.components["weights"]
         ('analytic', True)
+        >>> same = estimate(resolve_model("gpt2"), TrainingSetup(), engine="analytic",
+        ...                 workload=Workload(micro_batch_size=4, seq_len=256, device="cpu"))
+        >>> same.peak_bytes == est.peak_bytes
+        True
         >>> import torch
         >>> def make_net():
         ...     return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
@@ -154,13 +161,19 @@ def estimate(
         (8393728, True)
 
     Raises:
-        UsageError: an unknown ``engine``, a missing ``batch_fn`` or workload, bad sizes.
+        UsageError: an unknown ``engine``, a missing ``batch_fn`` or workload, a ``workload``
+            beside the keywords it holds, bad sizes.
         TypeError: ``model`` is a factory that does not return an ``nn.Module``.
     """
     if engine not in ENGINES:
         raise UsageError(f"--engine {engine!r} is not one of: {', '.join(ENGINES)}")
     setup = setup or TrainingSetup()
     if not isinstance(model, ModelInfo):
+        if workload is not None:
+            raise UsageError(
+                "estimate(model_fn, ...) reads your module's sizes from batch_fn: give device=, "
+                "gpu= and grad_accum_steps= in place of workload="
+            )
         return _estimate_own_module(
             model,
             setup,
@@ -171,53 +184,61 @@ def estimate(
             engine=engine,
             grad_accum_steps=grad_accum_steps,
         )
-    if micro_batch_size is None or seq_len is None:
-        raise UsageError("give micro_batch_size and seq_len for a resolved model")
-    warnings = _workload_warnings(model, setup, micro_batch_size, seq_len)
+    if workload is None:
+        if micro_batch_size is None or seq_len is None:
+            raise UsageError("give micro_batch_size and seq_len for a resolved model")
+        # the model's checks first: an image model's size is --image-size, and says so
+        warnings = _workload_warnings(model, setup, micro_batch_size, seq_len)
+        workload = Workload(micro_batch_size, seq_len, device, gpu, grad_accum_steps)
+    else:
+        _check_alone(workload, micro_batch_size, seq_len, device, gpu, grad_accum_steps)
+        warnings = _workload_warnings(model, setup, workload.micro_batch_size, workload.seq_len)
+    return _estimate_model(model, setup, workload, engine, warnings)
+
+
+def _estimate_model(
+    model: ModelInfo, setup: TrainingSetup, workload: Workload, engine: str, warnings: list[str]
+) -> MemoryEstimate:
+    """``estimate`` of a resolved model: the engine's answer, its warnings, the step time."""
     usable, engine_note = usable_engine(engine)
     if engine_note:
         warnings.insert(0, engine_note)
-    result = _run_engine(
-        usable,
-        model,
-        setup,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        device=device,
-        gpu=gpu,
-        grad_accum_steps=grad_accum_steps,
-    )
+    result = _run_engine(usable, model, setup, workload)
     result = _with_warnings(result, model, setup, warnings)
-    return _with_step_time(result, model, gpu if device == "cuda" else host_cpu(), grad_accum_steps)
+    return _with_step_time(result, model, workload)
+
+
+def _check_alone(
+    workload: object,
+    micro_batch_size: int | None,
+    seq_len: int | None,
+    device: str,
+    gpu: GpuSpec | None,
+    grad_accum_steps: int,
+) -> None:
+    """``workload`` is a Workload and no keyword it holds was given beside it."""
+    if not isinstance(workload, Workload):
+        raise UsageError(f"workload= takes a batchfit.Workload, got {type(workload).__name__}")
+    beside = (micro_batch_size, seq_len, gpu) != (None, None, None)
+    if beside or device != "cuda" or grad_accum_steps != 1:
+        raise UsageError(
+            "workload= holds micro_batch_size, seq_len, device, gpu and grad_accum_steps: "
+            "give it alone, or those keywords without it"
+        )
 
 
 def _run_engine(
-    engine: str,
-    model: ModelInfo,
-    setup: TrainingSetup,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    device: Literal["cpu", "cuda"],
-    gpu: GpuSpec | None,
-    grad_accum_steps: int,
+    engine: str, model: ModelInfo, setup: TrainingSetup, workload: Workload
 ) -> MemoryEstimate:
     """The estimate of ``engine`` (one that can run here), which must model ``model``."""
-    kwargs: dict[str, Any] = {
-        "micro_batch_size": micro_batch_size,
-        "seq_len": seq_len,
-        "device": device,
-        "gpu": gpu,
-        "grad_accum_steps": grad_accum_steps,
-    }
     if engine == "analytic" and model.arch.family == "vision":
         raise UsageError(
             f"--engine analytic: the formulas model token models; {model.name} is an image "
             "model, estimated by the trace (--engine trace, the default)"
         )
     if engine == "trace":
-        return estimate_trace(model, setup, **kwargs)
-    return estimate_analytic(model, setup, **kwargs)
+        return estimate_trace(model, setup, workload)
+    return estimate_analytic(model, setup, workload)
 
 
 def _with_warnings(
@@ -283,22 +304,16 @@ def _workload_warnings(
     return warnings
 
 
-def _with_step_time(
-    result: MemoryEstimate,
-    model: ModelInfo,
-    gpu: GpuSpec | CpuSpec | None,
-    grad_accum_steps: int = 1,
-) -> MemoryEstimate:
+def _with_step_time(result: MemoryEstimate, model: ModelInfo, workload: Workload) -> MemoryEstimate:
     """``result`` with the predicted step time (``batchfit.speed``) in its extras, on a GPU,
     or on the CPU where this machine's CPU has a catalog profile."""
-    if gpu is None:
+    hardware = workload.gpu if workload.device == "cuda" else host_cpu()
+    if hardware is None:
         return result
 
-    predicted = step_time(
-        model, result.setup, gpu, micro_batch_size=result.micro_batch_size, seq_len=result.seq_len
-    )
+    predicted = step_time(model, result.setup, hardware, workload=workload)
     if predicted is None:
         return result
     # the optimizer step's time counts every micro-step of it (--grad-accum)
-    speed = {"speed": asdict(predicted), "grad_accum_steps": max(1, grad_accum_steps)}
+    speed = {"speed": asdict(predicted), "grad_accum_steps": workload.grad_accum_steps}
     return replace(result, extras={**result.extras, **speed})

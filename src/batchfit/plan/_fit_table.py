@@ -27,6 +27,7 @@ from batchfit.plan._max_micro_batch import (
 )
 from batchfit.spec import TrainingSetup
 from batchfit.speed import step_time
+from batchfit.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -230,12 +231,13 @@ REFERENCE_BATCH_TOKENS = 1 << 20
 
 
 def _per_billion(
-    model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, micro: int, seq_len: int
+    model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, micro_batch_size: int, seq_len: int
 ) -> float | None:
-    """Seconds one GPU takes for a billion tokens at ``micro`` (``batchfit.speed``)."""
-    if not micro or model.task == "image-classification":
+    """Seconds one GPU takes for a billion tokens at ``micro_batch_size`` (``batchfit.speed``)."""
+    if not micro_batch_size or model.task == "image-classification":
         return None
-    t = step_time(model, setup, gpu, micro_batch_size=micro, seq_len=seq_len)
+    workload = Workload(micro_batch_size=micro_batch_size, seq_len=seq_len, gpu=gpu)
+    t = step_time(model, setup, gpu, workload=workload)
     if t is None:
         return None
     per_token = t.micro_seconds / t.tokens_per_micro_step

@@ -11,6 +11,7 @@ from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._own import OwnModel
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 DEFAULT_HEADROOM_BYTES = BYTES_IN_GIB // 2
 
@@ -19,26 +20,19 @@ def fits(
     model: ModelInfo | OwnModel,
     setup: TrainingSetup,
     gpu: GpuSpec,
-    micro: int,
+    micro_batch_size: int,
     seq_len: int,
     accum: int,
     headroom: int,
     engine: str = "analytic",
 ) -> tuple[bool, MemoryEstimate]:
-    """Whether ``micro`` leaves ``headroom`` bytes free on ``gpu``; the estimate that says so."""
-    if isinstance(model, OwnModel):
-        own = model.estimate(setup, gpu, micro, accum)
+    """Whether ``micro_batch_size`` leaves ``headroom`` bytes free on ``gpu``; the estimate
+    that says so."""
+    if isinstance(model, OwnModel):  # its sizes come from its batch_fn: no seq_len
+        own = model.estimate(setup, gpu, micro_batch_size, accum)
         return fits_on_card(own.device_total_bytes, gpu.memory_bytes, headroom), own
-    est = estimate(
-        model,
-        setup,
-        micro_batch_size=micro,
-        seq_len=seq_len,
-        device="cuda",
-        gpu=gpu,
-        grad_accum_steps=accum,
-        engine=engine,  # type: ignore[arg-type]
-    )
+    workload = Workload(micro_batch_size, seq_len, "cuda", gpu, grad_accum_steps=accum)
+    est = estimate(model, setup, workload=workload, engine=engine)  # type: ignore[arg-type]
     return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
 
 

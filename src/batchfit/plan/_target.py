@@ -18,6 +18,7 @@ from batchfit.plan._throughput import Measured
 from batchfit.plan._value import Alternative
 from batchfit.spec import TrainingSetup
 from batchfit.speed import comm_bytes_per_step, step_time
+from batchfit.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -55,23 +56,26 @@ class _Target:
             return max_micro_batch_traced(*args)
         return max_micro_batch(*args)
 
-    def step_seconds(self, setup: TrainingSetup, micro: int) -> float:
-        """Predicted seconds of one optimizer step at ``micro`` (``batchfit.speed``); 0 where
-        the time model does not apply (then every option ties and the fallbacks decide)."""
+    def step_seconds(self, setup: TrainingSetup, micro_batch_size: int) -> float:
+        """Predicted seconds of one optimizer step at ``micro_batch_size`` (``batchfit.speed``);
+        0 where the time model does not apply (then every option ties and the fallbacks
+        decide)."""
         if not isinstance(self.model, ModelInfo):
             return 0.0
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
-        t = step_time(self.model, resolved, self.gpu, micro_batch_size=micro, seq_len=self.seq_len)
+        workload = Workload(micro_batch_size=micro_batch_size, seq_len=self.seq_len, gpu=self.gpu)
+        t = step_time(self.model, resolved, self.gpu, workload=workload)
         if t is not None and self.measured is not None:
-            t = self.measured.corrected(t, resolved, micro)
-        return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro, 1))
+            t = self.measured.corrected(t, resolved, micro_batch_size)
+        return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro_batch_size, 1))
 
-    def fits(self, setup: TrainingSetup, micro: int) -> tuple[bool, MemoryEstimate]:
+    def fits(self, setup: TrainingSetup, micro_batch_size: int) -> tuple[bool, MemoryEstimate]:
         # a size that does not divide the per-GPU batch still accumulates (memory is the
         # same for any count from 2 up): 35 of 64 is estimated at 2, never at 1
-        accum = 1 if micro >= self.per_gpu else max(2, self.per_gpu // micro)
+        size, per_gpu = micro_batch_size, self.per_gpu
+        accum = 1 if size >= per_gpu else max(2, per_gpu // size)
         return fits(
-            self.model, setup, self.gpu, micro, self.seq_len, accum, self.headroom, self.engine
+            self.model, setup, self.gpu, size, self.seq_len, accum, self.headroom, self.engine
         )
 
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:

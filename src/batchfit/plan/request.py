@@ -33,7 +33,7 @@ from batchfit.plan._throughput import ProbeFile
 from batchfit.spec import TrainingSetup
 
 if TYPE_CHECKING:
-    from batchfit.lengths import Workload
+    from batchfit.lengths import LengthsSummary
 
 __all__ = ["ENGINES", "PlanRequest", "samples_from_target"]
 
@@ -96,7 +96,7 @@ class PlanRequest:
     global_batch_tokens: int | None = None
     seq_len: int | None = None
     image_size: int | None = None
-    lengths: Workload | None = None
+    lengths: LengthsSummary | None = None
     num_gpus: int | Literal["auto"] | None = None
     max_gpus: int | None = None
     micro_batch_size: int | None = None

@@ -19,6 +19,7 @@ from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace import hf as _hf_trace
 from batchfit.optimizers import get_optimizer
 from batchfit.search._trials import SearchResult
+from batchfit.workload import Device, Workload
 
 if TYPE_CHECKING:
     from batchfit.models import ModelInfo
@@ -42,7 +43,7 @@ def run_setup(info: ModelInfo, asked: TrainingSetup, device_type: str) -> Traini
 
 
 def calibration_record(
-    result: SearchResult, info: Any, setup: Any, seq: int, device_type: str, device_kind: str
+    result: SearchResult, info: Any, setup: Any, seq_len: int, device_type: str, device_kind: str
 ) -> calibration.Record | None:
     """The largest measured peak of ``result`` beside the trace engine's estimate for the same
     setup and micro-batch, as a calibration record; None when no size fitted.
@@ -55,14 +56,9 @@ def calibration_record(
     if not measured:
         return None
     largest = max(measured, key=lambda t: (t.micro_batch_size, t.peak_bytes or 0))
-    est = _estimate.estimate(
-        info,
-        setup,
-        micro_batch_size=largest.micro_batch_size,
-        seq_len=seq,
-        device="cpu" if device_type == "cpu" else "cuda",
-        engine="trace",
-    )
+    device: Device = "cpu" if device_type == "cpu" else "cuda"
+    workload = Workload(largest.micro_batch_size, seq_len, device)
+    est = _estimate.estimate(info, setup, workload=workload, engine="trace")
     return calibration.Record(
         source="probe",
         model=info.name,
@@ -74,7 +70,7 @@ def calibration_record(
 
 
 def record_calibration(
-    result: SearchResult, info: Any, setup: Any, seq: int, device: Any
+    result: SearchResult, info: Any, setup: Any, seq_len: int, device: Any
 ) -> list[str]:
     """A CUDA probe's measurement joins the calibration file (``batchfit calibration``);
     the note that says so."""
@@ -82,7 +78,7 @@ def record_calibration(
     # the catalog's name joins the records of plans made for this GPU (plan --headroom auto)
     kind = catalog_gpu(name, torch.cuda.get_device_properties(device).total_memory)
     kind = kind or name.lower()
-    record = calibration_record(result, info, setup, seq, "cuda", kind)
+    record = calibration_record(result, info, setup, seq_len, "cuda", kind)
     if record is None or not calibration.append(record):
         return []
     return [
@@ -101,9 +97,7 @@ def check_budget(
     need = _estimate.estimate(
         info,
         setup,
-        micro_batch_size=1,
-        seq_len=seq_len,
-        device="cpu" if device == "cpu" else "cuda",
+        workload=Workload(1, seq_len, "cpu" if device == "cpu" else "cuda"),
         # the formulas are instant; an image model only the trace models
         engine="trace" if info.arch.family == "vision" else "analytic",
     ).peak_bytes
@@ -135,7 +129,7 @@ def warm_up(info: Any, setup: Any) -> None:
 
 
 def predict(
-    info: Any, setup: Any, seq: int, device_type: str, room: int, high: int | None
+    info: Any, setup: Any, seq_len: int, device_type: str, room: int, high: int | None
 ) -> tuple[int, int, int]:
     """The first size to try, the peak bytes each sample adds and the peak at micro-batch 1,
     from a dry run of the step.
@@ -146,17 +140,12 @@ def predict(
     by a prediction on each side, which also gives the slope there.
     """
     cache: dict[int, int] = {}
+    device: Device = "cpu" if device_type == "cpu" else "cuda"
 
     def peak(m: int) -> int:
         if m not in cache:
-            cache[m] = _estimate.estimate(
-                info,
-                setup,
-                micro_batch_size=m,
-                seq_len=seq,
-                device="cpu" if device_type == "cpu" else "cuda",
-                engine="trace",
-            ).peak_bytes
+            workload = Workload(m, seq_len, device)
+            cache[m] = _estimate.estimate(info, setup, workload=workload, engine="trace").peak_bytes
         return cache[m]
 
     slope = max(1, (peak(8) - peak(1)) // 7)

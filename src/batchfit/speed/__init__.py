@@ -22,6 +22,7 @@ calibrated on measured multi-GPU steps yet.
 
 from __future__ import annotations
 
+from batchfit.errors import UsageError
 from batchfit.hardware import CpuSpec, GpuSpec
 from batchfit.models import ModelInfo
 from batchfit.optimizers import get_optimizer
@@ -31,6 +32,7 @@ from batchfit.speed._comm import traffic
 from batchfit.speed._cpu import cpu_step_time
 from batchfit.speed._step import StepTime as StepTime
 from batchfit.speed._step import model_trainable, step_flops
+from batchfit.workload import Workload
 
 # Utilisation of the tensor cores' dense peak that a step's matmuls reach, by generation: the
 # ceiling for wide models. Hopper 0.50: llama-3.2-1b (width 2048) reached 0.35 at the margin on
@@ -133,13 +135,18 @@ def step_time(
     setup: TrainingSetup,
     gpu: GpuSpec | CpuSpec,
     *,
-    micro_batch_size: int,
-    seq_len: int,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    workload: Workload | None = None,
 ) -> StepTime | None:
     """The predicted time of one optimizer step on ``gpu`` (``setup`` resolved), per rank, or
     None where the model does not apply: image models, a GPU without a peak figure, several
     GPUs on a GPU without a link figure. A catalog CPU profile (``CpuSpec``) in place of the
     GPU times a step on that CPU (``batchfit.speed._cpu``: fp32 steps only).
+
+    The sizes are ``micro_batch_size`` and ``seq_len``, or a ``workload``'s; ``gpu`` names the
+    hardware either way (a CPU profile is not a workload's device), so the workload's device
+    and GPU are not read.
 
     Example:
         >>> from batchfit.hardware import get_gpu
@@ -148,12 +155,23 @@ def step_time(
         ...               get_gpu("h100-80gb"), micro_batch_size=8, seq_len=2048)
         >>> 0.3 < t.step_seconds() < 0.5  # measured on an H100: 0.409 s
         True
+
+    Raises:
+        UsageError: both a ``workload`` and sizes, or neither.
     """
-    arch = model.arch
-    if arch.family == "vision":
+    micro_batch_size, seq_len = _sizes(workload, micro_batch_size, seq_len)
+    if model.arch.family == "vision":
         return None
     if isinstance(gpu, CpuSpec):
         return cpu_step_time(model, setup, gpu, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    return _gpu_step_time(model, setup, gpu, micro_batch_size, seq_len)
+
+
+def _gpu_step_time(
+    model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, micro_batch_size: int, seq_len: int
+) -> StepTime | None:
+    """``step_time`` on a GPU: compute, launches, the exposed collectives and offload copies."""
+    arch = model.arch
     peak = _peak_flops(gpu, setup.precision)
     if peak is None or not gpu.bandwidth_gb_s:
         return None
@@ -201,6 +219,19 @@ def step_time(
         offload_seconds=offload,
         offload_micro_seconds=fetch,
         offload_accum_seconds=accumulate,
+    )
+
+
+def _sizes(
+    workload: Workload | None, micro_batch_size: int | None, seq_len: int | None
+) -> tuple[int, int]:
+    """(micro-batch, sample size): the workload's, or the two keywords, exactly one of them."""
+    if workload is not None and micro_batch_size is None and seq_len is None:
+        return workload.micro_batch_size, workload.seq_len
+    if workload is None and micro_batch_size is not None and seq_len is not None:
+        return micro_batch_size, seq_len
+    raise UsageError(
+        "step_time needs micro_batch_size= and seq_len=, or a workload= in their place"
     )
 
 

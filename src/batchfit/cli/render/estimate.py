@@ -12,7 +12,7 @@ from rich.table import Table
 from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count
 from batchfit.cli import render
 from batchfit.hardware import GpuSpec
-from batchfit.lengths import Workload
+from batchfit.lengths import LengthsSummary
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.trace.timeline import step_timeline, traced_micro_steps
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
@@ -193,7 +193,7 @@ def _amount(num_bytes: int) -> str:
 
 
 def estimate_json(
-    est: MemoryEstimate, gpu: GpuSpec | None, lengths: Workload | None
+    est: MemoryEstimate, gpu: GpuSpec | None, lengths: LengthsSummary | None
 ) -> dict[str, Any]:
     """``estimate --json``: the estimate, and with a GPU whether it fits there."""
     data = est.to_json()

@@ -8,14 +8,14 @@ the card), the CUDA context and NCCL buffers outside it. This module is that end
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from batchfit._units import BYTES_IN_MIB
 from batchfit.hardware import GpuSpec
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.spec import TrainingSetup
-
-Device = Literal["cpu", "cuda"]
+from batchfit.workload import Device as Device  # re-exported: the engines name it from here
+from batchfit.workload import Workload
 
 # cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp, default
 # CUBLAS_WORKSPACE_CONFIG): 4096 KiB * 2 + 16 KiB * 8 before Hopper, 32 MiB on sm90+.
@@ -176,17 +176,15 @@ def assemble(
     model: str,
     engine: str,
     setup: TrainingSetup,
-    workload: tuple[int, int],
-    device: Device,
-    gpu: GpuSpec | None,
+    workload: Workload,
 ) -> MemoryEstimate:
-    """The one place a ``MemoryEstimate`` is put together; ``workload`` is (micro-batch, seq)."""
+    """The one place a ``MemoryEstimate`` is put together, for the step ``workload`` sized."""
     return MemoryEstimate(
         model=model,
         engine=engine,
-        device=device_name(device, gpu),
-        micro_batch_size=workload[0],
-        seq_len=workload[1],
+        device=device_name(workload.device, workload.gpu),
+        micro_batch_size=workload.micro_batch_size,
+        seq_len=workload.seq_len,
         setup=setup,
         components=step.components,
         peak_bytes=totals.peak,

@@ -42,6 +42,7 @@ from batchfit.memory.formulas.deepspeed import compute_precision, deepspeed_stat
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup, is_deepspeed
+from batchfit.workload import Workload
 
 __all__ = [
     "CUBLAS_HANDLES",
@@ -77,25 +78,17 @@ def resolve_setup(
     return replace(resolved, attention=attention, task=model.task)
 
 
-def estimate_analytic(
-    model: ModelInfo,
-    setup: TrainingSetup,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    device: Device = "cuda",
-    gpu: GpuSpec | None = None,
-    grad_accum_steps: int = 1,
-) -> MemoryEstimate:
+def estimate_analytic(model: ModelInfo, setup: TrainingSetup, workload: Workload) -> MemoryEstimate:
     """Estimate one training step's memory on one GPU (or the CPU) from formulas.
 
     Example:
         >>> from batchfit.models import resolve_model
         >>> est = estimate_analytic(resolve_model("gpt2"), TrainingSetup(precision="fp32"),
-        ...                         micro_batch_size=8, seq_len=512, device="cpu")
+        ...                         Workload(micro_batch_size=8, seq_len=512, device="cpu"))
         >>> est.components["weights"] / est.total_params  # fp32
         4.0
     """
+    device, gpu = workload.device, workload.gpu
     setup, rg, params, sharded = _model_states(model, setup, device, gpu)
     lines = [*sharded.lines] if sharded.own_lines else [*params.lines, *sharded.lines]
     fixed = sharded.fixed
@@ -108,8 +101,8 @@ def estimate_analytic(
         setup,
         rg,
         on_cpu=device == "cpu",
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
+        micro_batch_size=workload.micro_batch_size,
+        seq_len=workload.seq_len,
         lora_targets=params.lora_targets,
     )
     at_peak = peak(
@@ -120,7 +113,7 @@ def estimate_analytic(
         fixed=fixed,
         num_layers=model.arch.num_layers,
         device=device,
-        grad_accum_steps=grad_accum_steps,
+        grad_accum_steps=workload.grad_accum_steps,
     )
     peak_bytes = sum(at_peak.components.values())
     totals = device_totals(peak_bytes, analytic_reserve(peak_bytes), device, gpu, setup)
@@ -146,9 +139,7 @@ def estimate_analytic(
         model=model.name,
         engine="analytic",
         setup=setup,
-        workload=(micro_batch_size, seq_len),
-        device=device,
-        gpu=gpu,
+        workload=workload,
     )
 
 

@@ -14,7 +14,6 @@ from typing import Any, Literal
 from batchfit import _cache
 from batchfit._units import BYTES_IN_MIB
 from batchfit.errors import UsageError
-from batchfit.hardware import GpuSpec
 from batchfit.memory.device.advice import advice
 from batchfit.memory.device.totals import (
     DeviceTotals,
@@ -34,6 +33,7 @@ from batchfit.memory.trace.result import (
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo, make_config
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 CACHE_NAMESPACE = "trace"
 
@@ -103,7 +103,8 @@ def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
 
 @dataclass(frozen=True)
 class _Sizes:
-    """What a dry run is traced at besides the model and the setup (``trace_once``'s keywords)."""
+    """What a dry run is traced at besides the model and the setup (``trace_once``'s keywords,
+    and part of the cache key: its field names stay, so cached dry runs keep answering)."""
 
     micro: int
     seq: int
@@ -113,21 +114,15 @@ class _Sizes:
 
 
 def traced_result(
-    model: ModelInfo,
-    setup: TrainingSetup,
-    *,
-    micro: int,
-    seq: int,
-    device: Literal["cpu", "cuda"],
-    workspace: int,
-    grad_accum_steps: int,
-    full_depth: bool,
+    model: ModelInfo, setup: TrainingSetup, workload: Workload, *, full_depth: bool
 ) -> tuple[TraceResult, list[str]]:
     """The step's moments at the model's depth, from the cache or from dry runs.
 
     What a dry run depends on is the key: the model's config and task, the resolved setup,
     the sizes, the device and, on CUDA, the cuBLAS workspace (the GPU's only other input).
     """
+    device = workload.device
+    workspace = gpu_extras(workload.gpu, setup).workspace if device == "cuda" else 0
     depth = model.arch.num_layers
     low, high = trace_depths(model, setup)
     extrapolated = not (full_depth or depth <= high or _traced_whole(model))
@@ -137,7 +132,15 @@ def traced_result(
         # one process without DDP (its buckets are added after): the dry run on 2 or 8 GPUs
         # is the one on 1, and one record serves every count
         setup = replace(setup, num_gpus=1, sharding="none")
-    sizes = _Sizes(micro, seq, device, workspace, grad_accum_steps)
+    sizes = _Sizes(
+        micro=workload.micro_batch_size,
+        seq=workload.seq_len,
+        device=device,
+        workspace=workspace,
+        # memory is the same for any count from 2 up: later micro-steps hold the gradients
+        # of earlier ones, so 2 traces every count (and one record serves them all)
+        grad_accum_steps=min(workload.grad_accum_steps, 2),
+    )
     key = {
         "model": model.name,
         "config": model.config,
@@ -244,30 +247,15 @@ def _dry_runs(
 
 
 def estimate_trace(
-    model: ModelInfo,
-    setup: TrainingSetup,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    device: Literal["cpu", "cuda"],
-    gpu: GpuSpec | None,
-    grad_accum_steps: int = 1,
-    full_depth: bool = False,
+    model: ModelInfo, setup: TrainingSetup, workload: Workload, *, full_depth: bool = False
 ) -> MemoryEstimate:
     """A MemoryEstimate from dry runs; falls back to the analytic engine where it must."""
+    device, gpu = workload.device, workload.gpu
     resolved = analytic.resolve_setup(model, setup, device, gpu)
     vision = model.arch.family == "vision"  # the formulas model token models only
     formulas = None
     if not vision:
-        formulas = analytic.estimate_analytic(
-            model,
-            setup,
-            micro_batch_size=micro_batch_size,
-            seq_len=seq_len,
-            device=device,
-            gpu=gpu,
-            grad_accum_steps=grad_accum_steps,
-        )
+        formulas = analytic.estimate_analytic(model, setup, workload)
     if resolved.grad_ckpt and not model.supports_grad_ckpt:
         raise UsageError(
             f"--grad-ckpt: transformers cannot checkpoint {model.name}'s layers "
@@ -278,16 +266,7 @@ def estimate_trace(
         model.lora_params(resolved.lora_rank, resolved.lora_targets)
     if why_not is None:
         try:
-            traced = _estimate_traced(
-                model,
-                resolved,
-                micro_batch_size=micro_batch_size,
-                seq_len=seq_len,
-                device=device,
-                gpu=gpu,
-                grad_accum_steps=grad_accum_steps,
-                full_depth=full_depth,
-            )
+            traced = _estimate_traced(model, resolved, workload, full_depth=full_depth)
         except UsageError:
             raise
         except Exception as e:
@@ -319,26 +298,10 @@ def estimate_trace(
 
 
 def _estimate_traced(
-    model: ModelInfo,
-    resolved: TrainingSetup,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    device: Literal["cpu", "cuda"],
-    gpu: GpuSpec | None,
-    grad_accum_steps: int,
-    full_depth: bool,
+    model: ModelInfo, resolved: TrainingSetup, workload: Workload, *, full_depth: bool
 ) -> MemoryEstimate:
-    result, notes = traced_result(
-        model,
-        resolved,
-        micro=micro_batch_size,
-        seq=seq_len,
-        device=device,
-        workspace=gpu_extras(gpu, resolved).workspace if device == "cuda" else 0,
-        grad_accum_steps=min(grad_accum_steps, 2),
-        full_depth=full_depth,
-    )
+    device, gpu = workload.device, workload.gpu
+    result, notes = traced_result(model, resolved, workload, full_depth=full_depth)
     components = dict(result.peak.components)
     buckets = _ddp_buckets(result, resolved)
     components["other"] += buckets
@@ -368,9 +331,7 @@ def _estimate_traced(
         model=model.name,
         engine="trace",
         setup=resolved,
-        workload=(micro_batch_size, seq_len),
-        device=device,
-        gpu=gpu,
+        workload=workload,
     )
 
 

@@ -21,6 +21,7 @@ from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
 
 ModelFn = Callable[[], torch.nn.Module]
 BatchFn = Callable[[], Any]
@@ -93,16 +94,25 @@ def estimate_module(
     if device == "cuda":
         simulated = simulate(run.result.events, expandable_segments=setup.expandable_segments)
         reserved = max(simulated.reserved_bytes, peak.total)
-    return assemble(
+    micro_batch_size, seq_len = run.shape
+    est = assemble(
         _step_memory(run),
         device_totals(peak.total, reserved, device, gpu, resolved),
         model=_name(model_fn),
         engine="trace",
         setup=replace(resolved, task=None),
-        workload=run.shape,
-        device=device,
-        gpu=gpu,
+        workload=Workload(
+            micro_batch_size=max(micro_batch_size, 1),
+            seq_len=max(seq_len, 1),
+            device=device,
+            gpu=gpu,
+            grad_accum_steps=grad_accum_steps,
+        ),
     )
+    if min(run.shape) > 0:
+        return est
+    # a batch without a sized tensor (none, or a scalar) has no sizes to report: 0 says so
+    return replace(est, micro_batch_size=micro_batch_size, seq_len=seq_len)
 
 
 def _cast_floating(batch_fn: BatchFn, dtype: torch.dtype) -> BatchFn:
