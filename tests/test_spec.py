@@ -61,3 +61,19 @@ def test_pure_bf16_presets_on_a_gpu_without_bf16():
     assert (tune.precision, tune.lora_dtype) == ("fp32", "fp32")
     lit = TrainingSetup(framework="litgpt", method="lora", lora_dtype="bf16").resolved(**t4)
     assert (lit.precision, lit.lora_dtype) == ("amp-fp16", "fp32")
+
+
+def test_the_setup_says_what_the_planner_may_switch_on():
+    assert TrainingSetup(num_gpus=2).can_shard and not TrainingSetup().can_shard
+    assert not TrainingSetup(num_gpus=2, sharding="zero3").can_shard
+    assert TrainingSetup().can_offload
+    assert not TrainingSetup(method="qlora", precision="amp-bf16").can_offload
+    assert (
+        TrainingSetup().can_switch_to_lora and not TrainingSetup(method="lora").can_switch_to_lora
+    )
+    assert TrainingSetup().can_switch_to_pure_bf16(gpu_bf16=True)
+    assert not TrainingSetup().can_switch_to_pure_bf16(gpu_bf16=False)  # a T4: no bf16
+    # a pure-bf16 preset's "auto" already is pure bf16
+    assert not TrainingSetup(framework="torchtune").can_switch_to_pure_bf16(gpu_bf16=True)
+    assert TrainingSetup().can_switch_to_qlora(gpu_bf16=True)
+    assert not TrainingSetup(precision="fp32").can_switch_to_qlora(gpu_bf16=True)

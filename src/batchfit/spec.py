@@ -258,6 +258,36 @@ class TrainingSetup:
         mixed = self.precision not in ("fp32", "auto")
         return mixed and self.conventions.outputs_fp32
 
+    # What the planner may switch on from this setup: the ladder (plan/_ladder.py) asks these,
+    # so the rule lives with the setup it is about.
+    @property
+    def can_shard(self) -> bool:
+        """ZeRO or FSDP2 may be switched on: more than one GPU, none sharding yet."""
+        return self.num_gpus > 1 and self.sharding in ("none", "ddp")
+
+    @property
+    def can_offload(self) -> bool:
+        """CPU offload may be switched on: none yet, and not QLoRA (batchfit does not plan
+        offload for bitsandbytes' 4-bit layers)."""
+        return self.offload == "none" and self.method != "qlora"
+
+    @property
+    def can_switch_to_lora(self) -> bool:
+        """A full fine-tune, which LoRA adapters may replace (changes training)."""
+        return self.method == "full"
+
+    def can_switch_to_pure_bf16(self, gpu_bf16: bool) -> bool:
+        """Pure bf16 (no fp32 master) may replace this setup's precision on a GPU with or
+        without bf16: a full fine-tune not in pure bf16 already (a pure-bf16 preset's
+        ``auto`` is)."""
+        precision = self.resolved(device="cuda", bf16_supported=gpu_bf16).precision
+        return precision != "bf16" and gpu_bf16 and self.method == "full"
+
+    def can_switch_to_qlora(self, gpu_bf16: bool) -> bool:
+        """QLoRA may replace this setup: not QLoRA already, and not computing in fp32."""
+        precision = self.resolved(device="cuda", bf16_supported=gpu_bf16).precision
+        return self.method != "qlora" and precision != "fp32"
+
     def checkpointed_layers(self, num_layers: int) -> int:
         """How many of ``num_layers`` layers are checkpointed (``grad_ckpt_every``).
 

@@ -270,16 +270,16 @@ def _exact_rungs(setup: TrainingSetup, base: Combo) -> list[Combo]:
         # torchtune shards with FSDP2 and litgpt's finetune scripts with Fabric's FSDPStrategy
         # (their presets' sources); neither plans DeepSpeed, and their single-device recipes
         # shard and offload nothing
-        if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+        if setup.can_shard:
             rungs.append((*base, FSDP))
-            if setup.offload == "none" and setup.method != "qlora":
+            if setup.can_offload:
                 rungs.append((*base, FSDP_OFFLOAD))
         return rungs
-    if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+    if setup.can_shard:
         why = f"shard across {setup.num_gpus} GPUs"
         rungs += [(*base, zero(stage, why)) for stage in _ZERO_STAGES]
         rungs.append((*base, FSDP))
-    if setup.offload == "none" and setup.method != "qlora":
+    if setup.can_offload:
         if setup.sharding == "fsdp":  # FSDP2 asked: its own offload, not DeepSpeed's
             rungs.append((*base, FSDP_OFFLOAD))
             return rungs
@@ -293,16 +293,14 @@ def _changing_rungs(setup: TrainingSetup, gpu: GpuSpec, base: Combo) -> list[Com
     lighter = get_optimizer(setup.optimizer).lighter
     if lighter is not None:
         changing.append(ADAMW_8BIT if lighter == ADAMW_8BIT.name else swap_optimizer(lighter))
-    # "auto" under a pure-bf16 preset (torchtune, litgpt) already is pure bf16
-    precision = setup.resolved(device="cuda", bf16_supported=gpu.bf16).precision
-    if precision != "bf16" and gpu.bf16 and setup.method == "full":
+    if setup.can_switch_to_pure_bf16(gpu.bf16):
         changing.append(PURE_BF16)
     rungs: list[Combo] = [(*base, tech) for tech in changing]
     if len(changing) == 2:
         rungs.append((*base, *changing))
-    if setup.method == "full":
+    if setup.can_switch_to_lora:
         rungs.append((*base, LORA))
-    if setup.method != "qlora" and precision != "fp32":
+    if setup.can_switch_to_qlora(gpu.bf16):
         rungs.append((*base, qlora(gpu)))
     return rungs
 
@@ -341,7 +339,7 @@ def ladder(
         first.insert(0, (FUSED_ADAMW,))
     sharded: list[Combo] = []
     if checkpointing and not setup.grad_ckpt:
-        if setup.num_gpus > 1 and setup.sharding in ("none", "ddp"):
+        if setup.can_shard:
             # sharding alone, before sharding with recompute: on 8 GPUs ZeRO-3 or FSDP2 often
             # fits a few samples without checkpointing, faster than any checkpointed option
             sharded = [r for r in _exact_rungs(setup, base) if r[-1].name in _SHARDINGS]
