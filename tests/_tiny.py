@@ -39,6 +39,12 @@ def _example_config() -> dict[str, Any]:
 
 
 TINY_GPT2: dict[str, Any] = _example_config()
+# A 2-layer Llama of width 64 as a config.json's text: what an optimizer's dry-run-against-real
+# test steps (small enough for a real CPU step, a real Llama's layer kinds).
+TINY_LLAMA_JSON = (
+    '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, '
+    '"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}'
+)
 
 PROBE_GPT2: dict[str, Any] = {
     "model_type": "gpt2",

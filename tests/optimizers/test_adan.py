@@ -1,4 +1,4 @@
-"""Adan, an optimizer batchfit steps from its own copy (sail-sg/Adan's adan.py): the dry run
+"""Adan, which batchfit steps as an emulation of sail-sg/Adan's adan.py: the dry run
 allocates what the real step does under both of its loops, the analytic engine's state and
 step temporaries are those of the traced step, and its formulas are AdamW's state twice and
 foreach's copy of every parameter."""
@@ -11,19 +11,16 @@ import batchfit
 from batchfit.models import resolve_model
 from batchfit.optimizers import ParamTensor, StepContext, get_optimizer
 from batchfit.spec import OptimizerImpl, TrainingSetup
+from tests._tiny import TINY_LLAMA_JSON
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
-TINY_LLAMA = (
-    '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, '
-    '"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}'
-)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "for-loop"])
 def test_adan_dry_run_matches_a_real_cpu_step(tmp_path, impl: OptimizerImpl):
     path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA)
+    path.write_text(TINY_LLAMA_JSON)
     info = resolve_model(str(path))
     setup = TrainingSetup(precision="fp32", optimizer="adan", optimizer_impl=impl)
     assert_dry_run_matches_real(info, setup, micro=2, seq=32)
@@ -45,7 +42,7 @@ def test_adan_keeps_twice_adamws_state_and_foreach_holds_a_copy_of_every_paramet
 @pytest.mark.parametrize("impl", ["auto", "for-loop"])
 def test_adan_analytic_state_and_step_are_the_traced_ones(tmp_path, impl: OptimizerImpl):
     path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA)
+    path.write_text(TINY_LLAMA_JSON)
     info = resolve_model(str(path))
     setup = TrainingSetup(precision="fp32", optimizer="adan", optimizer_impl=impl)
     gpu = batchfit.get_gpu("a100-80gb")

@@ -1,4 +1,4 @@
-"""SophiaG, an optimizer batchfit steps from its own copy (the reference sophia.py): the dry run
+"""SophiaG, which batchfit steps as an emulation of the reference sophia.py: the dry run
 allocates what the real step does, the analytic engine's state and step temporaries are those
 of the traced step, its formulas are AdamW's state and three temporaries of the largest
 parameter, and its Hessian refresh changes no state size."""
@@ -14,19 +14,16 @@ from batchfit.optimizers import ParamTensor, StepContext, get_optimizer
 from batchfit.optimizers._torch import SophiaG
 from batchfit.plan._lr_scaling import scale_learning_rate
 from batchfit.spec import OptimizerImpl, TrainingSetup
+from tests._tiny import TINY_LLAMA_JSON
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
-TINY_LLAMA = (
-    '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, '
-    '"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}'
-)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "fused"])
 def test_sophia_dry_run_matches_a_real_cpu_step(tmp_path, impl: OptimizerImpl):
     path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA)
+    path.write_text(TINY_LLAMA_JSON)
     info = resolve_model(str(path))
     setup = TrainingSetup(precision="fp32", optimizer="sophia", optimizer_impl=impl)
     assert_dry_run_matches_real(info, setup, micro=2, seq=32)
@@ -65,7 +62,7 @@ def test_sophia_learning_rate_is_said_to_be_a_guess_and_names_the_batch_it_steps
 @pytest.mark.slow
 def test_sophia_analytic_state_and_step_are_the_traced_ones(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA)
+    path.write_text(TINY_LLAMA_JSON)
     info = resolve_model(str(path))
     setup = TrainingSetup(precision="fp32", optimizer="sophia")
     gpu = batchfit.get_gpu("a100-80gb")
