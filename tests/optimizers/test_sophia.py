@@ -18,7 +18,6 @@ from tests._tiny import TINY_LLAMA_JSON
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "fused"])
 def test_sophia_dry_run_matches_a_real_cpu_step(tmp_path, impl: OptimizerImpl):
