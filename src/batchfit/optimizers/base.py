@@ -110,11 +110,11 @@ class ExportNames:
 class Accesses:
     """Elements the update streams through memory per trainable parameter (step-time model).
 
-    ``kernel``: the implementation a GPU runs when it is not torch's foreach or loop (the
-    fused kernel, bitsandbytes', transformers'); ``unfused``: torch's foreach and per-parameter
-    loop, which run one kernel per operation, None for an optimizer torch.optim does not
-    implement; ``cpu``: the per-parameter loop the CPU runs. Each count cites the loop it is
-    counted from.
+    ``kernel``: the implementation a GPU runs when it is not a foreach step or loop (the
+    fused kernel, bitsandbytes', transformers'); ``unfused``: the multi-tensor (foreach) step
+    and the per-parameter loop, which run one kernel per operation, given exactly when
+    ``foreach`` is among the spec's ``impls`` (None otherwise); ``cpu``: the per-parameter loop
+    the CPU runs. Each count cites the loop it is counted from.
     """
 
     kernel: int
@@ -133,7 +133,7 @@ class OptimizerSpec:
 
     Attributes:
         name: the ``--optimizer`` value.
-        summary: one line for the docs and ``batchfit optimizers``-style listings.
+        summary: one line about it (the ladder's reason when the planner swaps to it).
         state: bytes of optimizer state for ONE tensor of a ``ParamTensor`` group, given the
             bytes of a state element (4 under fp32 and AMP, 2 under pure 16-bit).
         state_text: the breakdown line's formula; ``{elem}`` is replaced by the element size.
