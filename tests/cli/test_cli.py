@@ -224,6 +224,13 @@ def test_headroom_zero_is_allowed_and_more_than_the_card_is_one_line(capsys):
     assert "--headroom 20GiB is all of t4's" in err and len(err.strip().splitlines()) == 1
 
 
+def test_gpus_refuses_a_headroom_no_gpu_has(capsys):
+    code, out, err = run_cli(["gpus", "gpt2", "-s", "512", "--headroom", "500GiB"], capsys)
+    assert code == 2 and not out
+    assert err.startswith("batchfit: error: --headroom 500GiB is all of the largest GPU's")
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_models_table_shows_no_vocabulary_for_image_models(capsys):
     code, out, _ = run_cli(["models"], capsys)
     assert code == 0

@@ -66,6 +66,12 @@ def gpus(
             show.gpus(gpu_list)
         return
     headroom_bytes = parse_size(headroom, what="--headroom", allow_zero=True)
+    largest = max(gpu_list, key=lambda g: g.memory_bytes)
+    if headroom_bytes >= largest.memory_bytes:  # every row would say "none"
+        raise UsageError(
+            f"--headroom {headroom.strip()} is all of the largest GPU's memory ({largest.name}, "
+            f"{largest.memory_bytes / 2**30:.2f} GiB): keep less free, e.g. 0.5GiB"
+        )
     info = models.resolve_model(model, setup.task)  # on its module: a test may stand in for it
     if seq_len is None and info.task != "image-classification":
         raise UsageError("batchfit gpus MODEL needs --seq-len")
