@@ -17,6 +17,7 @@ from batchfit._memwatch import MemoryWatch
 from batchfit.errors import NoFitError
 from batchfit.search import PLATEAU, Trial, find_batch_size
 from batchfit.search._order import Search as _Search
+from batchfit.workload import Workload
 from tests._torchrun import torchrun
 
 CHILD = Path(__file__).with_name("_limit_child.py")
@@ -256,9 +257,9 @@ def test_predicted_start_is_the_largest_predicted_fit(
 
     calls: list[int] = []
 
-    def fake_estimate(*_a: object, micro_batch_size: int, **_k: object) -> SimpleNamespace:
-        calls.append(micro_batch_size)
-        return SimpleNamespace(peak_bytes=law(micro_batch_size))
+    def fake_estimate(*_a: object, workload: Workload, **_k: object) -> SimpleNamespace:
+        calls.append(workload.micro_batch_size)
+        return SimpleNamespace(peak_bytes=law(workload.micro_batch_size))
 
     monkeypatch.setattr("batchfit.memory.estimate.estimate", fake_estimate)
     start, per_sample, need = _probe.predict(None, None, 256, "cpu", 20 * GIB, high)
