@@ -8,3 +8,37 @@ if "BATCHFIT_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["BATCHFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="batchfit-test-cache-")
+
+
+# --- a step's timeline, shared by the tests of its data (memory/) and of its picture (views/) ---
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def timeline_config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A config.json path of ``tests._tiny.TIMELINE_GPT2``."""
+    from tests._tiny import TIMELINE_GPT2
+
+    path = tmp_path_factory.mktemp("timeline") / "config.json"
+    path.write_text(json.dumps(TIMELINE_GPT2))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def cuda_timeline(timeline_config: str) -> Any:
+    """The timeline of that model on a T4, micro-batch 2 x 64 tokens, accumulation 2 (one dry
+    run for every test that reads it)."""
+    from batchfit.hardware import get_gpu
+    from batchfit.memory.formulas.analytic import resolve_setup
+    from batchfit.memory.trace.timeline import step_timeline
+    from batchfit.models import resolve_model
+    from batchfit.spec import TrainingSetup
+
+    model, gpu = resolve_model(timeline_config), get_gpu("t4")
+    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
+    return step_timeline(
+        model, setup, micro_batch_size=2, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2
+    )

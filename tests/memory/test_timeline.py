@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from batchfit.hardware import get_gpu
@@ -14,23 +12,11 @@ from batchfit.memory.trace.timeline import StepTimeline, step_timeline, traced_m
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
-from tests._tiny import TIMELINE_GPT2
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TIMELINE_GPT2))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def cuda_timeline(tiny: str) -> StepTimeline:
-    model, gpu = resolve_model(tiny), get_gpu("t4")
-    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
-    return step_timeline(
-        model, setup, micro_batch_size=2, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2
-    )
+def tiny(timeline_config: str) -> str:
+    return timeline_config
 
 
 def test_the_timeline_is_the_estimates_dry_run(tiny: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pickle
 import re
@@ -14,31 +13,16 @@ from pathlib import Path
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.trace.result import CATEGORIES
-from batchfit.memory.trace.timeline import StepTimeline, group_modules, step_timeline
-from batchfit.models import resolve_model
-from batchfit.spec import TrainingSetup
+from batchfit.memory.trace.timeline import StepTimeline, group_modules
 from batchfit.views import timeline
-from tests._tiny import TIMELINE_GPT2
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TIMELINE_GPT2))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def cuda_timeline(tiny: str) -> StepTimeline:
-    model, gpu = resolve_model(tiny), get_gpu("t4")
-    setup = resolve_setup(model, TrainingSetup(), "cuda", gpu)
-    return step_timeline(
-        model, setup, micro_batch_size=2, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2
-    )
+def tiny(timeline_config: str) -> str:
+    return timeline_config
 
 
 def test_plot_writes_a_png(cuda_timeline: StepTimeline, tmp_path: Path) -> None:
