@@ -1,4 +1,8 @@
+import json
 import os
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -11,10 +15,6 @@ if "BATCHFIT_CACHE_DIR" not in os.environ:
 
 
 # --- a step's timeline, shared by the tests of its data (memory/) and of its picture (views/) ---
-
-import json
-
-import pytest
 
 
 @pytest.fixture(scope="session")
