@@ -8,19 +8,16 @@ from __future__ import annotations
 import pytest
 
 import batchfit
-from batchfit.models import resolve_model
+from batchfit.models import ModelInfo
 from batchfit.optimizers import ParamTensor, StepContext, get_optimizer
 from batchfit.spec import OptimizerImpl, TrainingSetup
-from tests._tiny import TINY_LLAMA_JSON
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "for-loop"])
-def test_adan_dry_run_matches_a_real_cpu_step(tmp_path, impl: OptimizerImpl):
-    path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA_JSON)
-    info = resolve_model(str(path))
+def test_adan_dry_run_matches_a_real_cpu_step(tiny_llama: ModelInfo, impl: OptimizerImpl):
+    info = tiny_llama
     setup = TrainingSetup(precision="fp32", optimizer="adan", optimizer_impl=impl)
     assert_dry_run_matches_real(info, setup, micro=2, seq=32)
 
@@ -39,10 +36,10 @@ def test_adan_keeps_twice_adamws_state_and_foreach_holds_a_copy_of_every_paramet
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "for-loop"])
-def test_adan_analytic_state_and_step_are_the_traced_ones(tmp_path, impl: OptimizerImpl):
-    path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA_JSON)
-    info = resolve_model(str(path))
+def test_adan_analytic_state_and_step_are_the_traced_ones(
+    tiny_llama: ModelInfo, impl: OptimizerImpl
+):
+    info = tiny_llama
     setup = TrainingSetup(precision="fp32", optimizer="adan", optimizer_impl=impl)
     gpu = batchfit.get_gpu("a100-80gb")
     kwargs = {"micro_batch_size": 1, "seq_len": 8, "gpu": gpu}

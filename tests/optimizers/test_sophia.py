@@ -9,21 +9,18 @@ import pytest
 import torch
 
 import batchfit
-from batchfit.models import resolve_model
+from batchfit.models import ModelInfo
 from batchfit.optimizers import ParamTensor, StepContext, get_optimizer
 from batchfit.optimizers._torch import SophiaG
 from batchfit.plan._lr_scaling import scale_learning_rate
 from batchfit.spec import OptimizerImpl, TrainingSetup
-from tests._tiny import TINY_LLAMA_JSON
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "fused"])
-def test_sophia_dry_run_matches_a_real_cpu_step(tmp_path, impl: OptimizerImpl):
-    path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA_JSON)
-    info = resolve_model(str(path))
+def test_sophia_dry_run_matches_a_real_cpu_step(tiny_llama: ModelInfo, impl: OptimizerImpl):
+    info = tiny_llama
     setup = TrainingSetup(precision="fp32", optimizer="sophia", optimizer_impl=impl)
     assert_dry_run_matches_real(info, setup, micro=2, seq=32)
 
@@ -59,10 +56,8 @@ def test_sophia_learning_rate_is_said_to_be_a_guess_and_names_the_batch_it_steps
 
 
 @pytest.mark.slow
-def test_sophia_analytic_state_and_step_are_the_traced_ones(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(TINY_LLAMA_JSON)
-    info = resolve_model(str(path))
+def test_sophia_analytic_state_and_step_are_the_traced_ones(tiny_llama: ModelInfo):
+    info = tiny_llama
     setup = TrainingSetup(precision="fp32", optimizer="sophia")
     gpu = batchfit.get_gpu("a100-80gb")
     kwargs = {"micro_batch_size": 1, "seq_len": 8, "gpu": gpu}

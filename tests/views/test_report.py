@@ -16,6 +16,7 @@ from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.views import html as _html
+from tests._tiny import TIMELINE_GPT2
 from tests.views._browser import BROWSER, NO_BROWSER, render
 
 
@@ -135,19 +136,7 @@ def test_plan_report_and_auto_headroom(tmp_path: Path, monkeypatch: pytest.Monke
 
     pytest.importorskip("matplotlib")
     config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "gpt2",
-                "architectures": ["GPT2LMHeadModel"],
-                "n_embd": 128,
-                "n_layer": 2,
-                "n_head": 4,
-                "n_positions": 256,
-                "vocab_size": 3000,
-            }
-        )
-    )
+    config.write_text(json.dumps(TIMELINE_GPT2))
     page = tmp_path / "plan.html"
     proc = subprocess.run(
         [
