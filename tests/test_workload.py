@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 import batchfit
-from batchfit.errors import UsageError
+from batchfit.errors import UsageError, python_spelling
 from batchfit.hardware import get_gpu
 from batchfit.lengths import LengthsSummary
 from batchfit.memory.estimate import estimate
@@ -41,8 +41,11 @@ LENGTHS = LengthsSummary(480, "longest", 480, 300.0, 3, ("lengths.txt",))
 def test_each_bad_field_is_refused_in_one_line_naming_its_option(fields, message):
     with pytest.raises(UsageError) as caught:
         Workload(**{"micro_batch_size": 8, "seq_len": 512, **fields})
+    # the command line's option names; str() in Python names the argument
+    assert caught.value.args[0].startswith(message)
     text = str(caught.value)
-    assert text.startswith(message)
+    assert text.startswith(python_spelling(message))
+    assert "--" not in text
     assert "\n" not in text
 
 
@@ -64,7 +67,7 @@ def test_a_workload_is_frozen_and_replace_checks_again():
     with pytest.raises(AttributeError):
         w.micro_batch_size = 4  # type: ignore[misc]
     assert replace(w, micro_batch_size=4).micro_batch_size == 4
-    with pytest.raises(UsageError, match="--micro-batch must be a positive integer"):
+    with pytest.raises(UsageError, match="micro_batch_size must be a positive integer"):
         replace(w, micro_batch_size=0)
 
 
@@ -109,16 +112,16 @@ def test_an_own_module_takes_no_workload():
 
 
 def test_estimate_keyword_form_checks_what_a_workload_checks():
-    with pytest.raises(UsageError, match="--grad-accum must be a positive integer, got 0"):
+    with pytest.raises(UsageError, match="grad_accum_steps must be a positive integer, got 0"):
         estimate(GPT2, micro_batch_size=2, seq_len=64, gpu=T4, grad_accum_steps=0)
-    with pytest.raises(UsageError, match="--gpu and --device cpu contradict each other"):
+    with pytest.raises(UsageError, match="gpu and device cpu contradict each other"):
         estimate(GPT2, micro_batch_size=2, seq_len=64, device="cpu", gpu=T4, engine="analytic")
 
 
 def test_an_image_model_keeps_its_image_size_message():
     # the model's check runs before the workload's: an image side is --image-size
     vit = resolve_model("vit-base-patch16-224")
-    with pytest.raises(UsageError, match="--image-size must be a positive number of pixels"):
+    with pytest.raises(UsageError, match="image_size must be a positive number of pixels"):
         estimate(vit, micro_batch_size=2, seq_len=0, device="cpu")
 
 

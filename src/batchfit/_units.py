@@ -129,3 +129,13 @@ def ordinal(k: int) -> str:
     if k % 100 in (11, 12, 13):
         return f"{k}th"
     return f"{k}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th') }"
+
+
+def usd(amount: float) -> str:
+    """Dollars as the plan and its report print them: cents below $100, whole dollars above.
+
+    Example:
+        >>> usd(1.02), usd(1234.5)
+        ('$1.02', '$1,234')
+    """
+    return f"${amount:,.{0 if amount >= 100 else 2}f}"

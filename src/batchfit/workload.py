@@ -49,7 +49,7 @@ class Workload:
         >>> Workload(micro_batch_size=0, seq_len=512)
         Traceback (most recent call last):
         ...
-        batchfit.errors.UsageError: --micro-batch must be a positive integer, got 0
+        batchfit.errors.UsageError: micro_batch_size must be a positive integer, got 0
 
     Raises:
         UsageError: a field out of range, in one line naming its option.

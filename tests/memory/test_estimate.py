@@ -36,7 +36,7 @@ def _loss(out: torch.Tensor, _batch: object) -> torch.Tensor:
     ids=["catalog-model", "own-module"],
 )
 def test_unknown_engine_is_refused_naming_the_choices(kwargs):
-    with pytest.raises(UsageError, match=r"--engine 'bogus' is not one of: analytic, trace"):
+    with pytest.raises(UsageError, match=r"engine 'bogus' is not one of: analytic, trace"):
         estimate(setup=TrainingSetup(), device="cpu", engine="bogus", **kwargs)
 
 

@@ -172,7 +172,7 @@ def test_adapter_and_frozen_dtypes_move_the_weights(engine):
 
 
 def test_classification_refuses_a_vocabulary_loss():
-    with pytest.raises(UsageError, match="--loss full"):
+    with pytest.raises(UsageError, match="loss full"):
         estimate(
             resolve_model("bert-base-uncased", "classification"),
             TrainingSetup(loss="fused"),

@@ -45,7 +45,7 @@ def test_deberta_analytic_reports_eager(deberta):
 
 
 def test_explicit_sdpa_on_deberta_is_a_usage_error(deberta, capsys):
-    with pytest.raises(UsageError, match="--attention eager"):
+    with pytest.raises(UsageError, match="attention eager"):
         estimate(
             resolve_model(deberta),
             TrainingSetup(attention="sdpa"),

@@ -142,7 +142,7 @@ def test_formulas_refuse_image_models(tmp_path):
 def test_checkpointing_a_convnet_is_refused_and_the_plan_skips_it(tmp_path):
     info = resolve_model(_config(tmp_path, CONVNEXT))
     assert not info.supports_grad_ckpt
-    with pytest.raises(UsageError, match="--grad-ckpt"):
+    with pytest.raises(UsageError, match="grad_ckpt"):
         estimate(info, TrainingSetup(grad_ckpt=True), micro_batch_size=2, seq_len=64)
     p = make_plan(info, get_gpu("t4"), TrainingSetup(), seq_len=64, global_batch=64)
     assert p.fits and "gradient-checkpointing" not in [t.name for t in p.techniques]

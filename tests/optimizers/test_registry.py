@@ -86,7 +86,7 @@ def test_exported_names_are_names_transformers_knows(name: str):
 
 
 def test_an_unknown_optimizer_is_one_line_naming_the_choices():
-    with pytest.raises(UsageError, match=r"--optimizer 'no-such-optimizer' is not one of: sgd, "):
+    with pytest.raises(UsageError, match=r"optimizer 'no-such-optimizer' is not one of: sgd, "):
         TrainingSetup(optimizer="no-such-optimizer")
     with pytest.raises(UsageError, match="adamw"):
         get_optimizer("no-such-optimizer")
@@ -107,9 +107,7 @@ def unsharded_only(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_the_setup_refuses_a_sharding_the_optimizer_does_not_run_under(unsharded_only: str):
     TrainingSetup(optimizer=unsharded_only, sharding="ddp", num_gpus=2)
-    with pytest.raises(
-        UsageError, match="does not run under --sharding zero2: use one of ddp, none"
-    ):
+    with pytest.raises(UsageError, match="does not run under sharding zero2: use one of ddp, none"):
         TrainingSetup(optimizer=unsharded_only, sharding="zero2", num_gpus=2)
 
 

@@ -34,7 +34,7 @@ def test_counts_are_powers_of_two_then_the_limit() -> None:
     assert gpu_counts(16) == [1, 2, 4, 8, 16]
     assert gpu_counts(12) == [1, 2, 4, 8, 12]
     for bad in (0, -2, 10**6):
-        with pytest.raises(UsageError, match="--max-gpus"):
+        with pytest.raises(UsageError, match="max_gpus"):
             gpu_counts(bad)
 
 

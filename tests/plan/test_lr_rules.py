@@ -164,5 +164,5 @@ def test_betas_without_base_lr_exit_2(capsys):
 
 
 def test_base_betas_refused_before_planning():
-    with pytest.raises(UsageError, match="--base-betas"):
+    with pytest.raises(UsageError, match="base_betas"):
         _plan(global_batch=64, base_lr=1e-4, base_batch=16, base_betas=(1.2, 0.9))

@@ -118,7 +118,7 @@ def test_learning_rate_rules():
     )
     assert q.learning_rate == pytest.approx(6e-4 * 2**0.5)
     assert "taken as 32768 tokens" in (q.lr_rule or "")
-    with pytest.raises(UsageError, match="--base-batch"):
+    with pytest.raises(UsageError, match="base_batch"):
         make_plan_analytic(
             GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, base_lr=1e-4
         )
@@ -260,11 +260,11 @@ def test_the_run_has_a_time_a_cost_and_ranked_candidates():
     assert [r["techniques"] for r in rows].count(rows[0]["techniques"]) == 1
     kinds = {tuple(r["techniques"]): r["exact"] for r in rows}
     assert any(kinds.values()) and not any(v for k, v in kinds.items() if "lora" in k)
-    with pytest.raises(UsageError, match="--gpu-hour-price"):
+    with pytest.raises(UsageError, match="gpu_hour_price"):
         make_plan_analytic(
             GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, gpu_hour_price=-1.0
         )
-    with pytest.raises(UsageError, match="--train-tokens"):
+    with pytest.raises(UsageError, match="train_tokens"):
         make_plan_analytic(
             GPT2, get_gpu("t4"), TrainingSetup(), seq_len=256, global_batch=32, train_tokens=0
         )

@@ -203,7 +203,7 @@ def test_fsdp_on_one_gpu_says_nothing_to_shard():
 
 
 def test_a_world_size_that_does_not_divide_names_the_nearest():
-    with pytest.raises(UsageError, match=r"--num-gpus 4, 5, 10"):
+    with pytest.raises(UsageError, match=r"num_gpus 4, 5, 10"):
         make_plan(
             resolve_model("gpt2"),
             get_gpu("a100-40gb"),

@@ -139,7 +139,7 @@ def test_cli_probe_with_two_ranks(tiny: str) -> None:
 def test_probe_refuses_sharding_without_ranks_and_deepspeed_ranks() -> None:
     from batchfit.cli.probe import _ranks_setup
 
-    with pytest.raises(UsageError, match="--nproc"):
+    with pytest.raises(UsageError, match="nproc"):
         _ranks_setup(TrainingSetup(sharding="fsdp"), 1, "cpu")
     with pytest.raises(UsageError, match="DeepSpeed"):
         _ranks_setup(TrainingSetup(sharding="zero2"), 2, "cpu")

@@ -20,7 +20,7 @@ from typing import Any
 import typer
 import typer.main
 
-from batchfit.errors import RankFailure, UsageError
+from batchfit.errors import CLI_SPELLING_ENV, RankFailure, UsageError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     exc = _click_exceptions()
     if sys.stdout is None:  # started with stdout closed: the answer would be lost
         _fail("error: stdout is closed: run with stdout open or redirected to a file", 2)
+    spelling = os.environ.get(CLI_SPELLING_ENV)
+    os.environ[CLI_SPELLING_ENV] = "1"  # errors name options, in the probe's ranks too
     try:
         with _sigterm_raises():
             _run(argv if argv is not None else sys.argv[1:])
@@ -118,3 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             shown = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]}"
             _fail(f"error: cannot use {shown}: {e.strerror or e}", EXIT_USAGE)
         _fail(f"error: cannot write the output: {e.strerror or e}", EXIT_USAGE)
+    finally:
+        if spelling is None:
+            os.environ.pop(CLI_SPELLING_ENV, None)
+        else:
+            os.environ[CLI_SPELLING_ENV] = spelling

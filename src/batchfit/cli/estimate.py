@@ -29,6 +29,7 @@ from batchfit.cli.options import (
 )
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec, get_gpu
+from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate as run_estimate
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -71,6 +72,13 @@ SnapshotO = Annotated[
         "at pytorch.org/memory_viz or with python -m torch.cuda._memory_viz.",
     ),
 ]
+CheckO = Annotated[
+    bool,
+    typer.Option(
+        "--check",
+        help="For scripts: exit 1 when the step does not fit --gpu (the same verdict as printed).",
+    ),
+]
 
 
 @setup_options(parallel=True)
@@ -91,6 +99,7 @@ def estimate(
     explain: ExplainO = False,
     timeline: TimelineO = None,
     snapshot: SnapshotO = None,
+    check: CheckO = False,
     as_json: JsonO = False,
 ) -> None:
     """Estimate one training step's memory per GPU: weights, gradients, optimizer, activations."""
@@ -99,6 +108,8 @@ def estimate(
     from batchfit.cli.render import estimate as show
 
     engine_name = _checked(device, gpu, engine, grad_accum, timeline, snapshot)
+    if check and gpu is None:
+        raise UsageError("--check asks whether the step fits a GPU: name one with --gpu")
     gpu_spec = get_gpu(gpu) if gpu else None
     info = models.resolve_model(model, setup.task)  # on its module: a test may stand in for it
     seq, lengths_seen = sample_size(
@@ -126,10 +137,16 @@ def estimate(
         show.draw_timeline(result, info, gpu_spec, grad_accum, timeline, snapshot)
     if as_json:
         _emit_json(show.estimate_json(result, gpu_spec, lengths_seen))
-        return
-    if lengths_seen is not None:
-        render.note(lengths_seen.describe())
-    show.estimate(result, info, gpu_spec, explain=explain)
+    else:
+        if lengths_seen is not None:
+            render.note(lengths_seen.describe())
+        show.estimate(result, info, gpu_spec, explain=explain)
+    if (
+        check
+        and gpu_spec is not None
+        and not fits_on_card(result.device_total_bytes, gpu_spec.memory_bytes)
+    ):
+        raise typer.Exit(1)
 
 
 def _checked(

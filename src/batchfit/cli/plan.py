@@ -312,8 +312,6 @@ def _answer(
         render.note(f"launch: {launch}")
     if alone:
         print(export_text)
-    elif export_kind is not None:
-        show.export_note(export_kind, out, export_text)
 
 
 def _exports(
@@ -327,6 +325,10 @@ def _exports(
     if export_kind is None:
         return {}, None
     if out is not None:
-        return dict(write_export(result, export_kind, out)), None
+        written = dict(write_export(result, export_kind, out))
+        from batchfit.cli import render
+
+        render.wrote(out, f"the {export_kind} export")
+        return written, None
     data = export(result, export_kind)
     return {export_kind: data}, render_export(data, export_kind)

@@ -11,6 +11,7 @@ from typing import Any, overload
 
 from batchfit import calibration
 from batchfit._units import gib
+from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
 from batchfit.memory.types import MemoryEstimate
@@ -31,8 +32,12 @@ from batchfit.plan._warnings import (
     loss_warnings,
     short_run_warnings,
 )
-from batchfit.plan.request import PlanRequest
+from batchfit.plan.request import MAX_ACCUM_STEPS, PlanRequest
 from batchfit.spec import TrainingSetup
+
+_SECONDS_IN_YEAR = 365.25 * 24 * 3600
+# A run past a thousand years is a typo in its length, not a plan.
+MAX_RUN_SECONDS = 1000 * _SECONDS_IN_YEAR
 
 
 @overload
@@ -213,9 +218,24 @@ def _plan(request: PlanRequest) -> Plan:
     micro = request.micro_batch_size or largest_divisor_at_most(
         per_gpu, max(fit.max_micro_batch, 1)
     )
+    if per_gpu // micro > MAX_ACCUM_STEPS:
+        raise UsageError(
+            f"{request.global_samples:,} samples per step need {per_gpu // micro:,} "
+            f"accumulation steps of micro-batch {micro} on each GPU (past the "
+            f"{MAX_ACCUM_STEPS:,} batchfit plans): give a smaller --global-batch or "
+            "--global-batch-tokens"
+        )
     _, est = target.fits(fit.setup, micro)
     notes = [note for note in (engine_note, probe_note) if note]
-    return _assemble(request, target, fit, micro, est, notes)
+    plan = _assemble(request, target, fit, micro, est, notes)
+    run = plan.train_seconds
+    if run is not None and run > MAX_RUN_SECONDS:
+        raise UsageError(
+            f"the run would take {run / _SECONDS_IN_YEAR:,.0f} years on {plan.num_gpus} "
+            f"GPU(s) ({plan.train_steps:,} steps of ~{plan.step_seconds:.3g} s): give a "
+            "shorter --train-tokens or --epochs x --dataset-size"
+        )
+    return plan
 
 
 def _assemble(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit._display import html
+from batchfit._units import gib
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._ladder import Combo
 from batchfit.plan._lr_scaling import LrScaling, lr_json
@@ -222,6 +223,35 @@ class Plan:
     def fits(self) -> bool:
         """Whether the step leaves the headroom asked for, and at least a byte, free."""
         return self.headroom_bytes > 0 and self.headroom_bytes >= self.headroom_wanted_bytes
+
+    def __repr__(self) -> str:
+        """One line: what to run and whether it fits (``str`` adds the alternatives)."""
+        names = ", ".join(t.name for t in self.techniques) or "nothing extra"
+        return (
+            f"<Plan {self.model} on {self.num_gpus} x {self.gpu}: micro-batch "
+            f"{self.micro_batch_size} x accumulation {self.grad_accum_steps} x "
+            f"{self.num_gpus} GPU(s) = {self.global_batch_size}, {self.setup.precision}, "
+            f"{names}; {gib(self.device_total_bytes)} of {gib(self.gpu_bytes)}"
+            f"{'' if self.fits else ', does not fit'}>"
+        )
+
+    def __str__(self) -> str:
+        """The plan in a few plain lines: the choice, its memory and time, the alternatives."""
+        lines = [repr(self)[1:-1]]
+        if self.learning_rate is not None:
+            lines.append(f"learning rate {self.learning_rate:.3g} ({self.lr_rule})")
+        if self.step_seconds is not None:
+            lines.append(f"~{self.step_seconds:.3g} s per optimizer step")
+        for a in self.alternatives:
+            if a.techniques == self.techniques:
+                continue
+            named = ", ".join(t.name for t in a.techniques) or "nothing extra"
+            largest = (
+                f"largest micro-batch {a.max_micro_batch}" if a.max_micro_batch else "none fits"
+            )
+            lines.append(f"  alternative: {named}: {largest}")
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the plan, its breakdown, the alternatives with their time."""

@@ -23,7 +23,7 @@ from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import check_workload
 from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near
-from batchfit.plan._gpu_count import gpu_counts
+from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, gpu_counts
 from batchfit.plan._lr_scaling import DEFAULT_BETAS, DEFAULT_EPS, lr_options
 from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES
 from batchfit.plan._own import OwnModel, own_model
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINES", "PlanRequest", "samples_from_target"]
 
+# Past a million micro-batches per step a run is a typo (a step of hours at a micro-batch's
+# millisecond), and its plan would still be printed as if it were one.
+MAX_ACCUM_STEPS = 10**6
 Engine = Literal["trace", "analytic"]
 ENGINES: tuple[Engine, ...] = ("trace", "analytic")
 _IMAGE_TASK = "image-classification"
@@ -86,7 +89,7 @@ class PlanRequest:
         >>> PlanRequest(resolve_model("gpt2"), get_gpu("t4"), seq_len=1024, global_batch=0)
         Traceback (most recent call last):
         ...
-        batchfit.errors.UsageError: --global-batch must be positive, got 0
+        batchfit.errors.UsageError: global_batch must be positive, got 0
     """
 
     model: ModelInfo | Callable[[], Any]
@@ -266,6 +269,25 @@ class PlanRequest:
                 "give --base-lr with --base-batch (samples) or --base-batch-tokens (tokens): "
                 "the batch the LR was tuned at"
             )
+        self._check_accumulation()
+
+    def _check_accumulation(self) -> None:
+        """At most ``MAX_ACCUM_STEPS`` micro-batches per step: with ``micro_batch_size`` given,
+        exactly; otherwise against the largest micro-batch the GPU could hold if each token
+        kept only its 16-bit hidden state (a token model of the catalog)."""
+        per_gpu, micro, model = self.per_gpu_samples, self.micro_batch_size, self.model
+        if self.num_gpus == "auto":
+            per_gpu //= self.max_gpus or DEFAULT_MAX_GPUS
+        if micro is None and isinstance(model, ModelInfo) and model.task != _IMAGE_TASK:
+            per_sample = 2 * model.arch.hidden_size * max(self.sample_size, 1)
+            micro = max(1, self.gpu.memory_bytes // per_sample)
+        if micro is None or per_gpu // micro <= MAX_ACCUM_STEPS:
+            return
+        raise UsageError(
+            f"{self.global_samples:,} samples per step need at least {per_gpu // micro:,} "
+            f"accumulation steps on each GPU (past the {MAX_ACCUM_STEPS:,} batchfit plans): "
+            "give a smaller --global-batch or --global-batch-tokens"
+        )
 
     def _check_headroom(self) -> None:
         """A size or bytes from 0, less than the GPU's memory; "auto" is checked when read."""

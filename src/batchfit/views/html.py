@@ -13,7 +13,7 @@ from html import escape
 from typing import Any
 
 from batchfit._display import register_html
-from batchfit._units import human_duration
+from batchfit._units import human_duration, usd
 from batchfit._version import versions
 
 GIB = 2**30
@@ -125,10 +125,6 @@ def _time(data: dict[str, Any]) -> str:
     )
 
 
-def _usd(amount: float) -> str:
-    return f"${amount:,.{0 if amount >= 100 else 2}f}"
-
-
 def _run(data: dict[str, Any]) -> str:
     """``--train-tokens`` / ``--epochs``: the run's optimizer steps, time and price."""
     steps, seconds = data.get("train_steps"), data.get("train_seconds")
@@ -138,7 +134,7 @@ def _run(data: dict[str, Any]) -> str:
     price, cost = data.get("gpu_hour_price"), data.get("cost_usd")
     if cost is not None and price is not None:
         source = escape(str(data.get("price_source") or ""))
-        priced = f", {_usd(cost)} at ${price:g}/GPU-hour ({source})"
+        priced = f", {usd(cost)} at ${price:g}/GPU-hour ({source})"
     else:
         priced = (
             f" (no list price for {escape(str(data.get('gpu', '')))}: --gpu-hour-price USD adds "
@@ -245,7 +241,7 @@ def _alternatives(data: dict[str, Any]) -> str:
             if steps:
                 cells.append("-" if not step else human_duration(step * steps))
                 if price is not None:
-                    cells.append("-" if not step else _usd(step * steps / 3600 * gpus * price))
+                    cells.append("-" if not step else usd(step * steps / 3600 * gpus * price))
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     notes = []
     if any(" *</td>" in r for r in rows):
@@ -304,7 +300,7 @@ def _gpu_counts(data: dict[str, Any]) -> str:
             f"<td>{'-' if not tps else f'{tps:,.0f}'}</td>"
             f"<td>{'-' if eff is None else f'{eff:.0%}'}</td>"
             f"<td>{'-' if not c.get('train_seconds') else human_duration(c['train_seconds'])}</td>"
-            f"<td>{'-' if not c.get('cost_usd') else _usd(c['cost_usd'])}</td>"
+            f"<td>{'-' if not c.get('cost_usd') else usd(c['cost_usd'])}</td>"
             f"<td>{escape(str(what or ' + '.join(c.get('techniques', [])) or 'nothing extra'))}"
             "</td></tr>"
         )

@@ -59,6 +59,12 @@ def note(text: str) -> None:
     out.print(escape(text))
 
 
+def wrote(path: object, what: str) -> None:
+    """``wrote FILE (what)`` on stderr, after a file option's file is written: stdout stays the
+    answer's."""
+    err.print(f"wrote {path} ({what})", markup=False, highlight=False)
+
+
 def warn(warnings: tuple[str, ...] | list[str]) -> None:
     """Each warning on stderr, one line each (user text escaped)."""
     for w in warnings:

@@ -238,5 +238,7 @@ def draw_timeline(
     )
     if png is not None:
         tl.plot(drawn, png, title, gpu.memory_bytes if gpu else None)
+        render.wrote(png, "the step's memory timeline")
     if pickle_path is not None:
         tl.write_snapshot(drawn, pickle_path, device)
+        render.wrote(pickle_path, "a PyTorch memory snapshot: pytorch.org/memory_viz")

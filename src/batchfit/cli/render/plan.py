@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit._units import gib, gib_figure, human_count, human_duration
+from batchfit._units import gib, gib_figure, human_count, human_duration, usd
 from batchfit.cli import render
 from batchfit.cli.render.estimate import breakdown, time_line
 from batchfit.errors import UsageError
@@ -126,8 +126,7 @@ def _to_fit(p: Plan) -> None:
 def _the_run(p: Plan, train_seconds: float) -> None:
     """``--train-tokens`` or ``--epochs``: the run's steps, time and cost."""
     cost = (
-        f", ${p.cost_usd:,.{0 if p.cost_usd >= 100 else 2}f} at ${p.gpu_hour_price:g}/GPU-hour "
-        f"({escape(p.price_source)})"
+        f", {usd(p.cost_usd)} at ${p.gpu_hour_price:g}/GPU-hour ({escape(p.price_source)})"
         if p.cost_usd and p.price_source
         else ""
         if p.gpu_hour_price
@@ -239,7 +238,7 @@ def _timed_cells(p: Plan, alt: Alternative) -> list[str]:
     if steps:
         cells.append(human_duration(run) if run else "-")
     if steps and price is not None:
-        cells.append(f"${run / 3600 * p.num_gpus * price:,.0f}" if run else "-")
+        cells.append(usd(run / 3600 * p.num_gpus * price) if run else "-")
     return cells
 
 
@@ -289,7 +288,7 @@ def _gpu_counts(p: Plan) -> None:
             f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
             f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
             *([human_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
-            *([f"${c.cost_usd:,.0f}" if c.cost_usd else "-"] if cost else []),
+            *([usd(c.cost_usd) if c.cost_usd else "-"] if cost else []),
         )
     render.out.print(table)
     # the techniques below the table, a line each: the figures above stay whole on any width
@@ -299,15 +298,6 @@ def _gpu_counts(p: Plan) -> None:
     render.out.print(
         f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's"
     )
-
-
-def export_note(kind: str, path: Path | None, text: str | None) -> None:
-    """Where ``--export`` went: the file written, or its text after the plan."""
-    if path is not None:
-        render.out.print(f"wrote {kind} export to {path}", markup=False)
-    elif text is not None:
-        render.out.print(f"[bold]{kind} export[/]:")
-        render.out.print(text, markup=False)
 
 
 def write_report(result: Plan, info: ModelInfo, gpu: GpuSpec, path: Path) -> None:
@@ -328,6 +318,7 @@ def write_report(result: Plan, info: ModelInfo, gpu: GpuSpec, path: Path) -> Non
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+    render.wrote(path, "the plan's report")
 
 
 def _report_timeline(result: Plan, info: ModelInfo, gpu: GpuSpec) -> bytes:
