@@ -20,7 +20,7 @@ from batchfit.memory.device.totals import CUBLAS_HANDLES
 from batchfit.memory.formulas.activations import EAGER_ONLY_TYPES
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace._lm_loss import Fp32Outputs, HeadLoss
-from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears
+from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears, upcast_unquantised
 from batchfit.memory.trace.dry_run import layer_stacks
 from batchfit.memory.trace.fsdp import fake_world, is_fsdp, shard
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
@@ -158,6 +158,8 @@ def _build(
     if setup.method == "qlora":
         compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
         quantize_linears(net, compute)
+        if setup.kbit_upcast:
+            upcast_unquantised(net)
     if setup.grad_ckpt:
         ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
         if cuda_policy:
