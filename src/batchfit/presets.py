@@ -35,6 +35,8 @@ class Preset:
         kbit_prepare: its QLoRA recipe runs peft's ``prepare_model_for_kbit_training`` on the
             4-bit model (unsharded runs): every parameter the quantizer left 16-bit is cast to
             fp32, and checkpointing is switched on unless the recipe turns it off.
+        quantizes_head: its 4-bit QLoRA quantises the output head too (transformers keeps it
+            16-bit).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Preset:
     plans_deepspeed: bool = True
     selects_ckpt_layers: bool = False
     kbit_prepare: bool = False
+    quantizes_head: bool = False
 
 
 # peft 0.21.2 (PyPI wheel), utils/other.py, and the recipes that call it on a 4-bit model
@@ -144,11 +147,16 @@ PRESETS: dict[str, Preset] = {
                 "optimizer: finetune/lora.py:78 'AdamW' -> torch.optim.AdamW defaults",
                 "no bf16: `16-mixed` keeps the parameters, adapters included, in fp32",
                 "sharding: the finetune scripts' Fabric FSDPStrategy (no DeepSpeed)",
+                "qlora: finetune/lora.py:141-150 BitsandbytesPrecision(mode, dtype of the "
+                "-true precision); :210-211 GPT(config) under fabric.init_module, where "
+                "Lightning 2.6.6 fabric/plugins/precision/bitsandbytes.py:139-145 replaces every "
+                "torch.nn.Linear (lm_head's lora.py:121 included) and builds the rest in dtype",
             ),
             outputs_fp32=True,
             pure_bf16=True,
             no_bf16_precision="amp-fp16",
             plans_deepspeed=False,
+            quantizes_head=True,
         ),
         Preset(
             "torchtune",

@@ -188,3 +188,19 @@ def test_qlora_on_a_tiny_mixtral_keeps_its_3d_experts_unquantised(tmp_path):
     assert traced.components["weights"] > 4 * experts
     assert formulas.components["weights"] > 4 * experts
     assert any("so they stay fp32" in n for n in traced.extras["notes"])
+
+
+def test_litgpt_quantises_the_output_head_too_in_both_engines(tiny):
+    setup = TrainingSetup(method="qlora", precision="bf16", framework="litgpt")
+    parts = assert_dry_run_matches_real(tiny, setup, micro=2, seq=32)
+    heads = [m for n, m in parts.model.named_modules() if n.endswith("lm_head.base_layer")]
+    heads += [m for n, m in parts.model.named_modules() if n.endswith("lm_head")]
+    assert any(isinstance(m, Linear4bit) for m in heads)
+    assert not setup.kbit_upcast  # Lightning's plugin builds the rest in bf16
+    kw = {"micro_batch_size": 1, "seq_len": 64, "gpu": get_gpu("a100-80gb")}
+    traced = estimate(tiny, setup, engine="trace", **kw)  # type: ignore[arg-type]
+    formulas = estimate(tiny, setup, engine="analytic", **kw)  # type: ignore[arg-type]
+    assert traced.components["weights"] == pytest.approx(
+        formulas.components["weights"], abs=15 * 272 * 4 + 1024
+    )
+    assert tiny.quantizable_params(head=True) - tiny.quantizable_params() == 1024 * 128

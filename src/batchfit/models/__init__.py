@@ -287,8 +287,9 @@ class ModelInfo:
             )
         return groups
 
-    def quantizable_params(self) -> int:
-        """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head.
+    def quantizable_params(self, head: bool = False) -> int:
+        """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head
+        unless ``head`` (Lightning's plugin replaces every ``nn.Linear``; a tied head stays).
 
         transformers' ``get_keys_to_not_convert`` keeps the output embedding in 16-bit. Fused
         MoE expert tensors (transformers 5 stores each layer's experts as one 3-D parameter)
@@ -302,7 +303,7 @@ class ModelInfo:
             for g in self.params
             if g.module in ("Linear", "Conv1D")
             and g.pattern.endswith("weight")
-            and g.kind != "head"
+            and (head or g.kind != "head")
         )
 
     def fused_expert_params(self) -> int:

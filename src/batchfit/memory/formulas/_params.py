@@ -189,7 +189,7 @@ def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Li
     """Bytes of the frozen base under LoRA (16-bit) or QLoRA (NF4), and its lines."""
     total = model.total_params
     if setup.method == "qlora":
-        q = model.quantizable_params()
+        q = model.quantizable_params(head=setup.conventions.quantizes_head)
         # peft's prepare_model_for_kbit_training casts them to fp32 (presets.Preset.kbit_prepare)
         rest_b = 4 if setup.kbit_upcast else frozen_bytes(setup)
         upcast = ", cast to fp32 by prepare_model_for_kbit_training" if setup.kbit_upcast else ""

@@ -106,15 +106,21 @@ class Linear4bit(torch.nn.Linear):
         return out.clone() if self.clones_output else out  # type: ignore[no-any-return]
 
 
-def quantize_linears(net: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+def quantize_linears(
+    net: torch.nn.Module, compute_dtype: torch.dtype, *, with_head: bool = False
+) -> int:
     """Replace every ``nn.Linear`` of ``net`` but its output head with :class:`Linear4bit`
-    (transformers' bitsandbytes quantizer skips the head); returns how many were replaced."""
+    (transformers' bitsandbytes quantizer skips the head; ``with_head``: Lightning's plugin
+    does not, unless the head is tied to the embeddings); returns how many were replaced."""
     get_head = getattr(net, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    get_embeddings = getattr(net, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    tied = head is not None and getattr(embeddings, "weight", None) is head.weight
     replaced = 0
     for parent in list(net.modules()):
         for name, child in list(parent.named_children()):
-            if name in HEAD_NAMES or child is head:
+            if (name in HEAD_NAMES or child is head) and (tied or not with_head):
                 continue
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, Linear4bit(child, compute_dtype))

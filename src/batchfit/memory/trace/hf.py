@@ -157,7 +157,9 @@ def _build(
         torch.set_default_dtype(previous)
     if setup.method == "qlora":
         compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
-        quantize_linears(net, compute)
+        # (the fused loss reads the head's weight itself: it keeps the head 16-bit)
+        with_head = setup.conventions.quantizes_head and setup.loss != "fused"
+        quantize_linears(net, compute, with_head=with_head)
         if setup.kbit_upcast:
             upcast_unquantised(net)
     if setup.grad_ckpt:
