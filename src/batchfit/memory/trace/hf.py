@@ -156,12 +156,7 @@ def _build(
     finally:
         torch.set_default_dtype(previous)
     if setup.method == "qlora":
-        compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
-        # (the fused loss reads the head's weight itself: it keeps the head 16-bit)
-        with_head = setup.conventions.quantizes_head and setup.loss != "fused"
-        quantize_linears(net, compute, with_head=with_head)
-        if setup.kbit_upcast:
-            upcast_unquantised(net)
+        _quantize(net, setup)
     if setup.grad_ckpt:
         ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
         if cuda_policy:
@@ -204,6 +199,16 @@ def _build(
             _inputs_require_grads(base)
     net.train()
     return cast(torch.nn.Module, net)
+
+
+def _quantize(net: torch.nn.Module, setup: TrainingSetup) -> None:
+    """QLoRA's base as the framework loads it: 4-bit linears, then the recipe's fp32 cast."""
+    compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
+    # (the fused loss reads the head's weight itself: it keeps the head 16-bit)
+    with_head = setup.conventions.quantizes_head and setup.loss != "fused"
+    quantize_linears(net, compute, with_head=with_head)
+    if setup.kbit_upcast:
+        upcast_unquantised(net)
 
 
 def checkpoint_every(net: torch.nn.Module, every: int) -> None:
