@@ -32,6 +32,11 @@ class Preset:
         plans_deepspeed: the planner may offer DeepSpeed ZeRO; False: it shards with FSDP2 only.
         selects_ckpt_layers: its runs can checkpoint a chosen set of layers, so the planner
             may offer checkpointing every K-th layer.
+        kbit_prepare: its QLoRA recipe runs peft's ``prepare_model_for_kbit_training`` on the
+            4-bit model (unsharded runs): every parameter the quantizer left 16-bit is cast to
+            fp32, and checkpointing is switched on unless the recipe turns it off.
+        quantizes_head: its 4-bit QLoRA quantises the output head too (transformers keeps it
+            16-bit).
     """
 
     name: str
@@ -44,7 +49,17 @@ class Preset:
     clips_grad_norm: bool = False
     plans_deepspeed: bool = True
     selects_ckpt_layers: bool = False
+    kbit_prepare: bool = False
+    quantizes_head: bool = False
 
+
+# peft 0.21.2 (PyPI wheel), utils/other.py, and the recipes that call it on a 4-bit model
+_KBIT_SOURCES = (
+    "kbit: peft utils/other.py:204-209 prepare_model_for_kbit_training casts every fp16/bf16 "
+    "parameter but Params4bit to fp32; :158-159 use_gradient_checkpointing=True by default",
+    "kbit: TRL 4cb07d36 trl/models/utils.py:361-366 SFTTrainer's prepare_peft_model calls it "
+    "on a 4/8-bit model not sharded by FSDP/ZeRO-3 (TRL <= 0.26; 0.27 dropped the call)",
+)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -67,9 +82,11 @@ PRESETS: dict[str, Preset] = {
                 "outputs: accelerate accelerator.py:1824 convert_outputs_to_fp32 under bf16/fp16",
                 "clipping: training_args.py:866 max_grad_norm default 1.0; trainer.py:2787 "
                 "accelerator.clip_grad_norm_ every step",
+                *_KBIT_SOURCES,
             ),
             outputs_fp32=True,
             clips_grad_norm=True,
+            kbit_prepare=True,
         ),
         Preset(
             "accelerate",
@@ -130,11 +147,16 @@ PRESETS: dict[str, Preset] = {
                 "optimizer: finetune/lora.py:78 'AdamW' -> torch.optim.AdamW defaults",
                 "no bf16: `16-mixed` keeps the parameters, adapters included, in fp32",
                 "sharding: the finetune scripts' Fabric FSDPStrategy (no DeepSpeed)",
+                "qlora: finetune/lora.py:141-150 BitsandbytesPrecision(mode, dtype of the "
+                "-true precision); :210-211 GPT(config) under fabric.init_module, where "
+                "Lightning 2.6.6 fabric/plugins/precision/bitsandbytes.py:139-145 replaces every "
+                "torch.nn.Linear (lm_head's lora.py:121 included) and builds the rest in dtype",
             ),
             outputs_fp32=True,
             pure_bf16=True,
             no_bf16_precision="amp-fp16",
             plans_deepspeed=False,
+            quantizes_head=True,
         ),
         Preset(
             "torchtune",
@@ -189,8 +211,9 @@ PRESETS: dict[str, Preset] = {
 }
 
 # No --framework: batchfit's defaults (HF Trainer's loop and loss, PyTorch's optimizer
-# implementation), a loop the user writes, so it can checkpoint any set of layers.
-DEFAULT = Preset("none", {}, (), selects_ckpt_layers=True)
+# implementation, the HF QLoRA recipe's preparation), a loop the user writes, so it can
+# checkpoint any set of layers.
+DEFAULT = Preset("none", {}, _KBIT_SOURCES, selects_ckpt_layers=True, kbit_prepare=True)
 FRAMEWORKS: tuple[str, ...] = tuple(PRESETS)
 
 

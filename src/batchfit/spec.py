@@ -224,6 +224,15 @@ class TrainingSetup:
         return self.method in ("lora", "qlora")
 
     @property
+    def kbit_upcast(self) -> bool:
+        """Whether the QLoRA base runs peft's ``prepare_model_for_kbit_training`` (the
+        framework's recipe, ``Preset.kbit_prepare``): the parameters the 4-bit quantizer leaves
+        16-bit (embeddings, norms, output head, biases, fused MoE experts) are cast to fp32.
+        Sharded runs skip it (TRL's ``prepare_peft_model``; the FSDP-QLoRA recipes)."""
+        unsharded = self.sharding in ("none", "ddp")
+        return self.method == "qlora" and unsharded and self.conventions.kbit_prepare
+
+    @property
     def loss_label(self) -> str:
         """The loss as ``--loss`` spells it: ``full``, ``chunked:8``, ``chunked:128t``, ``fused``.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.estimate import estimate
 from batchfit.memory.formulas._params import NF4_BYTES_PER_PARAM
 from batchfit.memory.trace._nf4 import Linear4bit
+from batchfit.memory.trace.hf import step_parts
 from batchfit.memory.trace.tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
@@ -86,9 +88,9 @@ def test_qlora_on_moe_leaves_fused_experts_16bit_in_both_engines():
     analytic = estimate(info, setup, engine="analytic", **kw)
     experts = info.fused_expert_params()
     assert experts > 0.9 * info.total_params
-    assert trace.components["weights"] > 2 * experts  # 16-bit, not 4-bit
+    assert trace.components["weights"] > 4 * experts  # fp32 after the recipe's preparation
     assert analytic.components["weights"] == pytest.approx(trace.components["weights"], rel=0.02)
-    assert any("bitsandbytes leaves them 16-bit" in n for n in trace.extras["notes"])
+    assert any("so they stay fp32" in n for n in trace.extras["notes"])
 
 
 @pytest.mark.slow
@@ -97,10 +99,108 @@ def test_qlora_quantises_gpt2s_conv1d_layers_in_both_engines():
 
     info, gpu = resolve_model("gpt2"), get_gpu("t4")
     kw = dict(micro_batch_size=2, seq_len=256, gpu=gpu)
-    lora = estimate(info, TrainingSetup(method="lora", precision="amp-fp16"), **kw)
-    trace = estimate(info, TrainingSetup(method="qlora", precision="amp-fp16"), **kw)
-    analytic = estimate(
-        info, TrainingSetup(method="qlora", precision="amp-fp16"), engine="analytic", **kw
-    )
+    # without the recipe's fp32 cast of what stays unquantised (GPT-2's large embeddings)
+    setup = TrainingSetup(method="qlora", precision="amp-fp16", framework="accelerate")
+    lora = estimate(info, replace(setup, method="lora"), **kw)
+    trace = estimate(info, setup, **kw)
+    analytic = estimate(info, setup, engine="analytic", **kw)
     assert trace.components["weights"] < 0.6 * lora.components["weights"]
     assert analytic.components["weights"] == pytest.approx(trace.components["weights"], rel=0.01)
+
+
+TINY_MIXTRAL = {
+    "model_type": "mixtral",
+    "architectures": ["MixtralForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+
+
+def _resolve(tmp_path, config):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return resolve_model(str(path))
+
+
+def _dtypes(parts) -> dict[str, torch.dtype]:
+    return {name: p.dtype for name, p in parts.model.named_parameters()}
+
+
+def test_the_kbit_recipe_casts_what_stays_unquantised_to_fp32_in_a_real_step(tiny):
+    # HF Trainer's QLoRA recipe runs peft's prepare_model_for_kbit_training; accelerate's does not
+    prepared = TrainingSetup(method="qlora", precision="amp-bf16", framework="hf-trainer")
+    plain = TrainingSetup(method="qlora", precision="amp-bf16", framework="accelerate")
+    assert prepared.kbit_upcast and not plain.kbit_upcast
+    dtypes = _dtypes(assert_dry_run_matches_real(tiny, prepared, micro=2, seq=32))
+    for name in ("embed_tokens.weight", "input_layernorm.weight", "norm.weight", "lm_head.weight"):
+        assert {d for n, d in dtypes.items() if n.endswith(name)} == {torch.float32}, name
+    assert {d for n, d in dtypes.items() if n.endswith("base_layer.weight")} == {torch.uint8}
+    plain_dtypes = _dtypes(assert_dry_run_matches_real(tiny, plain, micro=2, seq=32))
+    assert {d for n, d in plain_dtypes.items() if n.endswith("lm_head.weight")} == {torch.bfloat16}
+
+
+def test_both_engines_count_the_fp32_upcast_and_name_it(tiny):
+    kw = {"micro_batch_size": 1, "seq_len": 64, "gpu": get_gpu("a100-80gb")}
+    rest = tiny.total_params - tiny.quantizable_params()
+    weights = {}
+    for framework in ("hf-trainer", "accelerate"):
+        setup = TrainingSetup(method="qlora", precision="amp-bf16", framework=framework)
+        traced = estimate(tiny, setup, engine="trace", **kw)  # type: ignore[arg-type]
+        formulas = estimate(tiny, setup, engine="analytic", **kw)  # type: ignore[arg-type]
+        # the formulas leave out each 4-bit layer's fixed code tables (272 fp32; 14 layers)
+        assert traced.components["weights"] == pytest.approx(
+            formulas.components["weights"], abs=14 * 272 * 4 + 1024
+        )
+        weights[framework] = traced.components["weights"]
+        notes = traced.extras.get("notes", [])
+        assert any("prepare_model_for_kbit_training casts" in n for n in notes) == (
+            framework == "hf-trainer"
+        )
+    # 2 more bytes for each parameter left unquantised (adapters are fp32 in both)
+    assert weights["hf-trainer"] - weights["accelerate"] == pytest.approx(2 * rest, rel=0.01)
+
+
+def _expert_dtypes(info, framework: str) -> set[torch.dtype]:
+    setup = TrainingSetup(method="qlora", precision="amp-bf16", framework=framework)
+    setup = setup.resolved(device="cpu", bf16_supported=True)
+    parts = step_parts(info, setup, micro=1, seq=8, emulate_cuda=False)
+    return {p.dtype for n, p in parts.model.named_parameters() if ".experts." in n}
+
+
+def test_qlora_on_a_tiny_mixtral_keeps_its_3d_experts_unquantised(tmp_path):
+    info = _resolve(tmp_path, TINY_MIXTRAL)
+    experts = info.fused_expert_params()
+    assert experts == 2 * 4 * 3 * 64 * 128  # layers x experts x (gate, up, down) x in x out
+    # not quantised, then cast to fp32 by the recipe's preparation; 16-bit without it
+    assert _expert_dtypes(info, "hf-trainer") == {torch.float32}
+    assert _expert_dtypes(info, "accelerate") == {torch.bfloat16}
+    setup = TrainingSetup(method="qlora", precision="amp-bf16", framework="hf-trainer")
+    kw = {"micro_batch_size": 1, "seq_len": 32, "gpu": get_gpu("a100-80gb")}
+    traced = estimate(info, setup, engine="trace", **kw)  # type: ignore[arg-type]
+    formulas = estimate(info, setup, engine="analytic", **kw)  # type: ignore[arg-type]
+    assert traced.components["weights"] > 4 * experts
+    assert formulas.components["weights"] > 4 * experts
+    assert any("so they stay fp32" in n for n in traced.extras["notes"])
+
+
+def test_litgpt_quantises_the_output_head_too_in_both_engines(tiny):
+    setup = TrainingSetup(method="qlora", precision="bf16", framework="litgpt")
+    parts = assert_dry_run_matches_real(tiny, setup, micro=2, seq=32)
+    heads = [m for n, m in parts.model.named_modules() if n.endswith("lm_head.base_layer")]
+    heads += [m for n, m in parts.model.named_modules() if n.endswith("lm_head")]
+    assert any(isinstance(m, Linear4bit) for m in heads)
+    assert not setup.kbit_upcast  # Lightning's plugin builds the rest in bf16
+    kw = {"micro_batch_size": 1, "seq_len": 64, "gpu": get_gpu("a100-80gb")}
+    traced = estimate(tiny, setup, engine="trace", **kw)  # type: ignore[arg-type]
+    formulas = estimate(tiny, setup, engine="analytic", **kw)  # type: ignore[arg-type]
+    assert traced.components["weights"] == pytest.approx(
+        formulas.components["weights"], abs=15 * 272 * 4 + 1024
+    )
+    assert tiny.quantizable_params(head=True) - tiny.quantizable_params() == 1024 * 128

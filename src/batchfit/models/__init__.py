@@ -287,21 +287,23 @@ class ModelInfo:
             )
         return groups
 
-    def quantizable_params(self) -> int:
-        """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head.
+    def quantizable_params(self, head: bool = False) -> int:
+        """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head
+        unless ``head`` (Lightning's plugin replaces every ``nn.Linear``; a tied head stays).
 
         transformers' ``get_keys_to_not_convert`` keeps the output embedding in 16-bit. Fused
         MoE expert tensors (transformers 5 stores each layer's experts as one 3-D parameter)
-        are not ``nn.Linear``: bitsandbytes' conversion skips them and they stay 16-bit
-        (bitsandbytes-foundation/bitsandbytes#1849, open; its Experts4bit is not released), as
-        the trace's emulation does.
+        are not ``nn.Linear``: transformers' conversion skips them and they stay unquantised
+        (``replace_with_bnb_linear`` converts ``nn.Linear`` and ``Conv1D`` only,
+        integrations/bitsandbytes.py:189 in transformers 5.24.0;
+        bitsandbytes-foundation/bitsandbytes#1849, open), as the trace's emulation does.
         """
         return sum(
             g.total
             for g in self.params
             if g.module in ("Linear", "Conv1D")
             and g.pattern.endswith("weight")
-            and g.kind != "head"
+            and (head or g.kind != "head")
         )
 
     def fused_expert_params(self) -> int:

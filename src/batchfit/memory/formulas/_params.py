@@ -189,8 +189,10 @@ def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Li
     """Bytes of the frozen base under LoRA (16-bit) or QLoRA (NF4), and its lines."""
     total = model.total_params
     if setup.method == "qlora":
-        q = model.quantizable_params()
-        rest_b = frozen_bytes(setup)
+        q = model.quantizable_params(head=setup.conventions.quantizes_head)
+        # peft's prepare_model_for_kbit_training casts them to fp32 (presets.Preset.kbit_prepare)
+        rest_b = 4 if setup.kbit_upcast else frozen_bytes(setup)
+        upcast = ", cast to fp32 by prepare_model_for_kbit_training" if setup.kbit_upcast else ""
         return q * NF4_BYTES_PER_PARAM + (total - q) * rest_b, [
             Line(
                 "weights",
@@ -204,7 +206,7 @@ def _frozen_base(model: ModelInfo, setup: TrainingSetup) -> tuple[float, list[Li
                 (total - q) * rest_b,
                 f"{total - q:,} params x {rest_b} B (embeddings, norms, output head"
                 + (", fused MoE experts" if model.fused_expert_params() else "")
-                + ")",
+                + f"{upcast})",
             ),
         ]
     # A frozen base needs no fp32 master: peft recipes load it in 16-bit unless fp32.

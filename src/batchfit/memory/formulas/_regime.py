@@ -13,6 +13,9 @@ class Regime:
     stream_bytes: int  # the residual stream: fp32 under autocast (fp32 weights), else the dtype
     amp: bool
     cuda_autocast: bool = False  # CUDA's autocast runs pow / exp / softmax ... in fp32
+    # the MLP's intermediates (gate, act, up) when not ``compute_bytes``: fp32 under autocast
+    # when the 4-bit layers take an fp32 stream (QLoRA after prepare_model_for_kbit_training)
+    mlp_bytes: int | None = None
 
     @classmethod
     def of(cls, precision: str, device: str = "cuda") -> Regime:

@@ -172,7 +172,7 @@ def _mlp(arch: Architecture, rg: Regime, roles: dict[str, bool]) -> list[tuple[s
             inner, label = (0.0 if roles["down"] else 1.0), "relu output"
     else:
         inner, label = 1.0, "activation input"
-    terms.append((label, inner * e * arch.intermediate_size * routed))
+    terms.append((label, inner * (rg.mlp_bytes or e) * arch.intermediate_size * routed))
     if roles["down"]:
         terms.append(("down-projection input", e * f * routed))
     if arch.num_experts:
@@ -291,8 +291,20 @@ def step_activations(
         if setup.grad_ckpt:
             why = "one recomputed layer's weights at a time, 2 B each"
         lines.append(Line("activations", "autocast 16-bit weight copies", int(copies), why))
-    start = kept + final + held + bwd_extra + copies
+    head_copy = _kbit_head_copy(model, setup, rg)
+    if head_copy:
+        why = f"{model.arch.vocab_size:,} x {model.arch.hidden_size:,} x 2 B, saved for backward"
+        lines.append(Line("activations", "autocast 16-bit copy of the fp32 head", head_copy, why))
+    start = kept + final + held + bwd_extra + copies + head_copy
     return Activations(start, end, tuple(lines), at_backward_top=top)
+
+
+def _kbit_head_copy(model: ModelInfo, setup: TrainingSetup, rg: Regime) -> int:
+    """QLoRA after ``prepare_model_for_kbit_training``: autocast casts the fp32 output head to
+    16-bit in forward, and the copy is saved for the input's gradient (the head is frozen)."""
+    if not (setup.kbit_upcast and rg.amp) or model.task == "classification":
+        return 0
+    return 2 * model.arch.vocab_size * model.arch.hidden_size
 
 
 def _stack(

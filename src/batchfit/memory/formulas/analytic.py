@@ -154,6 +154,11 @@ def _model_states(
     deepspeed = is_deepspeed(setup)
     # DeepSpeed casts the module to 16-bit and runs it without autocast (engine.py)
     rg = act.Regime.of(compute_precision(setup.precision) if deepspeed else setup.precision, device)
+    if setup.kbit_upcast:
+        # fp32 embedding, norms and head: an fp32 stream, so the 4-bit layers' outputs are fp32
+        # (bitsandbytes 95f9af30 nn/modules.py:637 casts them back to the input's dtype); under
+        # autocast attention still computes in 16-bit, the MLP's elementwise ops do not
+        rg = replace(rg, mlp_bytes=4) if rg.amp else act.Regime(4, 4, False)
     params = parameters(model, setup)
     if deepspeed:
         sharded = deepspeed_states(model, setup, params)

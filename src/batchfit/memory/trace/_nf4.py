@@ -11,6 +11,9 @@ What is emulated (bitsandbytes need not be installed, and its CUDA kernels canno
   compute dtype (a transient of ``out x in`` 16-bit values) and runs ``F.linear``; it saves the
   packed weight, not the input (the frozen weight needs no gradient); backward dequantises again
   for the input's gradient;
+- ``Linear4bit.forward``: the input cast to the compute dtype, the output back to the
+  input's dtype (an fp32 input, after peft's ``prepare_model_for_kbit_training``, gives an
+  fp32 output; ``upcast_unquantised`` emulates that preparation);
 - peft's LoRA wrapper of a 4-bit layer clones the base layer's output before adding the
   adapter's (``tuners/lora/bnb.py``: "for 4bit, we need to defensively clone here").
 
@@ -89,22 +92,35 @@ class Linear4bit(torch.nn.Linear):
         self.clones_output = False  # set where peft's LoRA wraps the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bitsandbytes 95f9af30 nn/modules.py:626-637: the input cast to the compute dtype, the
+        # bias cast (in place) to it, the output cast back to the input's dtype
+        inp_dtype = x.dtype
+        x = x.to(self.compute_dtype)
         shape = (self.out_features, self.in_features)
         out = _MatMul4Bit.apply(x, self.weight, shape, self.compute_dtype)  # type: ignore[no-untyped-call]
         if self.bias is not None:
+            if self.bias.dtype != self.compute_dtype:
+                self.bias.data = self.bias.data.to(self.compute_dtype)
             out = out + self.bias.to(out.dtype)
+        out = out.to(inp_dtype)
         return out.clone() if self.clones_output else out  # type: ignore[no-any-return]
 
 
-def quantize_linears(net: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+def quantize_linears(
+    net: torch.nn.Module, compute_dtype: torch.dtype, *, with_head: bool = False
+) -> int:
     """Replace every ``nn.Linear`` of ``net`` but its output head with :class:`Linear4bit`
-    (transformers' bitsandbytes quantizer skips the head); returns how many were replaced."""
+    (transformers' bitsandbytes quantizer skips the head; ``with_head``: Lightning's plugin
+    does not, unless the head is tied to the embeddings); returns how many were replaced."""
     get_head = getattr(net, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    get_embeddings = getattr(net, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    tied = head is not None and getattr(embeddings, "weight", None) is head.weight
     replaced = 0
     for parent in list(net.modules()):
         for name, child in list(parent.named_children()):
-            if name in HEAD_NAMES or child is head:
+            if (name in HEAD_NAMES or child is head) and (tied or not with_head):
                 continue
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, Linear4bit(child, compute_dtype))
@@ -126,6 +142,23 @@ def quantize_linears(net: torch.nn.Module, compute_dtype: torch.dtype) -> int:
                 setattr(parent, name, layer)
                 replaced += 1
     return replaced
+
+
+def upcast_unquantised(net: torch.nn.Module) -> list[str]:
+    """peft's ``prepare_model_for_kbit_training`` on the 4-bit model: every fp16/bf16 parameter
+    not stored 4-bit is cast to fp32 (peft 0.21.2 utils/other.py:204-209); returns the names.
+
+    The 4-bit layers' biases are left as they are: bitsandbytes casts them back to the compute
+    dtype in place at the first forward (nn/modules.py:630-634 at bitsandbytes 95f9af30).
+    """
+    quantised = {id(p) for m in net.modules() if isinstance(m, Linear4bit) for p in m.parameters()}
+    cast = []
+    for name, param in net.named_parameters():
+        if id(param) in quantised or param.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        param.data = param.data.to(torch.float32)
+        cast.append(name)
+    return cast
 
 
 def mark_lora_wrapped(net: torch.nn.Module) -> None:

@@ -20,7 +20,7 @@ from batchfit.memory.device.totals import CUBLAS_HANDLES
 from batchfit.memory.formulas.activations import EAGER_ONLY_TYPES
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace._lm_loss import Fp32Outputs, HeadLoss
-from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears
+from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears, upcast_unquantised
 from batchfit.memory.trace.dry_run import layer_stacks
 from batchfit.memory.trace.fsdp import fake_world, is_fsdp, shard
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
@@ -156,8 +156,7 @@ def _build(
     finally:
         torch.set_default_dtype(previous)
     if setup.method == "qlora":
-        compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
-        quantize_linears(net, compute)
+        _quantize(net, setup)
     if setup.grad_ckpt:
         ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
         if cuda_policy:
@@ -200,6 +199,16 @@ def _build(
             _inputs_require_grads(base)
     net.train()
     return cast(torch.nn.Module, net)
+
+
+def _quantize(net: torch.nn.Module, setup: TrainingSetup) -> None:
+    """QLoRA's base as the framework loads it: 4-bit linears, then the recipe's fp32 cast."""
+    compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
+    # (the fused loss reads the head's weight itself: it keeps the head 16-bit)
+    with_head = setup.conventions.quantizes_head and setup.loss != "fused"
+    quantize_linears(net, compute, with_head=with_head)
+    if setup.kbit_upcast:
+        upcast_unquantised(net)
 
 
 def checkpoint_every(net: torch.nn.Module, every: int) -> None:
