@@ -26,6 +26,12 @@ def run(args: list[str]) -> None:
 
 
 def demo() -> None:
+    print(
+        "batchfit demo: four questions a user asks (the README's tour). The first run dry-runs\n"
+        "each model's step on fake tensors: a few minutes on 2 cores, a line on the terminal\n"
+        "naming each dry run; the next run reads the trace cache and takes seconds.",
+        flush=True,
+    )
     run(
         [
             "estimate",
