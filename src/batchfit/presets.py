@@ -56,6 +56,7 @@ PRESETS: dict[str, Preset] = {
                 "loss": "full",
                 "lora_dtype": "fp32",
                 "frozen_dtype": "auto",
+                "fsdp_version": 2,
                 "optimizer_impl": "fused",
             },
             (
@@ -67,6 +68,7 @@ PRESETS: dict[str, Preset] = {
                 "outputs: accelerate accelerator.py:1824 convert_outputs_to_fp32 under bf16/fp16",
                 "clipping: training_args.py:866 max_grad_norm default 1.0; trainer.py:2787 "
                 "accelerator.clip_grad_norm_ every step",
+                'fsdp: training_args.py:2826 `fsdp_config.get("version", 2)` (FSDP1 deprecated)',
             ),
             outputs_fp32=True,
             clips_grad_norm=True,
@@ -78,6 +80,7 @@ PRESETS: dict[str, Preset] = {
                 "loss": "full",
                 "lora_dtype": "fp32",
                 "frozen_dtype": "auto",
+                "fsdp_version": 1,
                 "optimizer_impl": "auto",
             },
             (
@@ -87,6 +90,8 @@ PRESETS: dict[str, Preset] = {
                 "optimizer: nlp_example.py:140 `AdamW(params=model.parameters(), lr=lr)` "
                 "(torch's default: foreach on CUDA)",
                 "outputs: accelerator.py:1824 convert_outputs_to_fp32 under mixed precision",
+                # accelerate 1.15.0 (PyPI wheel)
+                "fsdp: utils/dataclasses.py:1831 fsdp_version from FSDP_VERSION, default '1'",
             ),
             outputs_fp32=True,
         ),
@@ -97,6 +102,7 @@ PRESETS: dict[str, Preset] = {
                 "loss": "full",
                 "lora_dtype": "fp32",
                 "frozen_dtype": "fp32",
+                "fsdp_version": 1,
                 "optimizer_impl": "auto",
             },
             (
@@ -106,6 +112,9 @@ PRESETS: dict[str, Preset] = {
                 "frozen base: bf16-mixed keeps the module's fp32 weights and autocasts "
                 "(plugins/precision/amp.py:168 `torch.autocast(self.device, dtype=dtype)`)",
                 "optimizer: the user's configure_optimizers (torch's default)",
+                # lightning 2.6.6 (PyPI wheel)
+                "fsdp: pytorch_lightning/strategies/fsdp.py:189,310 FullyShardedDataParallel, "
+                "use_orig_params=True",
             ),
         ),
         Preset(
@@ -116,6 +125,7 @@ PRESETS: dict[str, Preset] = {
                 "loss_chunk_tokens": 128,
                 "lora_dtype": "bf16",
                 "frozen_dtype": "auto",
+                "fsdp_version": 1,
                 "optimizer_impl": "auto",
             },
             (
@@ -130,6 +140,8 @@ PRESETS: dict[str, Preset] = {
                 "optimizer: finetune/lora.py:78 'AdamW' -> torch.optim.AdamW defaults",
                 "no bf16: `16-mixed` keeps the parameters, adapters included, in fp32",
                 "sharding: the finetune scripts' Fabric FSDPStrategy (no DeepSpeed)",
+                "fsdp: lightning 2.6.6 fabric/strategies/fsdp.py:169,298 FSDPStrategy wraps "
+                "with FullyShardedDataParallel, use_orig_params=True",
             ),
             outputs_fp32=True,
             pure_bf16=True,
@@ -144,6 +156,7 @@ PRESETS: dict[str, Preset] = {
                 "loss_chunks": 8,
                 "lora_dtype": "bf16",
                 "frozen_dtype": "auto",
+                "fsdp_version": 2,
                 "optimizer_impl": "fused",
             },
             (
@@ -158,6 +171,7 @@ PRESETS: dict[str, Preset] = {
                 "no bf16: training/precision.py refuses fp16 (fp32 or bf16)",
                 "sharding: recipes/full_finetune_distributed.py FSDP2, fsdp_cpu_offload (no "
                 "DeepSpeed)",
+                "fsdp: recipes/full_finetune_distributed.py shards with fully_shard (FSDP2)",
                 "checkpointing: `ac_option: K` selective per-layer checkpointing in the "
                 "distributed recipes",
             ),
