@@ -8,7 +8,9 @@ holds one dtype; peft's FSDP recipe loads the base in fp32 for the same reason).
 ``_fsdp_truth.py`` on every rank (VmHWM after three steps), rank 0's and the largest; the trace
 is one rank. The FSDP2 trace of the same case is printed beside it.
 
-    python benchmarks/fsdp1.py [--no-write] [--cases N]
+Truths are kept in ``data/fsdp1_truth.json`` and measured again only with ``--remeasure``.
+
+    python benchmarks/fsdp1.py [--no-write] [--remeasure] [--cases N]
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from _report import write_section  # noqa: E402
 from distributed import _port  # noqa: E402
 
 SEED = 20261128
+# drawn after the evaluation cases had found gloo's list all-gather scratch (their two LoRA cases
+# at micro-batch 1 missed by -9.2% before it was modelled): cases no fix was found on
+HOLDOUT_SEED = 20261129
+# the diagnosis case of that fix, measured before the holdout draw, which then drew it
+SEEN = "tiny-llama-2l lora x2 fp32 1x128"
+TRUTHS = HERE / "data" / "fsdp1_truth.json"  # every rank's measured bytes, by case
 MIB = 2**20
 CONFIGS = ("tiny-llama-2l.json", "tiny-gpt2-2l.json")
 
@@ -120,21 +128,37 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--cases", type=int, default=6)
-    args = ap.parse_args()
-    os.environ.setdefault("BATCHFIT_NO_CACHE", "1")
+def _rows(cases: list[dict[str, Any]], remeasure: bool) -> list[dict[str, Any]]:
+    known = json.loads(TRUTHS.read_text()) if TRUTHS.exists() else {}
     rows = []
-    for case in draw(args.cases):
+    for case in cases:
         start = time.perf_counter()
-        row = {"name": describe(case), "truth": truth(case), "trace": traced(case, 1)}
+        name = describe(case)
+        if remeasure or name not in known:
+            known[name] = truth(case)
+            TRUTHS.write_text(json.dumps(known, indent=1) + "\n")
+        row = {"name": name, "truth": known[name], "trace": traced(case, 1)}
         row["fsdp2"] = traced(case, 2)
         row["seconds"] = time.perf_counter() - start
         print(json.dumps(row), flush=True)
         rows.append(row)
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]]) -> str:
     errs = [abs(r["trace"] - r["truth"][0]) / r["truth"][0] for r in rows]
+    return f"FSDP1 trace vs rank 0: median {statistics.median(errs):.1%}, worst {max(errs):.1%}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--remeasure", action="store_true")
+    ap.add_argument("--cases", type=int, default=6)
+    args = ap.parse_args()
+    os.environ.setdefault("BATCHFIT_NO_CACHE", "1")
+    evaluation = _rows(draw(args.cases), args.remeasure)
+    holdout = _rows(draw(4, HOLDOUT_SEED), args.remeasure)
     body = [
         "FSDP1 per rank: real CPU ranks under torchrun (gloo), each decoder layer and the root "
         "wrapped in `FullyShardedDataParallel` as accelerate wraps them (`use_orig_params=True`, "
@@ -143,14 +167,33 @@ def main() -> None:
         "column is the FSDP2 trace of the same case: what the estimate said before FSDP1 was "
         "a setup. LoRA keeps its frozen base in fp32 (one FlatParameter holds one dtype).",
         "",
-        table(rows),
+        "The evaluation cases' first run missed the LoRA case at micro-batch 1 by -9.2% and "
+        "tiny-gpt2-2l full x4 fp32 2x128 by -1.5% (the other four as below): FSDP1 gathers a "
+        "CPU flat parameter with gloo's list all-gather, "
+        "which gathers into one flat tensor of the whole output before copying it into the "
+        "chunks. The fix was found on it (and on tiny-llama-2l lora x2 fp32 1x128, measured "
+        "then), so the holdout cases, drawn after it, are the check; that one case is marked.",
         "",
-        f"FSDP1 trace vs rank 0: median {statistics.median(errs):.1%}, worst {max(errs):.1%}",
+        f"**Evaluation cases (seed {SEED})**",
+        "",
+        table(evaluation),
+        "",
+        _summary(evaluation),
+        "",
+        f"**Holdout cases (seed {HOLDOUT_SEED}, drawn after the fix)**",
+        "",
+        table(holdout),
+        "",
+        _summary(holdout),
     ]
-    text = "\n".join(body)
+    text = "\n".join(body).replace(f"| {SEEN} |", f"| {SEEN} (seen) |")
     print(text)
     if not args.no_write:
-        held = f"all {len(rows)} cases (`random.Random({SEED})`, drawn before any result was seen)."
+        held = (
+            f"the holdout cases (`random.Random({HOLDOUT_SEED})`, drawn after the fix) but the "
+            "one marked seen; the evaluation cases were drawn before any result was seen, but "
+            "the fix was found on them."
+        )
         write_section("fsdp1", text, held_out=held)
 
 
