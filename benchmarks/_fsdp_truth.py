@@ -3,9 +3,11 @@ measures its own peak, as ``_truth.py`` measures one process (same warm-up, same
 
 Each rank builds the model as batchfit builds it (``step_parts``: the setup applied) on real
 CPU tensors, wraps it as the setup says (FSDP2: ``fully_shard`` per layer then the root, the
-trace's layout; DDP: ``DistributedDataParallel``), warms up with a 1-layer step at the case's
-sizes, resets the kernel's high-water mark and trains three steps (DDP allocates its gradient
-buckets in the first backward and rebuilds them in the second: the third is the steady state).
+trace's layout; FSDP1 (``"fsdp_version": 1``): ``FullyShardedDataParallel`` per decoder layer
+and the root as accelerate wraps it; DDP: ``DistributedDataParallel``), warms up with a
+1-layer step at the case's sizes, resets the kernel's high-water mark and trains three steps
+(DDP allocates its gradient buckets in the first backward and rebuilds them in the second: the
+third is the steady state).
 Truth = VmHWM - VmRSS before the model is built, per rank. Rank 0 prints one JSON line with
 every rank's figure.
 

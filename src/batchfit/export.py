@@ -99,11 +99,17 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     elif setup.sharding == "fsdp":
         # fsdp=True + fsdp_config: the string form ("full_shard auto_wrap offload") is deprecated.
         # FSDP2's reshard_after_forward=True is full_shard; auto_wrap is its default policy.
+        version = setup.fsdp_version or 2
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = {
-            "reshard_after_forward": True,
+            # transformers 5.24 training_args.py:2826 reads the version (default 2)
+            "version": version,
+            # :2869 FSDP1 takes the sharding strategy's name here; :2875 backward_prefetch
+            "reshard_after_forward": True if version == 2 else "full_shard",
             "cpu_offload": setup.offload != "none",
         }
+        if version == 1:  # as the plan traced it (accelerate's config keys, without fsdp_)
+            kwargs["fsdp_config"] |= {"backward_prefetch": "backward_pre", "use_orig_params": True}
     return kwargs
 
 
@@ -168,11 +174,9 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
         }
     elif setup.sharding == "fsdp":
         config["distributed_type"] = "FSDP"
-        # FSDP2 (accelerate 1.15 FullyShardedDataParallelPlugin, fsdp_version=2): a bool
-        # reshard_after_forward replaces FSDP1's sharding strategy (True = FULL_SHARD)
         config["fsdp_config"] = {
-            "fsdp_version": 2,
-            "fsdp_reshard_after_forward": True,
+            "fsdp_version": setup.fsdp_version or 2,
+            **_accelerate_fsdp_layout(setup.fsdp_version or 2),
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_offload_params": setup.offload != "none",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
@@ -181,6 +185,21 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
     else:
         config["distributed_type"] = "MULTI_GPU" if plan.num_gpus > 1 else "NO"
     return config
+
+
+def _accelerate_fsdp_layout(version: int) -> dict[str, Any]:
+    """The wrapping the plan traced, as accelerate's config spells it."""
+    if version == 2:
+        # FSDP2 (accelerate 1.15 FullyShardedDataParallelPlugin, fsdp_version=2): a bool
+        # reshard_after_forward replaces FSDP1's sharding strategy (True = FULL_SHARD)
+        return {"fsdp_reshard_after_forward": True}
+    # FSDP1: accelerate 1.15 utils/dataclasses.py:1892 and :1938 default backward_prefetch to
+    # none and use_orig_params to False; the trace runs BACKWARD_PRE and the original parameters
+    return {
+        "fsdp_sharding_strategy": "FULL_SHARD",
+        "fsdp_backward_prefetch": "BACKWARD_PRE",
+        "fsdp_use_orig_params": True,
+    }
 
 
 def launch_command(plan: Plan, kind: str | None = None, config_path: str | None = None) -> str:
@@ -321,11 +340,11 @@ def export_caveats(plan: Plan, kind: str) -> list[str]:
         setup.precision == "bf16" and not is_deepspeed(setup)
     )
     if kind == "deepspeed" and torch_layout:
-        what = "FSDP2 sharding" if setup.sharding == "fsdp" else "pure bf16 (no fp32 master)"
+        what = "FSDP sharding" if setup.sharding == "fsdp" else "pure bf16 (no fp32 master)"
         caveats.append(
             f"the plan counted {what}; DeepSpeed with bf16.enabled keeps 16-bit weights and "
             "gradients with an fp32 master partition and fp32 optimizer states, so this config "
-            "does not run what was planned: export accelerate (FSDP2) or plan with --sharding "
+            "does not run what was planned: export accelerate (FSDP) or plan with --sharding "
             "zero1|zero2|zero3"
         )
     every = setup.grad_ckpt_every

@@ -71,6 +71,7 @@ PRESETS: dict[str, Preset] = {
                 "loss": "full",
                 "lora_dtype": "fp32",
                 "frozen_dtype": "auto",
+                "fsdp_version": 2,
                 "optimizer_impl": "fused",
             },
             (
@@ -83,6 +84,7 @@ PRESETS: dict[str, Preset] = {
                 "clipping: training_args.py:866 max_grad_norm default 1.0; trainer.py:2787 "
                 "accelerator.clip_grad_norm_ every step",
                 *_KBIT_SOURCES,
+                'fsdp: training_args.py:2826 `fsdp_config.get("version", 2)` (FSDP1 deprecated)',
             ),
             outputs_fp32=True,
             clips_grad_norm=True,
@@ -95,6 +97,7 @@ PRESETS: dict[str, Preset] = {
                 "loss": "full",
                 "lora_dtype": "fp32",
                 "frozen_dtype": "auto",
+                "fsdp_version": 1,
                 "optimizer_impl": "auto",
             },
             (
@@ -104,6 +107,8 @@ PRESETS: dict[str, Preset] = {
                 "optimizer: nlp_example.py:140 `AdamW(params=model.parameters(), lr=lr)` "
                 "(torch's default: foreach on CUDA)",
                 "outputs: accelerator.py:1824 convert_outputs_to_fp32 under mixed precision",
+                # accelerate 1.15.0 (PyPI wheel)
+                "fsdp: utils/dataclasses.py:1831 fsdp_version from FSDP_VERSION, default '1'",
             ),
             outputs_fp32=True,
         ),
@@ -114,6 +119,7 @@ PRESETS: dict[str, Preset] = {
                 "loss": "full",
                 "lora_dtype": "fp32",
                 "frozen_dtype": "fp32",
+                "fsdp_version": 1,
                 "optimizer_impl": "auto",
             },
             (
@@ -123,6 +129,9 @@ PRESETS: dict[str, Preset] = {
                 "frozen base: bf16-mixed keeps the module's fp32 weights and autocasts "
                 "(plugins/precision/amp.py:168 `torch.autocast(self.device, dtype=dtype)`)",
                 "optimizer: the user's configure_optimizers (torch's default)",
+                # lightning 2.6.6 (PyPI wheel)
+                "fsdp: pytorch_lightning/strategies/fsdp.py:189,310 FullyShardedDataParallel, "
+                "use_orig_params=True",
             ),
         ),
         Preset(
@@ -133,6 +142,7 @@ PRESETS: dict[str, Preset] = {
                 "loss_chunk_tokens": 128,
                 "lora_dtype": "bf16",
                 "frozen_dtype": "auto",
+                "fsdp_version": 1,
                 "optimizer_impl": "auto",
             },
             (
@@ -151,6 +161,8 @@ PRESETS: dict[str, Preset] = {
                 "-true precision); :210-211 GPT(config) under fabric.init_module, where "
                 "Lightning 2.6.6 fabric/plugins/precision/bitsandbytes.py:139-145 replaces every "
                 "torch.nn.Linear (lm_head's lora.py:121 included) and builds the rest in dtype",
+                "fsdp: lightning 2.6.6 fabric/strategies/fsdp.py:169,298 FSDPStrategy wraps "
+                "with FullyShardedDataParallel, use_orig_params=True",
             ),
             outputs_fp32=True,
             pure_bf16=True,
@@ -166,6 +178,7 @@ PRESETS: dict[str, Preset] = {
                 "loss_chunks": 8,
                 "lora_dtype": "bf16",
                 "frozen_dtype": "auto",
+                "fsdp_version": 2,
                 "optimizer_impl": "fused",
             },
             (
@@ -180,6 +193,7 @@ PRESETS: dict[str, Preset] = {
                 "no bf16: training/precision.py refuses fp16 (fp32 or bf16)",
                 "sharding: recipes/full_finetune_distributed.py FSDP2, fsdp_cpu_offload (no "
                 "DeepSpeed)",
+                "fsdp: recipes/full_finetune_distributed.py shards with fully_shard (FSDP2)",
                 "checkpointing: `ac_option: K` selective per-layer checkpointing in the "
                 "distributed recipes",
             ),

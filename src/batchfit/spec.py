@@ -152,6 +152,9 @@ class TrainingSetup:
     # (torchtitan's per-layer selective checkpointing counts so); None: every layer when
     # grad_ckpt is on. Setting it switches checkpointing on.
     grad_ckpt_every: int | None = None
+    # --sharding fsdp's generation: 1 = FullyShardedDataParallel (flat parameters), 2 =
+    # fully_shard; None: the framework's default (presets.py), 2 without a framework
+    fsdp_version: int | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None:
@@ -189,6 +192,8 @@ class TrainingSetup:
             object.__setattr__(self, "grad_ckpt", True)
             if every == 1:
                 object.__setattr__(self, "grad_ckpt_every", None)
+        if self.fsdp_version not in (None, 1, 2) or isinstance(self.fsdp_version, bool):
+            raise UsageError(f"--fsdp-version must be 1 or 2, got {self.fsdp_version!r}")
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise UsageError(f"--num-gpus must be a positive integer, got {self.num_gpus!r}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
@@ -348,12 +353,19 @@ class TrainingSetup:
         sharding = self.sharding
         if sharding == "none" and self.num_gpus > 1:
             sharding = "ddp"  # several GPUs without sharding are data parallel (DDP)
+        # concrete where FSDP runs, None elsewhere (the version means nothing without it)
+        fsdp_version = (self.fsdp_version or 2) if sharding == "fsdp" else None
         return replace(
-            self, precision=precision, attention=attention, sharding=sharding, lora_dtype=lora_dtype
+            self,
+            precision=precision,
+            attention=attention,
+            sharding=sharding,
+            lora_dtype=lora_dtype,
+            fsdp_version=fsdp_version,
         )
 
 
-# DeepSpeed's ZeRO stages by ``--sharding`` (``fsdp`` is FSDP2, ``ddp`` torch DDP)
+# DeepSpeed's ZeRO stages by ``--sharding`` (``fsdp`` is FSDP, ``ddp`` torch DDP)
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 

@@ -80,6 +80,8 @@ _PRESET_DEFAULTS = {
 
 def _parse(raw: dict[str, Any]) -> TrainingSetup:
     explicit = frozenset(k for k in _PRESET_DEFAULTS if raw[k] is not None)
+    if raw.get("fsdp_version") is not None:  # given: wins over the --framework's version
+        explicit |= {"fsdp_version"}
     raw = {**raw, **{k: v for k, v in _PRESET_DEFAULTS.items() if raw[k] is None}}
     framework = raw["framework"]
     if framework is not None:
@@ -88,6 +90,15 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
     if framework is None:
         return setup
     return with_framework(setup, framework, explicit)
+
+
+def _fsdp_version(text: str | None) -> int | None:
+    """``--fsdp-version``: 1 or 2 (None: not given)."""
+    if text is None:
+        return None
+    if text.strip() not in ("1", "2"):
+        raise UsageError(f"--fsdp-version must be 1 or 2, got {text!r}")
+    return int(text)
 
 
 def _gpu_number(text: str) -> int:
@@ -138,6 +149,7 @@ def _setup(raw: dict[str, Any]) -> TrainingSetup:
         else raw["expandable_segments"],
         compile=raw["compile"],
         grad_ckpt_every=raw["grad_ckpt_every"],
+        fsdp_version=_fsdp_version(raw.get("fsdp_version")),
     )
 
 
@@ -270,9 +282,17 @@ _PARALLEL: dict[str, tuple[Any, Any]] = {
         "none",
         "--sharding",
         help=f"{_choices(SHARDINGS)}; ddp = torch DDP, zero1|zero2|zero3 = DeepSpeed ZeRO "
-        "(16-bit weights and gradients, fp32 master partition in the optimizer), fsdp = FSDP2.",
+        "(16-bit weights and gradients, fp32 master partition in the optimizer), "
+        "fsdp = FSDP (--fsdp-version).",
     ),
     "offload": _option(str, "none", "--offload", help=_choices(OFFLOADS)),
+    "fsdp_version": _option(
+        str | None,
+        None,
+        "--fsdp-version",
+        help="1|2; --sharding fsdp as FullyShardedDataParallel (1: flat parameters, accelerate "
+        "and Lightning) or fully_shard (2); default: the --framework's, else 2.",
+    ),
 }
 
 

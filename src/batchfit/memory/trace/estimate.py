@@ -194,7 +194,22 @@ def _setup_notes(model: ModelInfo, setup: TrainingSetup, device: str) -> list[st
 
 
 def _fsdp_note(setup: TrainingSetup) -> str:
-    """How FSDP2 is traced: one rank, its wrapping and mixed-precision policy, what counts."""
+    """How FSDP is traced: one rank, its wrapping and mixed-precision policy, what counts."""
+    if setup.fsdp_version == 1:
+        low = setup.precision.removeprefix("amp-")
+        mixed = (
+            f"MixedPrecision({low} parameters, reductions and buffers), trainable flat "
+            "parameters upcast to fp32 as accelerate does"
+            if setup.precision.startswith("amp-")
+            else "no mixed precision"
+        )
+        return (
+            f"FSDP1: rank 0 of {setup.num_gpus} under a fake process group; "
+            "FullyShardedDataParallel per decoder layer, then the root, use_orig_params=True, "
+            f"FULL_SHARD, BACKWARD_PRE, {mixed}; the flat parameters' shards, their gradients "
+            "and optimizer state are this rank's; gathered flat parameters and reduce-scatter "
+            "buffers count as other"
+        )
     policy = (
         f"MixedPrecisionPolicy(param_dtype={setup.precision.removeprefix('amp-')}, "
         "reduce_dtype=fp32) under autocast"

@@ -54,7 +54,10 @@ def fake_world(world_size: int) -> Iterator[Any]:
 
 
 def shard(net: torch.nn.Module, setup: TrainingSetup, mesh: Any) -> torch.nn.Module:
-    """``fully_shard`` each layer of ``net``'s layer stacks, then ``net`` itself (the root)."""
+    """``fully_shard`` each layer of ``net``'s layer stacks, then ``net`` itself (the root);
+    FullyShardedDataParallel as accelerate wraps it under ``fsdp_version=1``."""
+    if setup.fsdp_version == 1:
+        return _shard_v1(net, setup)
     # lazy: torch (~1 s): the trace engine's cached path reads is_fsdp without it
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -76,3 +79,48 @@ def shard(net: torch.nn.Module, setup: TrainingSetup, mesh: Any) -> torch.nn.Mod
         first_line = (str(e).splitlines() or [""])[0][:120]
         raise NotImplementedError(f"fully_shard refused the model: {first_line}") from e
     return net
+
+
+def _shard_v1(net: torch.nn.Module, setup: TrainingSetup) -> torch.nn.Module:
+    """FSDP1 as ``accelerate`` builds it: one FlatParameter per decoder layer and one for the
+    root, ``use_orig_params=True``, FULL_SHARD, BACKWARD_PRE; under AMP its ``MixedPrecision``
+    (16-bit parameters, reductions and buffers) and fp32 flat parameters where any part
+    trains."""
+    # lazy: torch (~1 s): the trace engine's cached path reads is_fsdp without it
+    import torch
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from batchfit.memory.trace.dry_run import layer_stacks
+
+    low = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(setup.precision)
+    # accelerate utils/dataclasses.py:2136-2142: param, reduce and buffer dtype all the 16-bit one
+    policy = MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low) if low else None
+    layers = {type(layer) for stack in layer_stacks(net) for layer in stack}
+    try:
+        wrapped = FSDP(
+            net,
+            # accelerate TRANSFORMER_BASED_WRAP: the model's decoder layer classes
+            auto_wrap_policy=ModuleWrapPolicy(layers),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            mixed_precision=policy,
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
+    except (AssertionError, TypeError, ValueError, RuntimeError) as e:
+        # one FlatParameter takes one dtype: QLoRA's packed 4-bit weights beside 16-bit ones
+        first_line = (str(e).splitlines() or [""])[0][:120]
+        why = f"FullyShardedDataParallel refused the model: {first_line}"
+        raise NotImplementedError(why) from e
+    if low is not None:
+        for module in FSDP.fsdp_modules(wrapped):
+            handle = module._handle if module._has_params else None
+            flat = handle.flat_param if handle is not None else None
+            # accelerate accelerator.py:2018-2038: a 16-bit flat parameter with any trainable
+            # part (_flat_param.py:832 requires_grad = any) is upcast to fp32
+            if handle and flat is not None and flat.requires_grad and flat.dtype != torch.float32:
+                flat.data = flat.data.to(torch.float32)
+                handle._orig_param_dtype = torch.float32
+    return wrapped

@@ -32,6 +32,9 @@ _GEMMS = {
 
 # the collective FSDP2 reduce-scatters gradients with: (output, input, op, group, ...)
 _REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
+# the list all-gather: FSDP1 gathers a CPU flat parameter into its chunks with it (torch 2.13
+# distributed/fsdp/_flat_param.py:1467-1474 `if sharded_flat_param.is_cpu: ... dist.all_gather`)
+_ALL_GATHER_LIST = torch.ops.c10d.allgather_.default
 
 
 def cpu_bf16_gemm_scratch() -> bool:
@@ -116,7 +119,8 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
     - ``gemm_scratch``: on a CPU whose bf16 matmuls take the fallback kernel
       (:func:`cpu_bf16_gemm_scratch`), each ``A.t() @ B`` holds an fp32 output-sized
       accumulator for the op's duration (recorded as a transient, born and freed in the op).
-    - ``gloo_scratch``: CPU ranks (gloo) reduce-scatter through a copy of the whole input.
+    - ``gloo_scratch``: CPU ranks (gloo) reduce-scatter through a copy of the whole input,
+      and run a list all-gather (FSDP1's) through one flat tensor of the whole output.
     - Gradient accumulation in place: when one tensor gets several gradients (a tied
       embedding), autograd's input buffer sums them with ``add_`` if it holds the only
       reference to a plain (non-view) buffer (``can_accumulate_inplace`` in
@@ -310,6 +314,10 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
             # gloo reduce-scatters through a full-size copy of the input, allocated below the
             # dispatcher (measured on 4 CPU ranks: one 216 MiB buffer beside the 216 MiB input)
             self.transient(int(args[1].untyped_storage().nbytes()))
+        if self.gloo_scratch and func is _ALL_GATHER_LIST:
+            # gloo gathers into one flat tensor of the whole output, then copies it into the
+            # chunks (ProcessGroupGloo.cpp AsyncAllgatherWork: `newLikeFlat(outputs[0])`)
+            self.transient(sum(int(t.nbytes) for chunks in args[0] for t in chunks))
         if self.gemm_scratch:
             scratch = _fp32_scratch(func, args, out)
             if scratch:
