@@ -457,7 +457,7 @@ def write_export(plan: Plan, kind: str, out: Path) -> dict[str, str]:
         else:
             _write_atomically(path, text)
     except OSError as e:
-        raise UsageError(f"cannot write --out {out}: {e.strerror or e}") from None
+        raise UsageError(f"cannot write the export to {out} (--out): {e.strerror or e}") from None
     return {kind: str(out)}
 
 

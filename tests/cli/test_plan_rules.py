@@ -92,4 +92,4 @@ def test_the_command_gives_the_request_s_error(
     with pytest.raises(UsageError) as raised:
         PlanRequest(model, get_gpu("t4"), **fields)
     code, out, err = run_cli(args, capsys)
-    assert (code, out, err) == (2, "", f"batchfit: error: {raised.value}\n")
+    assert (code, out, err) == (2, "", f"batchfit: error: {raised.value.args[0]}\n")

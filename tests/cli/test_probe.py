@@ -126,7 +126,7 @@ def test_check_budget_refuses_less_than_one_step():
     info, setup = resolve_model("gpt2"), TrainingSetup()
     _probe.check_budget(info, setup, 64, "cpu", None)
     _probe.check_budget(info, setup, 64, "cpu", 64 << 30)
-    with pytest.raises(UsageError, match="--memory-budget 10 MiB is below the"):
+    with pytest.raises(UsageError, match="memory_budget 10 MiB is below the"):
         _probe.check_budget(info, setup, 64, "cpu", 10 << 20)
 
 

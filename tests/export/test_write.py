@@ -78,7 +78,7 @@ def test_a_failed_write_leaves_the_old_file_whole(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(UsageError, match=r"train\.json: No space left on device$"):
+    with pytest.raises(UsageError, match=r"train\.json \(out\): No space left on device$"):
         write_export(zero_plan, "hf", out)
     assert out.read_text(encoding="utf-8") == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["train.json"]  # no temporary left
@@ -99,14 +99,15 @@ def test_an_interrupted_write_leaves_nothing_behind(
 def test_a_folder_in_the_way_is_named(zero_plan: Plan, tmp_path: Path) -> None:
     out = tmp_path / "train.json"
     out.mkdir()
-    with pytest.raises(UsageError, match=re.escape(f"cannot write --out {out}: Is a directory")):
+    message = f"cannot write the export to {out} (out): Is a directory"
+    with pytest.raises(UsageError, match=re.escape(message)):
         write_export(zero_plan, "hf", out)
     assert [p.name for p in tmp_path.iterdir()] == ["train.json"]
 
 
 def test_a_missing_folder_is_named(zero_plan: Plan, tmp_path: Path) -> None:
     out = tmp_path / "nowhere" / "train.json"
-    message = f"cannot write --out {out}: No such file or directory"
+    message = f"cannot write the export to {out} (out): No such file or directory"
     with pytest.raises(UsageError, match=re.escape(message)):
         write_export(zero_plan, "hf", out)
 
