@@ -299,6 +299,11 @@ def render(rows: list[dict[str, Any]]) -> str:
         )
         if conv.framework:
             setup += f"; {conv.framework}: {conv.loop}, loss {conv.loss_label}"
+        if CONVENTIONS.get(m["id"], {}).get("torch"):
+            setup += "; 2022: " + (
+                f"{conv.optimizer_impl} AdamW, " if conv.optimizer_impl != "auto" else ""
+            )
+            setup += "torch 1.10 (zeroed grads, softmax input kept)"
         truth = m["value_bytes"]
         lines.append(
             f"| {m['id']} | {m['model'].split('/')[-1]} | {m['gpu']} | {m['micro_batch_size']} x "
