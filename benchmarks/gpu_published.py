@@ -11,9 +11,11 @@ batchfit traces, so their rows show how far the HF-based estimate travels, not i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,24 @@ _TORCHTUNE_2024 = {
     "loss": "full",
 }
 _LIT_GPT_2023 = {"framework": "litgpt", "lora_alpha": 16.0, "lora_dropout": 0.05}
+# The bert-large V100 rows: HF Trainer of January 2022 (the doc's nvidia-smi reads "Tue Jan 11
+# 2022"), so transformers ~4.16 and torch 1.10 (1.11 came out in March 2022).
+# transformers v4.16.0 training_args.py:667-668: optim defaults to "adamw_hf", which
+# trainer.py:860-864 maps to transformers.optimization.AdamW, a per-parameter loop
+# (optimization.py:335, one `denom` temporary a parameter at :361): the for-loop
+# implementation. The other two are torch 1.10's, emulated in the dry run (`_torch_1_10`).
+_HF_TRAINER_2022 = {"torch": "1.10"}
+_HF_TRAINER_2022_ADAMW = {**_HF_TRAINER_2022, "optimizer_impl": "for-loop"}
 CONVENTIONS: dict[str, dict[str, Any]] = {
+    "hf-bert-large-vanilla-bs4": _HF_TRAINER_2022_ADAMW,
+    "hf-bert-large-bs1-ga4": _HF_TRAINER_2022_ADAMW,
+    "hf-bert-large-bs1-ga4-gc": _HF_TRAINER_2022_ADAMW,
+    "hf-bert-large-bs4-fp16": _HF_TRAINER_2022_ADAMW,
+    "hf-bert-large-bs1-ga4-gc-fp16": _HF_TRAINER_2022_ADAMW,
+    "hf-bert-large-bs4-adafactor": _HF_TRAINER_2022,
+    "hf-bert-large-bs1-ga4-gc-fp16-adafactor": _HF_TRAINER_2022,
+    "hf-bert-large-bs4-adam8bit": _HF_TRAINER_2022,
+    "hf-bert-large-bs1-ga4-gc-fp16-adam8bit": _HF_TRAINER_2022,
     "torchtune-llama2-7b-qlora-4090": {**_TORCHTUNE_2024, "lora_dtype": "bf16"},
     "torchtune-llama2-7b-lora-4090": {**_TORCHTUNE_2024, "lora_dtype": "bf16"},
     "torchtune-llama2-7b-full-4090": _TORCHTUNE_2024,
@@ -105,18 +124,74 @@ def setup_of(m: dict[str, Any]) -> dict[str, Any]:
 def conventions(setup: Any, row_id: str) -> Any:
     """``setup`` with the row's framework conventions (``CONVENTIONS``): the preset, then the
     values the row's notes state."""
+    from dataclasses import replace
+
     from batchfit.frameworks import with_framework
 
     values = dict(CONVENTIONS.get(row_id, {}))
+    values.pop("torch", None)  # not a setup field: `_torch_1_10` in `compare`
     framework = values.pop("framework", None)
-    if framework is None:
-        return setup
-    from dataclasses import replace
-
-    setup = with_framework(setup, framework, frozenset(values))
+    if framework is not None:
+        setup = with_framework(setup, framework, frozenset(values))
     if "loss" in values:
         values.setdefault("loss_chunk_tokens", None)
     return replace(setup, **values)
+
+
+@contextlib.contextmanager
+def _torch_1_10() -> Iterator[None]:
+    """The dry run as torch 1.10 kept memory, where it differs from the installed torch.
+
+    - ``zero_grad`` zeroes the gradients instead of dropping them: torch 1.10's
+      ``Module.zero_grad(set_to_none: bool = False)`` (the default became True in torch 2.0,
+      pytorch/pytorch#92731), which transformers v4.16.0 trainer.py:1306 and :1435 call
+      (``model.zero_grad()``), so the gradients live through every forward.
+    - softmax keeps its input for backward: torch 1.10's tools/autograd/derivatives.yaml has
+      ``_softmax``'s ``self: _softmax_backward_data(grad, result, dim, self)``, so autograd saved
+      ``self`` (the fp32 attention scores, or autocast's fp32 copy of them); the dtype replaced
+      it in pytorch/pytorch#66018 (October 2021, after the 1.10 branch; first in 1.11).
+
+    The trace cache is off inside: its records do not know of these patches.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from batchfit import _cache
+
+    class _KeepInput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, out: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(kept)
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return grad, None
+
+    softmax, opt_zero, module_zero = (
+        F.softmax,
+        torch.optim.Optimizer.zero_grad,
+        torch.nn.Module.zero_grad,
+    )
+
+    def softmax_1_10(
+        input: torch.Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None
+    ) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu") and input.dtype in (torch.float16, torch.bfloat16):
+            input = input.float()  # CUDA autocast's fp32 softmax: the cast copy is what is saved
+        out = softmax(input, dim=dim, dtype=dtype)
+        return _KeepInput.apply(out, input.detach()) if input.requires_grad else out
+
+    F.softmax = softmax_1_10  # type: ignore[assignment]
+    torch.optim.Optimizer.zero_grad = lambda self, set_to_none=True: opt_zero(self, False)  # type: ignore[method-assign]
+    torch.nn.Module.zero_grad = lambda self, set_to_none=True: module_zero(self, False)  # type: ignore[method-assign]
+    try:
+        with _cache.disabled():
+            yield
+    finally:
+        F.softmax = softmax  # type: ignore[assignment]
+        torch.optim.Optimizer.zero_grad = opt_zero  # type: ignore[method-assign]
+        torch.nn.Module.zero_grad = module_zero  # type: ignore[method-assign]
 
 
 def excluded_why(m: dict[str, Any], info: Any) -> str | None:
@@ -149,16 +224,18 @@ def compare(m: dict[str, Any]) -> dict[str, Any] | None:
     gpu = get_gpu(GPUS.get(m["gpu"], m["gpu"]))
     setup = conventions(TrainingSetup(**setup_of(m)), m["id"])
     out: dict[str, Any] = {"m": m, "excluded": excluded_why(m, info), "setup": setup}
+    era = CONVENTIONS.get(m["id"], {}).get("torch") == "1.10"
     for engine in ("trace", "analytic"):
-        est = estimate(
-            info,
-            setup,
-            micro_batch_size=m["micro_batch_size"],
-            seq_len=m["seq_len"],
-            gpu=gpu,
-            engine=engine,  # type: ignore[arg-type]
-            grad_accum_steps=m.get("grad_accum_steps", 1),
-        )
+        with _torch_1_10() if era and engine == "trace" else contextlib.nullcontext():
+            est = estimate(
+                info,
+                setup,
+                micro_batch_size=m["micro_batch_size"],
+                seq_len=m["seq_len"],
+                gpu=gpu,
+                engine=engine,  # type: ignore[arg-type]
+                grad_accum_steps=m.get("grad_accum_steps", 1),
+            )
         device_total = est.device_total_bytes
         if m.get("cuda_context_bytes"):  # the source measured its own context: use it
             device_total = est.reserved_bytes + m["cuda_context_bytes"]
@@ -222,6 +299,11 @@ def render(rows: list[dict[str, Any]]) -> str:
         )
         if conv.framework:
             setup += f"; {conv.framework}: {conv.loop}, loss {conv.loss_label}"
+        if CONVENTIONS.get(m["id"], {}).get("torch"):
+            setup += "; 2022: " + (
+                f"{conv.optimizer_impl} AdamW, " if conv.optimizer_impl != "auto" else ""
+            )
+            setup += "torch 1.10 (zeroed grads, softmax input kept)"
         truth = m["value_bytes"]
         lines.append(
             f"| {m['id']} | {m['model'].split('/')[-1]} | {m['gpu']} | {m['micro_batch_size']} x "
