@@ -188,9 +188,10 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-# No --framework: batchfit's defaults (HF Trainer's loop and loss, PyTorch's optimizer
-# implementation), a loop the user writes, so it can checkpoint any set of layers.
-DEFAULT = Preset("none", {}, (), selects_ckpt_layers=True)
+# No --framework: batchfit's defaults, HF Trainer's conventions (its loop and loss, the
+# switches of its TrainingArguments: gradient_checkpointing wraps every layer, so the planner
+# chooses no every-K-th-layer checkpointing) with PyTorch's optimizer implementation.
+DEFAULT = Preset("none", {}, ())
 FRAMEWORKS: tuple[str, ...] = tuple(PRESETS)
 
 

@@ -34,6 +34,9 @@ class Alternative:
         return {
             "techniques": [t.name for t in self.techniques],
             "kinds": [t.kind for t in self.techniques],
+            # the code each technique needs that the framework's config cannot switch on
+            # (never chosen; empty: the config switches every one on)
+            "needs": [t.needs for t in self.techniques if t.needs],
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
@@ -152,6 +155,7 @@ class Plan:
             {
                 "techniques": [t.name for t in self.techniques],
                 "exact": all(t.kind == "exact" for t in self.techniques),
+                "needs": [],  # the plan chooses only what the framework's config switches on
                 "micro_batch_size": self.micro_batch_size,
                 "max_micro_batch": self.max_micro_batch,
                 "grad_accum_steps": self.grad_accum_steps,
@@ -172,6 +176,7 @@ class Plan:
                 {
                     "techniques": [t.name for t in a.techniques],
                     "exact": all(t.kind == "exact" for t in a.techniques),
+                    "needs": [t.needs for t in a.techniques if t.needs],
                     "micro_batch_size": a.micro_batch_size,
                     "max_micro_batch": a.max_micro_batch,
                     "grad_accum_steps": per_gpu // a.micro_batch_size,
