@@ -355,5 +355,5 @@ def _report_timeline(result: Plan, info: ModelInfo, gpu: GpuSpec) -> bytes:
             + (f", accumulation {accum}" if accum > 1 else "")
             + f", {est.setup.precision}, on {gpu.name}"
         )
-        tl.plot(drawn, picture, title, gpu.memory_bytes)
+        tl.plot(drawn, picture, title, gpu.memory_bytes, est.peak_bytes)
         return picture.read_bytes()
