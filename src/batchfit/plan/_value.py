@@ -7,6 +7,7 @@ from typing import Any
 
 from batchfit._display import html
 from batchfit.memory.types import MemoryEstimate
+from batchfit.plan._estimate_args import estimate_args
 from batchfit.plan._ladder import Combo
 from batchfit.plan._lr_scaling import LrScaling, lr_json
 from batchfit.plan._throughput import Correction
@@ -161,6 +162,7 @@ class Plan:
                 "grad_accum_steps": self.grad_accum_steps,
                 "device_total_bytes": self.device_total_bytes,
                 "chosen": True,
+                "estimate_args": self.estimate_args(None),
                 **self._timed(self.step_seconds),
                 "throughput_source": self.throughput.source if self.throughput else None,
             }
@@ -182,11 +184,26 @@ class Plan:
                     "grad_accum_steps": per_gpu // a.micro_batch_size,
                     "device_total_bytes": a.device_total_bytes,
                     "chosen": False,
+                    "estimate_args": self.estimate_args(a),
                     **self._timed(a.step_seconds),
                     "throughput_source": a.throughput_source,
                 }
             )
         return rows
+
+    def estimate_args(self, alt: Alternative | None) -> list[str]:
+        """``estimate``'s options that reproduce ``alt``'s figure at its largest micro-batch
+        (the plan's at its micro-batch for None), with the accumulation the plan counted there
+        (1 for the whole per-GPU batch, else from 2 up: memory is the same)."""
+        if alt is None:
+            setup, micro, accum = self.setup, self.micro_batch_size, self.grad_accum_steps
+            engine = self.estimate.engine
+        else:
+            setup, micro, engine = alt.setup, max(alt.max_micro_batch, 1), alt.engine
+            per_gpu = self.global_batch_size // self.num_gpus
+            accum = 1 if micro >= per_gpu else max(2, per_gpu // micro)
+        args = (self.model, self.gpu, self.seq_len, setup, micro, accum, engine)
+        return estimate_args(*args)
 
     def _timed(self, step: float | None) -> dict[str, float | None]:
         tokens = self.tokens_per_step
@@ -259,7 +276,9 @@ class Plan:
             "lr_rule": self.lr_rule,
             **lr_json(self.lr_scaling),
             "techniques": [{"name": t.name, "kind": t.kind, "why": t.why} for t in self.techniques],
-            "alternatives": [a.to_json() for a in self.alternatives],
+            "alternatives": [
+                {**a.to_json(), "estimate_args": self.estimate_args(a)} for a in self.alternatives
+            ],
             "components": dict(est.components),
             "engine": est.engine,
             "setup": est.to_json()["setup"],
