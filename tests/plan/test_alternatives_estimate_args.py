@@ -52,3 +52,11 @@ def test_each_alternative_s_largest_micro_batch_is_estimate_s_verdict_analytic(c
     sharded = {a["techniques"][-1] for a in plan["alternatives"] if a["techniques"]}
     assert {"fsdp", "zero3"} <= sharded
     assert _check_alternatives(plan, capsys) >= 4
+
+
+@pytest.mark.slow
+def test_each_alternative_s_largest_micro_batch_is_estimate_s_verdict_traced(capsys):
+    args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"]
+    plan = _json(args, capsys)
+    assert plan["engine"] == "trace"
+    assert _check_alternatives(plan, capsys) >= 2
