@@ -224,10 +224,11 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-# No --framework: batchfit's defaults (HF Trainer's loop and loss, PyTorch's optimizer
-# implementation, the HF QLoRA recipe's preparation), a loop the user writes, so it can
-# checkpoint any set of layers.
-DEFAULT = Preset("none", {}, _KBIT_SOURCES, selects_ckpt_layers=True, kbit_prepare=True)
+# No --framework: batchfit's defaults, HF Trainer's conventions (its loop and loss, the
+# switches of its TrainingArguments: gradient_checkpointing wraps every layer, so the planner
+# chooses no every-K-th-layer checkpointing; the HF QLoRA recipe's preparation) with PyTorch's
+# optimizer implementation.
+DEFAULT = Preset("none", {}, _KBIT_SOURCES, kbit_prepare=True)
 FRAMEWORKS: tuple[str, ...] = tuple(PRESETS)
 
 

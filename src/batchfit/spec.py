@@ -143,6 +143,9 @@ class TrainingSetup:
     # the loss was chosen on purpose (an explicit --loss): the planner keeps it, and does not
     # switch on a lean loss to make a model fit
     keep_loss: bool = False
+    # the method is the run's own (no --method: pre-training): the planner offers neither
+    # LoRA nor QLoRA in its place
+    keep_method: bool = False
     # PyTorch's caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the
     # allocator simulation maps pages into one growing segment instead of fixed segments)
     expandable_segments: bool = False
@@ -287,8 +290,9 @@ class TrainingSetup:
 
     @property
     def can_switch_to_lora(self) -> bool:
-        """A full fine-tune, which LoRA adapters may replace (changes training)."""
-        return self.method == "full"
+        """A full fine-tune, which LoRA adapters may replace (changes training); not a run
+        whose method is its own (``keep_method``: pre-training)."""
+        return self.method == "full" and not self.keep_method
 
     def can_switch_to_pure_bf16(self, gpu_bf16: bool) -> bool:
         """Pure bf16 (no fp32 master) may replace this setup's precision on a GPU with or
@@ -298,9 +302,10 @@ class TrainingSetup:
         return precision != "bf16" and gpu_bf16 and self.method == "full"
 
     def can_switch_to_qlora(self, gpu_bf16: bool) -> bool:
-        """QLoRA may replace this setup: not QLoRA already, and not computing in fp32."""
+        """QLoRA may replace this setup: not QLoRA already, not computing in fp32, and not a
+        run whose method is its own (``keep_method``: pre-training)."""
         precision = self.resolved(device="cuda", bf16_supported=gpu_bf16).precision
-        return self.method != "qlora" and precision != "fp32"
+        return self.method != "qlora" and precision != "fp32" and not self.keep_method
 
     def checkpointed_layers(self, num_layers: int) -> int:
         """How many of ``num_layers`` layers are checkpointed (``grad_ckpt_every``).

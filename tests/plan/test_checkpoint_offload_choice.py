@@ -19,6 +19,15 @@ MODEL = "llama-3.1-8b"
 TOKENS = 1048576
 
 
+@pytest.fixture(autouse=True)
+def _a_loop_that_selects_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --framework follows HF Trainer, whose switch wraps every layer; the dial's choice is
+    tested here for a run that can checkpoint a chosen set of layers (as torchtune's)."""
+    import batchfit.presets as presets
+
+    monkeypatch.setattr(presets, "DEFAULT", replace(presets.DEFAULT, selects_ckpt_layers=True))
+
+
 def _on(model: str, gpu: str, seq_len: int, setup: TrainingSetup, **target: int):
     """The analytic plan of ``model`` on ``gpu`` for a global batch (``target``)."""
     info = resolve_model(model)
@@ -140,6 +149,10 @@ def test_a_framework_that_cannot_select_layers_checkpoints_all_or_none():
     assert not any(t.name.startswith("gradient-checkpointing-every") for t in p.techniques)
     (dial,) = [w for w in p.warnings if w.startswith("checkpointing tried as a dial")]
     assert "every 4th" not in dial and "none" in dial
+    # every K-th layer is offered instead, with the code it needs, never chosen
+    offered = [a for a in p.alternatives if any(t.needs for t in a.techniques)]
+    assert offered and all(a.setup.grad_ckpt_every for a in offered)
+    assert all(t.needs.startswith("code: ") for a in offered for t in a.techniques if t.needs)
 
 
 def test_a_faster_option_within_the_tolerance_is_named():

@@ -204,6 +204,26 @@ def test_the_peak_label_hides_nothing_drawn(cuda_timeline: StepTimeline) -> None
         plt.close(fig)
 
 
+def test_the_peak_box_gives_the_estimate_s_figure(cuda_timeline: StepTimeline) -> None:
+    """The box says the estimate's peak (its table's, layers extrapolated), and names the
+    whole-step dry run's own peak where that differs."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot as plt
+    from matplotlib.text import Annotation
+
+    tl = cuda_timeline
+    estimate_peak = tl.peak_bytes + (512 << 20)
+    fig = timeline.figure(tl, "tiny", None, estimate_peak)
+    try:
+        (label,) = [t for t in fig.axes[0].texts if isinstance(t, Annotation)]
+        text = label.get_text()
+        assert text.startswith(f"peak {estimate_peak / 2**30:.2f} GiB (the estimate)")
+        assert f"dry run's own peak: {tl.peak_bytes / 2**30:.2f} GiB" in text
+    finally:
+        plt.close(fig)
+    assert timeline.peak_text(tl, tl.peak_bytes).count("GiB") == 1
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "batchfit", "estimate", *args],

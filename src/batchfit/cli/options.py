@@ -86,7 +86,10 @@ def _parse(raw: dict[str, Any]) -> TrainingSetup:
     framework = raw["framework"]
     if framework is not None:
         check_choice("--framework", framework, FRAMEWORKS)
-    setup = replace(_setup(raw), keep_loss="loss" in explicit)
+    # no --method: pre-training (a full run the planner keeps full)
+    keep_method = raw["method"] is None
+    raw = {**raw, "method": raw["method"] or "full"}
+    setup = replace(_setup(raw), keep_loss="loss" in explicit, keep_method=keep_method)
     if framework is None:
         return setup
     return with_framework(setup, framework, explicit)
@@ -198,7 +201,13 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         help=f"{_choices(OPTIMIZER_IMPLS)}; auto = what PyTorch picks (the default unless "
         "--framework sets it).",
     ),
-    "method": _option(str, "full", "--method", help=_choices(METHODS)),
+    "method": _option(
+        str | None,
+        None,
+        "--method",
+        help=f"{_choices(METHODS)}; default full, and `plan` then offers no LoRA/QLoRA "
+        "(pre-training).",
+    ),
     "lora_rank": _option(int, 8, "--lora-rank", help="LoRA rank r."),
     "lora_alpha": _option(
         float, 8.0, "--lora-alpha", help="LoRA alpha (peft default 8).", parser=finite_float

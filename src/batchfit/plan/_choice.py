@@ -61,30 +61,33 @@ def _fewer_layers(target: _Target, fit: _Fit, wanted: int | None) -> _Fit:
         or not isinstance(target.model, ModelInfo)
     ):
         return fit
-    options = _dial_options(target, fit, wanted, target.model.arch.num_layers)
+    options, needs_code = _dial_options(target, fit, wanted, target.model.arch.num_layers)
+    fit = replace(fit, alternatives=(*fit.alternatives, *needs_code))
     if len(options) == 1:
         return fit
     return _dial_choice(target, fit, options)
 
 
-def _dial_options(target: _Target, fit: _Fit, wanted: int | None, layers: int) -> list[_Dial]:
+def _dial_options(
+    target: _Target, fit: _Fit, wanted: int | None, layers: int
+) -> tuple[list[_Dial], list[Alternative]]:
     """Full checkpointing (the fallback), then every K-th layer's and none, while they fit
-    ``wanted``, each at the largest micro-batch it allows."""
+    ``wanted``, each at the largest micro-batch it allows; and, where the framework's config
+    cannot select layers (``Preset.selects_ckpt_layers``), the every K-th layer options as
+    alternatives that carry the code they need, never chosen."""
     full_micro = target.timed_micro(fit.max_micro_batch, wanted)
     full_accum = target.per_gpu // full_micro
     full_seconds = target.step_seconds(fit.setup, full_micro)
     options = [_Dial(layers, full_seconds, full_micro, None, False, "every layer")]
-    everies = [
-        every
-        for every in PARTIAL_CKPT_EVERY
-        if layers // every >= 1 and fit.setup.conventions.selects_ckpt_layers
-    ]
+    needs_code: list[Alternative] = []
+    selectable = fit.setup.conventions.selects_ckpt_layers
+    everies = [every for every in PARTIAL_CKPT_EVERY if layers // every >= 1]
     for every in (*everies, None):  # None: no checkpointing (offload may have made room)
         if every is None:
             combo = tuple(t for t in fit.techniques if t is not GRAD_CKPT)
             setup = replace(fit.setup, grad_ckpt=False, grad_ckpt_every=None)
         else:
-            tech = partial_ckpt(every, layers)
+            tech = partial_ckpt(every, layers, selectable=selectable)
             combo = tuple(tech if t is GRAD_CKPT else t for t in fit.techniques)
             setup = tech(fit.setup)
         try:
@@ -93,6 +96,10 @@ def _dial_options(target: _Target, fit: _Fit, wanted: int | None, layers: int) -
             continue
         if alt.max_micro_batch >= (wanted or 1):
             alt = target.confirmed(alt)  # the lines' answer is a what-if
+        if every is not None and not selectable:
+            needs_code.append(replace(alt, comm_bytes_per_step=target.comm(alt.setup)))
+            if alt.max_micro_batch >= (wanted or 1):
+                continue
         if alt.max_micro_batch < (wanted or 1):
             break  # fewer checkpointed layers hold more: a larger K fits less still
         alt = replace(alt, comm_bytes_per_step=target.comm(alt.setup))
@@ -101,7 +108,7 @@ def _dial_options(target: _Target, fit: _Fit, wanted: int | None, layers: int) -
         seconds = target.step_seconds(alt.setup, micro)
         name = f"every {ordinal(every)} layer" if every else "none"
         options.append(_Dial(layers // every if every else 0, seconds, micro, alt, many, name))
-    return options
+    return options, needs_code
 
 
 def _dial_choice(target: _Target, fit: _Fit, options: list[_Dial]) -> _Fit:
@@ -162,7 +169,11 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
         return _Fit(setup, (), base_max, tuple(alternatives))
     # nothing fits without offload (or the time model does not apply): the fastest exact
     # rung that fits, then those that change training in the ladder's order
-    fitting = [k for k, alt in enumerate(alternatives) if alt.max_micro_batch >= (wanted or 1)]
+    fitting = [
+        k
+        for k, alt in enumerate(alternatives)
+        if alt.max_micro_batch >= (wanted or 1) and not _needs_code(alt)
+    ]
     exact = [k for k in fitting if all(t.kind == "exact" for t in alternatives[k].techniques)]
 
     def usable(k: int) -> int:
@@ -218,6 +229,11 @@ def _simpler(alt: Alternative, micro: int, num_gpus: int) -> tuple[int, int, int
     return (int(alt.setup.offload == "optimizer+params"), first, second, len(alt.techniques))
 
 
+def _needs_code(alt: Alternative) -> bool:
+    """Whether an option needs code the framework's config cannot switch on (never chosen)."""
+    return any(t.needs for t in alt.techniques)
+
+
 def _offloads(alt: Alternative) -> bool:
     return any(t.name in OFFLOADS for t in alt.techniques)
 
@@ -236,7 +252,11 @@ def _widest(
     without it (a faster one not chosen gets a note); rungs that change training only when
     none of these fits (None then)."""
     options = [base, *alternatives]
-    eligible = {i for i, a in enumerate(options) if all(t.kind == "exact" for t in a.techniques)}
+    eligible = {
+        i
+        for i, a in enumerate(options)
+        if all(t.kind == "exact" for t in a.techniques) and not _needs_code(a)
+    }
 
     def usable(i: int) -> int:
         return target.timed_micro(options[i].max_micro_batch, wanted)

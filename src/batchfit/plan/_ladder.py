@@ -33,6 +33,9 @@ class Technique:
     kind: Kind
     why: str
     transform: Callable[[TrainingSetup], TrainingSetup] = field(compare=False, repr=False)
+    # the code the run needs for it, which the framework's config cannot switch on: such a
+    # technique is offered as an alternative, never chosen ("": the config switches it on)
+    needs: str = ""
 
     def __call__(self, setup: TrainingSetup) -> TrainingSetup:
         """The setup with this technique switched on."""
@@ -56,28 +59,39 @@ OFFLOAD_MARGIN = 0.25
 
 # every K-th layer, K tried by the planner when full checkpointing fits (``partial_ckpt``)
 PARTIAL_CKPT_EVERY = (2, 3, 4)
-# Whether a run can checkpoint a chosen set of layers is the framework preset's trait
-# (``Preset.selects_ckpt_layers``): your own loop (wrap the layers with
-# torch.utils.checkpoint) and torchtune (selective ``ac_option: K``, as torchtitan's per-layer
-# mode) can. HF Trainer's, Lightning's, accelerate's and axolotl's switch
-# (gradient_checkpointing_enable) wraps every layer, and no export here can name layers, so
-# under those presets the planner keeps full checkpointing.
+# Whether a run's config can checkpoint a chosen set of layers is the framework preset's
+# trait (``Preset.selects_ckpt_layers``): torchtune can (selective ``ac_option: K``, as
+# torchtitan's per-layer mode). HF Trainer's (the default), Lightning's, accelerate's and
+# axolotl's switch (gradient_checkpointing_enable) wraps every layer, and no export here can
+# name layers, so under those presets every K-th layer is an alternative that needs code.
 
 
-def partial_ckpt(every: int, num_layers: int | None = None) -> Technique:
+def partial_ckpt(
+    every: int, num_layers: int | None = None, *, selectable: bool = True
+) -> Technique:
     """Checkpointing of every ``every``-th layer (``TrainingSetup.grad_ckpt_every``): less
-    recompute than ``GRAD_CKPT``, less memory saved.
+    recompute than ``GRAD_CKPT``, less memory saved. ``selectable=False``: the framework's
+    config wraps every layer, so the technique carries the code it needs.
 
     Example:
         >>> partial_ckpt(2, 32).name, partial_ckpt(2, 32).why
         ('gradient-checkpointing-every-2', 'recompute every 2nd layer in backward (16 of 32)')
+        >>> partial_ckpt(2, 32, selectable=False).needs.startswith("code: wrap every 2nd layer")
+        True
     """
     count = f" ({num_layers // every} of {num_layers})" if num_layers else ""
+    needs = (
+        ""
+        if selectable
+        else f"code: wrap every {ordinal(every)} decoder layer's forward in "
+        "torch.utils.checkpoint yourself (gradient_checkpointing=True wraps every layer)"
+    )
     return Technique(
         f"gradient-checkpointing-every-{every}",
         "exact",
         f"recompute every {ordinal(every)} layer in backward{count}",
         lambda s: replace(s, grad_ckpt=True, grad_ckpt_every=every),
+        needs,
     )
 
 

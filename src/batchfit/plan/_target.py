@@ -81,10 +81,10 @@ class _Target:
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
         """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
 
-        By the trace engine, from each peak moment's line through sizes 1 and 2, then one
-        trace at that size: its figure is the one shown, and where it does not fit the size is
-        searched and confirmed as the plan's own is; by the formulas when the trace cannot run
-        the setup.
+        By the trace engine, from each peak moment's line through sizes 1 and 2, then traces at
+        that size and the one after it: where the lines' size does not fit, or the next one
+        does too, the size is searched upward and confirmed as the plan's own is (its figure is
+        ``estimate``'s verdict); by the formulas when the trace cannot run the setup.
         """
         if self.engine == "trace":
             one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
@@ -93,9 +93,12 @@ class _Target:
             if lines is not None:
                 if lines[0] == 0:
                     return Alternative(combo, setup, 0, lines[1], two.engine)
-                ok, est = self.fits(setup, lines[0])
-                alt = Alternative(combo, setup, lines[0], est.device_total_bytes, est.engine)
-                return alt if ok else self.confirmed(alt)
+                size = lines[0]
+                ok, est = self.fits(setup, size)
+                alt = Alternative(combo, setup, size, est.device_total_bytes, est.engine)
+                if ok and (size >= self.per_gpu or not self.fits(setup, size + 1)[0]):
+                    return alt
+                return self.confirmed(alt)
         best = self.max_micro(setup)
         _, est = self.fits(setup, max(best, 1))
         return Alternative(combo, setup, best, est.device_total_bytes, est.engine)

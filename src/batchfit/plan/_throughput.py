@@ -36,7 +36,7 @@ from batchfit.speed import StepTime, step_time
 # Setup fields that change memory only, or whose time the probe does not run and the model
 # supplies (communication, offload transfers): a probe and a plan may differ in them.
 _NOT_COMPARED = frozenset(
-    {"num_gpus", "sharding", "offload", "keep_loss", "expandable_segments", "loop"}
+    {"num_gpus", "sharding", "offload", "keep_loss", "keep_method", "expandable_segments", "loop"}
 )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from batchfit._display import html
 from batchfit._units import gib
 from batchfit.memory.types import MemoryEstimate
+from batchfit.plan._estimate_args import estimate_args
 from batchfit.plan._ladder import Combo
 from batchfit.plan._lr_scaling import LrScaling, lr_json
 from batchfit.plan._throughput import Correction
@@ -35,6 +36,9 @@ class Alternative:
         return {
             "techniques": [t.name for t in self.techniques],
             "kinds": [t.kind for t in self.techniques],
+            # the code each technique needs that the framework's config cannot switch on
+            # (never chosen; empty: the config switches every one on)
+            "needs": [t.needs for t in self.techniques if t.needs],
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
@@ -153,11 +157,13 @@ class Plan:
             {
                 "techniques": [t.name for t in self.techniques],
                 "exact": all(t.kind == "exact" for t in self.techniques),
+                "needs": [],  # the plan chooses only what the framework's config switches on
                 "micro_batch_size": self.micro_batch_size,
                 "max_micro_batch": self.max_micro_batch,
                 "grad_accum_steps": self.grad_accum_steps,
                 "device_total_bytes": self.device_total_bytes,
                 "chosen": True,
+                "estimate_args": self.estimate_args(None),
                 **self._timed(self.step_seconds),
                 "throughput_source": self.throughput.source if self.throughput else None,
             }
@@ -173,16 +179,32 @@ class Plan:
                 {
                     "techniques": [t.name for t in a.techniques],
                     "exact": all(t.kind == "exact" for t in a.techniques),
+                    "needs": [t.needs for t in a.techniques if t.needs],
                     "micro_batch_size": a.micro_batch_size,
                     "max_micro_batch": a.max_micro_batch,
                     "grad_accum_steps": per_gpu // a.micro_batch_size,
                     "device_total_bytes": a.device_total_bytes,
                     "chosen": False,
+                    "estimate_args": self.estimate_args(a),
                     **self._timed(a.step_seconds),
                     "throughput_source": a.throughput_source,
                 }
             )
         return rows
+
+    def estimate_args(self, alt: Alternative | None) -> list[str]:
+        """``estimate``'s options that reproduce ``alt``'s figure at its largest micro-batch
+        (the plan's at its micro-batch for None), with the accumulation the plan counted there
+        (1 for the whole per-GPU batch, else from 2 up: memory is the same)."""
+        if alt is None:
+            setup, micro, accum = self.setup, self.micro_batch_size, self.grad_accum_steps
+            engine = self.estimate.engine
+        else:
+            setup, micro, engine = alt.setup, max(alt.max_micro_batch, 1), alt.engine
+            per_gpu = self.global_batch_size // self.num_gpus
+            accum = 1 if micro >= per_gpu else max(2, per_gpu // micro)
+        args = (self.model, self.gpu, self.seq_len, setup, micro, accum, engine)
+        return estimate_args(*args)
 
     def _timed(self, step: float | None) -> dict[str, float | None]:
         tokens = self.tokens_per_step
@@ -284,7 +306,9 @@ class Plan:
             "lr_rule": self.lr_rule,
             **lr_json(self.lr_scaling),
             "techniques": [{"name": t.name, "kind": t.kind, "why": t.why} for t in self.techniques],
-            "alternatives": [a.to_json() for a in self.alternatives],
+            "alternatives": [
+                {**a.to_json(), "estimate_args": self.estimate_args(a)} for a in self.alternatives
+            ],
             "components": dict(est.components),
             "engine": est.engine,
             "setup": est.to_json()["setup"],

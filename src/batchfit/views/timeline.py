@@ -49,14 +49,46 @@ _CATEGORY_COLOURS = {
 }
 
 
-def plot(tl: StepTimeline, path: Path, title: str, gpu_bytes: int | None = None) -> None:
+def plot(
+    tl: StepTimeline,
+    path: Path,
+    title: str,
+    gpu_bytes: int | None = None,
+    peak_bytes: int | None = None,
+) -> None:
     """The stacked picture (GiB over allocation events), phases shaded, the peak marked."""
-    _plots.save(figure(tl, title, gpu_bytes), path, "--timeline")
+    _plots.save(figure(tl, title, gpu_bytes, peak_bytes), path, "--timeline")
 
 
-def figure(tl: StepTimeline, title: str, gpu_bytes: int | None = None) -> Any:
+def peak_text(tl: StepTimeline, peak_bytes: int | None = None) -> str:
+    """The peak box's first line: ``peak_bytes`` (the estimate's figure, as its table gives
+    it) where given, and this whole-step dry run's own peak, named as such, where it differs.
+
+    Example:
+        >>> t = StepTimeline({"weights": [0, 2 << 30]}, [], 1, "backward", [], None,
+        ...                  [(0, 2 << 30, "weights")])
+        >>> peak_text(t, 2 << 30)
+        'peak 2.00 GiB (the estimate): backward'
+        >>> print(peak_text(t, 3 << 30))
+        peak 3.00 GiB (the estimate): backward
+        (this whole-step dry run's own peak: 2.00 GiB)
+    """
+    own = _plots.gib(tl.peak_bytes)
+    if peak_bytes is None:
+        return f"peak {own:.2f} GiB: {tl.peak_label}"
+    shown = _plots.gib(peak_bytes)
+    text = f"peak {shown:.2f} GiB (the estimate): {tl.peak_label}"
+    if f"{own:.2f}" != f"{shown:.2f}":
+        text += f"\n(this whole-step dry run's own peak: {own:.2f} GiB)"
+    return text
+
+
+def figure(
+    tl: StepTimeline, title: str, gpu_bytes: int | None = None, peak_bytes: int | None = None
+) -> Any:
     """:func:`plot`'s matplotlib figure, laid out: the legend right of the axes, the peak's
-    label above everything drawn (the y axis is stretched to leave it room)."""
+    label above everything drawn (the y axis is stretched to leave it room). ``peak_bytes``:
+    the estimate's peak, which the box gives (the figure of the estimate's table)."""
     plt = _plots.pyplot()
     fig, ax = plt.subplots(figsize=(11, 5))
     n = len(tl.events)
@@ -103,7 +135,7 @@ def figure(tl: StepTimeline, title: str, gpu_bytes: int | None = None) -> Any:
         # the marker sits just above the peak, pointing at it
         ax.plot([tl.peak_index], [peak * 1.04], "v", color="black", markersize=8)
         label = ax.annotate(
-            f"peak {peak:.2f} GiB: {tl.peak_label}\n{peak_modules_text(tl.top_modules)}",
+            f"{peak_text(tl, peak_bytes)}\n{peak_modules_text(tl.top_modules)}",
             (tl.peak_index, peak * 1.06),
             xytext=(0.01, 0.98),
             textcoords="axes fraction",

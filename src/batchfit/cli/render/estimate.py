@@ -237,7 +237,7 @@ def draw_timeline(
         + f", {est.setup.precision}, on {gpu.name if gpu else device}"
     )
     if png is not None:
-        tl.plot(drawn, png, title, gpu.memory_bytes if gpu else None)
+        tl.plot(drawn, png, title, gpu.memory_bytes if gpu else None, est.peak_bytes)
         render.wrote(png, "the step's memory timeline")
     if pickle_path is not None:
         tl.write_snapshot(drawn, pickle_path, device)

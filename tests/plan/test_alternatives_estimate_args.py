@@ -1,0 +1,62 @@
+"""One figure for one thing: each alternative's largest micro-batch is ``estimate``'s verdict,
+and its ``estimate_args`` reproduce its figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests._cli import run_cli
+
+
+def _json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    code, out, err = run_cli([*args, "--json"], capsys)
+    assert code == 0, err
+    return dict(json.loads(out))
+
+
+def _with_micro(args: list[str], micro: int) -> list[str]:
+    i = args.index("--micro-batch")
+    return [*args[: i + 1], str(micro), *args[i + 2 :]]
+
+
+def _check_alternatives(plan: dict, capsys: pytest.CaptureFixture[str]) -> int:
+    """Every alternative's largest micro-batch fits by ``estimate`` with its own arguments and
+    the next size does not (unless the per-GPU batch capped the search); the count checked."""
+    wanted = plan["headroom_wanted_bytes"]
+    per_gpu = plan["global_batch_size"] // plan["num_gpus"]
+    checked = 0
+    for alt in plan["alternatives"]:
+        largest, args = alt["max_micro_batch"], alt["estimate_args"]
+        if not largest:
+            continue
+        est = _json(["estimate", *args], capsys)
+        assert est["micro_batch_size"] == largest, alt["techniques"]
+        assert est["device_total_bytes"] == alt["device_total_bytes"], alt["techniques"]
+        assert est["headroom_bytes"] >= wanted, alt["techniques"]
+        if largest < per_gpu:
+            over = _json(["estimate", *_with_micro(args, largest + 1)], capsys)
+            assert over["headroom_bytes"] < wanted, (alt["techniques"], largest)
+        checked += 1
+    for row in plan["candidates"]:
+        if row["chosen"]:
+            est = _json(["estimate", *row["estimate_args"]], capsys)
+            assert est["device_total_bytes"] == plan["device_total_bytes"]
+    return checked
+
+
+def test_each_alternative_s_largest_micro_batch_is_estimate_s_verdict_analytic(capsys):
+    args = ["plan", "llama-3.2-1b", "--gpu", "h100-80gb", "--num-gpus", "8", "--seq-len", "4096"]
+    plan = _json([*args, "--global-batch", "512", "--engine", "analytic"], capsys)
+    sharded = {a["techniques"][-1] for a in plan["alternatives"] if a["techniques"]}
+    assert {"fsdp", "zero3"} <= sharded
+    assert _check_alternatives(plan, capsys) >= 4
+
+
+@pytest.mark.slow
+def test_each_alternative_s_largest_micro_batch_is_estimate_s_verdict_traced(capsys):
+    args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"]
+    plan = _json(args, capsys)
+    assert plan["engine"] == "trace"
+    assert _check_alternatives(plan, capsys) >= 2
