@@ -17,6 +17,7 @@ from batchfit.models import resolve_model
 from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
+from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +136,22 @@ def test_peak_phase_moves_with_batch(tiny):
     assert small.peak_phase == "optimizer-step"
     assert large.peak_phase == "backward"
     assert large.components["activations"] > large.components["weights"]
+
+
+def test_lora_on_every_linear_under_autocast_keeping_outputs(tiny):
+    """Adapters on all seven Llama linears, fp32 adapters under bf16 autocast, the outputs
+    held through backward: each adapter's cast copies of its input, the autocast cast cache
+    of A and B, and the kept bf16 logits, moment by moment as real CPU tensors allocate them."""
+    info = tiny(TINY_LLAMA)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    setup = TrainingSetup(
+        precision="amp-bf16",
+        method="lora",
+        lora_rank=16,
+        lora_targets=targets,
+        loop="keep-outputs",
+    )
+    assert_dry_run_matches_real(info, setup, micro=4, seq=64)
 
 
 def test_checkpointing_lora_and_autocast(tiny):
