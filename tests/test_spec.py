@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from batchfit.errors import UsageError
+from batchfit.errors import UsageError, python_spelling
 from batchfit.spec import TrainingSetup
 
 
@@ -35,7 +35,8 @@ def test_defaults_and_frozen():
     ],
 )
 def test_contradictions_and_bad_values_raise(kwargs, needle):
-    with pytest.raises(UsageError, match=needle.replace("+", r"\+")):
+    # written as the command line says it; a Python caller reads the argument's name
+    with pytest.raises(UsageError, match=python_spelling(needle).replace("+", r"\+")):
         TrainingSetup(**kwargs)
 
 

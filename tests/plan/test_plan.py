@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchfit.errors import UsageError
+from batchfit.errors import UsageError, python_spelling
 from batchfit.hardware import all_gpus, get_gpu
 from batchfit.models import resolve_model
 from batchfit.plan import fit_table, make_plan, scale_learning_rate
@@ -184,9 +184,11 @@ def test_fit_table_covers_every_gpu():
 )
 def test_non_finite_learning_rate_inputs_are_refused(base_lr, base_batch, flag):
     # inf/nan must be refused: `plan --json` would print Infinity / NaN.
-    with pytest.raises(ValueError, match=f"{flag} must be a finite positive number"):
+    with pytest.raises(
+        ValueError, match=python_spelling(f"{flag} must be a finite positive number")
+    ):
         scale_learning_rate(base_lr, base_batch, 64, "adamw")
-    with pytest.raises(UsageError, match=flag):
+    with pytest.raises(UsageError, match=python_spelling(flag)):
         make_plan_analytic(
             GPT2,
             get_gpu("t4"),

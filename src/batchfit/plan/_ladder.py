@@ -76,8 +76,8 @@ def partial_ckpt(
     Example:
         >>> partial_ckpt(2, 32).name, partial_ckpt(2, 32).why
         ('gradient-checkpointing-every-2', 'recompute every 2nd layer in backward (16 of 32)')
-        >>> partial_ckpt(2, 32, selectable=False).needs.startswith("code: wrap every 2nd layer")
-        True
+        >>> partial_ckpt(2, 32, selectable=False).needs.split(" decoder")[0]
+        'code: wrap every 2nd'
     """
     count = f" ({num_layers // every} of {num_layers})" if num_layers else ""
     needs = (
