@@ -84,6 +84,18 @@ def test_user_text_is_escaped_and_numbers_shown() -> None:
     assert text.rstrip().endswith("; torch 2.9.0")  # a missing version is left out
 
 
+def test_an_alternative_that_needs_code_is_marked_with_the_change() -> None:
+    data = _plan_json()
+    need = "code: wrap every 2nd decoder layer's forward in torch.utils.checkpoint <yourself>"
+    data["alternatives"][0]["needs"] = [need]
+    page = _html.plan_html(data)
+    assert "<yourself>" not in page  # the change is user-facing text: escaped
+    text = _text(page)
+    assert "zero2 <i> + lora (needs code) | changes-training | 12 |" in text
+    assert f"(needs code): never chosen; it needs {need}" in text
+    assert "(needs code)" not in _text(_html.plan_html(_plan_json()))
+
+
 def test_the_estimate_renders_itself_in_jupyter() -> None:
     est = estimate(
         resolve_model("gpt2"),

@@ -226,6 +226,7 @@ def _alternatives(data: dict[str, Any]) -> str:
         cells = [
             escape(_rung_name(a, data))
             + (" (analytic)" if traced and a.get("engine") == "analytic" else "")
+            + (" (needs code)" if a.get("needs") else "")
             + (" *" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
             str(a["max_micro_batch"]) if a.get("max_micro_batch") else "none",
@@ -246,6 +247,9 @@ def _alternatives(data: dict[str, Any]) -> str:
     notes = []
     if any(" *</td>" in r for r in rows):
         notes.append("* the plan")
+    # what the framework's config cannot switch on: offered, never chosen (as the terminal)
+    for need in sorted({str(n) for a in alts for n in a.get("needs") or []}):
+        notes.append(f"(needs code): never chosen; it needs {escape(need)}")
     if traced and any(a.get("engine") == "analytic" for a in alts):
         notes.append("(analytic): the trace cannot run this setup yet; the formulas answered")
     if any(a.get("throughput_source") for a in alts):
