@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from batchfit import hardware, models
-from batchfit._units import parse_size
+from batchfit._units import gib, parse_size
 from batchfit.cli._workload import ImageSizeO, sample_size
 from batchfit.cli.common import _cache_switch, _emit_json
 from batchfit.cli.options import (
@@ -70,7 +70,7 @@ def gpus(
     if headroom_bytes >= largest.memory_bytes:  # every row would say "none"
         raise UsageError(
             f"--headroom {headroom.strip()} is all of the largest GPU's memory ({largest.name}, "
-            f"{largest.memory_bytes / 2**30:.2f} GiB): keep less free, e.g. 0.5GiB"
+            f"{gib(largest.memory_bytes)}): keep less free, e.g. 0.5GiB"
         )
     info = models.resolve_model(model, setup.task)  # on its module: a test may stand in for it
     if seq_len is None and info.task != "image-classification":

@@ -172,7 +172,7 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     fitting = [
         k
         for k, alt in enumerate(alternatives)
-        if alt.max_micro_batch >= (wanted or 1) and not _needs_code(alt)
+        if alt.max_micro_batch >= (wanted or 1) and not alt.needs
     ]
     exact = [k for k in fitting if all(t.kind == "exact" for t in alternatives[k].techniques)]
 
@@ -229,11 +229,6 @@ def _simpler(alt: Alternative, micro: int, num_gpus: int) -> tuple[int, int, int
     return (int(alt.setup.offload == "optimizer+params"), first, second, len(alt.techniques))
 
 
-def _needs_code(alt: Alternative) -> bool:
-    """Whether an option needs code the framework's config cannot switch on (never chosen)."""
-    return any(t.needs for t in alt.techniques)
-
-
 def _offloads(alt: Alternative) -> bool:
     return any(t.name in OFFLOADS for t in alt.techniques)
 
@@ -255,7 +250,7 @@ def _widest(
     eligible = {
         i
         for i, a in enumerate(options)
-        if all(t.kind == "exact" for t in a.techniques) and not _needs_code(a)
+        if all(t.kind == "exact" for t in a.techniques) and not a.needs
     }
 
     def usable(i: int) -> int:

@@ -32,7 +32,7 @@ from batchfit.plan._warnings import (
     loss_warnings,
     short_run_warnings,
 )
-from batchfit.plan.request import MAX_ACCUM_STEPS, PlanRequest
+from batchfit.plan.request import PlanRequest, check_accumulation
 from batchfit.spec import TrainingSetup
 
 _SECONDS_IN_YEAR = 365.25 * 24 * 3600
@@ -218,13 +218,7 @@ def _plan(request: PlanRequest) -> Plan:
     micro = request.micro_batch_size or largest_divisor_at_most(
         per_gpu, max(fit.max_micro_batch, 1)
     )
-    if per_gpu // micro > MAX_ACCUM_STEPS:
-        raise UsageError(
-            f"{request.global_samples:,} samples per step need {per_gpu // micro:,} "
-            f"accumulation steps of micro-batch {micro} on each GPU (past the "
-            f"{MAX_ACCUM_STEPS:,} batchfit plans): give a smaller --global-batch or "
-            "--global-batch-tokens"
-        )
+    check_accumulation(request.global_samples, per_gpu // micro, micro)
     _, est = target.fits(fit.setup, micro)
     notes = [note for note in (engine_note, probe_note) if note]
     plan = _assemble(request, target, fit, micro, est, notes)

@@ -32,13 +32,17 @@ class Alternative:
     tokens_per_s_per_gpu: float | None = None
     throughput_source: str | None = None  # --throughput-from: how the probe corrected it
 
+    @property
+    def needs(self) -> list[str]:
+        """The code its techniques need that the framework's config cannot switch on (such an
+        option is never chosen; empty: the config switches every one on)."""
+        return [t.needs for t in self.techniques if t.needs]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "techniques": [t.name for t in self.techniques],
             "kinds": [t.kind for t in self.techniques],
-            # the code each technique needs that the framework's config cannot switch on
-            # (never chosen; empty: the config switches every one on)
-            "needs": [t.needs for t in self.techniques if t.needs],
+            "needs": self.needs,
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
@@ -179,7 +183,7 @@ class Plan:
                 {
                     "techniques": [t.name for t in a.techniques],
                     "exact": all(t.kind == "exact" for t in a.techniques),
-                    "needs": [t.needs for t in a.techniques if t.needs],
+                    "needs": a.needs,
                     "micro_batch_size": a.micro_batch_size,
                     "max_micro_batch": a.max_micro_batch,
                     "grad_accum_steps": per_gpu // a.micro_batch_size,

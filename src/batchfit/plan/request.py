@@ -41,6 +41,21 @@ __all__ = ["ENGINES", "PlanRequest", "samples_from_target"]
 # millisecond), and its plan would still be printed as if it were one.
 MAX_ACCUM_STEPS = 10**6
 Engine = Literal["trace", "analytic"]
+
+
+def check_accumulation(global_samples: int, steps: int, micro: int | None = None) -> None:
+    """Refuse a step of more than ``MAX_ACCUM_STEPS`` micro-batches per GPU: ``steps`` exact
+    at the fitted ``micro``, or a lower bound before the fit (``micro`` None)."""
+    if steps > MAX_ACCUM_STEPS:
+        count = f"at least {steps:,}" if micro is None else f"{steps:,}"
+        of = "" if micro is None else f" of micro-batch {micro}"
+        raise UsageError(
+            f"{global_samples:,} samples per step need {count} accumulation steps{of} on each "
+            f"GPU (past the {MAX_ACCUM_STEPS:,} batchfit plans): give a smaller --global-batch "
+            "or --global-batch-tokens"
+        )
+
+
 ENGINES: tuple[Engine, ...] = ("trace", "analytic")
 _IMAGE_TASK = "image-classification"
 
@@ -281,13 +296,8 @@ class PlanRequest:
         if micro is None and isinstance(model, ModelInfo) and model.task != _IMAGE_TASK:
             per_sample = 2 * model.arch.hidden_size * max(self.sample_size, 1)
             micro = max(1, self.gpu.memory_bytes // per_sample)
-        if micro is None or per_gpu // micro <= MAX_ACCUM_STEPS:
-            return
-        raise UsageError(
-            f"{self.global_samples:,} samples per step need at least {per_gpu // micro:,} "
-            f"accumulation steps on each GPU (past the {MAX_ACCUM_STEPS:,} batchfit plans): "
-            "give a smaller --global-batch or --global-batch-tokens"
-        )
+        if micro is not None:
+            check_accumulation(self.global_samples, per_gpu // micro)
 
     def _check_headroom(self) -> None:
         """A size or bytes from 0, less than the GPU's memory; "auto" is checked when read."""

@@ -176,7 +176,7 @@ def _alternatives(p: Plan) -> None:
             + "; each row is timed at the largest micro-batch that divides the per-GPU "
             "batch (timed at)" + ("; run and cost for the whole run" if steps else "")
         )
-    needs = sorted({t.needs for a in p.alternatives for t in a.techniques if t.needs})
+    needs = sorted({need for a in p.alternatives for need in a.needs})
     for need in needs:  # what the config cannot switch on: offered, never chosen
         render.out.print(f"(needs code): never chosen; it needs {escape(need)}")
     if traced and any(alt.engine == "analytic" for alt in p.alternatives):
@@ -216,7 +216,7 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
         table.add_row(
             _rung_name(alt, p.num_gpus)
             + (" (analytic)" if traced and alt.engine == "analytic" else "")
-            + (" (needs code)" if any(t.needs for t in alt.techniques) else "")
+            + (" (needs code)" if alt.needs else "")
             + (" *" if alt.techniques == p.techniques else ""),
             "changes-training" if "changes-training" in kinds else "exact",
             str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
