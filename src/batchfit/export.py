@@ -175,7 +175,6 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
     elif setup.sharding == "fsdp":
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
-            "fsdp_version": setup.fsdp_version or 2,
             **_accelerate_fsdp_layout(setup.fsdp_version or 2),
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_offload_params": setup.offload != "none",
@@ -188,14 +187,15 @@ def accelerate_config(plan: Plan) -> dict[str, Any]:
 
 
 def _accelerate_fsdp_layout(version: int) -> dict[str, Any]:
-    """The wrapping the plan traced, as accelerate's config spells it."""
+    """The FSDP version and the wrapping the plan traced, as accelerate's config spells them."""
     if version == 2:
         # FSDP2 (accelerate 1.15 FullyShardedDataParallelPlugin, fsdp_version=2): a bool
         # reshard_after_forward replaces FSDP1's sharding strategy (True = FULL_SHARD)
-        return {"fsdp_reshard_after_forward": True}
+        return {"fsdp_version": 2, "fsdp_reshard_after_forward": True}
     # FSDP1: accelerate 1.15 utils/dataclasses.py:1892 and :1938 default backward_prefetch to
     # none and use_orig_params to False; the trace runs BACKWARD_PRE and the original parameters
     return {
+        "fsdp_version": 1,
         "fsdp_sharding_strategy": "FULL_SHARD",
         "fsdp_backward_prefetch": "BACKWARD_PRE",
         "fsdp_use_orig_params": True,
