@@ -11,7 +11,6 @@ from typing import Any, overload
 
 from batchfit import calibration
 from batchfit._units import gib
-from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
 from batchfit.memory.types import MemoryEstimate
@@ -19,6 +18,7 @@ from batchfit.models import ModelInfo
 from batchfit.plan._choice import _climb
 from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, choose
+from batchfit.plan._limits import check_accumulation, check_run_length
 from batchfit.plan._lr_scaling import follow_batch
 from batchfit.plan._own import OwnModel
 from batchfit.plan._target import _Fit, _Target, timed
@@ -32,12 +32,8 @@ from batchfit.plan._warnings import (
     loss_warnings,
     short_run_warnings,
 )
-from batchfit.plan.request import PlanRequest, check_accumulation
+from batchfit.plan.request import PlanRequest
 from batchfit.spec import TrainingSetup
-
-_SECONDS_IN_YEAR = 365.25 * 24 * 3600
-# A run past a thousand years is a typo in its length, not a plan.
-MAX_RUN_SECONDS = 1000 * _SECONDS_IN_YEAR
 
 
 @overload
@@ -222,13 +218,7 @@ def _plan(request: PlanRequest) -> Plan:
     _, est = target.fits(fit.setup, micro)
     notes = [note for note in (engine_note, probe_note) if note]
     plan = _assemble(request, target, fit, micro, est, notes)
-    run = plan.train_seconds
-    if run is not None and run > MAX_RUN_SECONDS:
-        raise UsageError(
-            f"the run would take {run / _SECONDS_IN_YEAR:,.0f} years on {plan.num_gpus} "
-            f"GPU(s) ({plan.train_steps:,} steps of ~{plan.step_seconds:.3g} s): give a "
-            "shorter --train-tokens or --epochs x --dataset-size"
-        )
+    check_run_length(plan.train_steps, plan.step_seconds, plan.num_gpus)
     return plan
 
 

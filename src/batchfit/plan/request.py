@@ -24,6 +24,7 @@ from batchfit.memory.estimate import check_workload
 from batchfit.models import ModelInfo
 from batchfit.plan._divisors import MAX_N, divisors_near
 from batchfit.plan._gpu_count import DEFAULT_MAX_GPUS, gpu_counts
+from batchfit.plan._limits import check_accumulation
 from batchfit.plan._lr_scaling import DEFAULT_BETAS, DEFAULT_EPS, lr_options
 from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES
 from batchfit.plan._own import OwnModel, own_model
@@ -37,25 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINES", "PlanRequest", "samples_from_target"]
 
-# Past a million micro-batches per step a run is a typo (a step of hours at a micro-batch's
-# millisecond), and its plan would still be printed as if it were one.
-MAX_ACCUM_STEPS = 10**6
 Engine = Literal["trace", "analytic"]
-
-
-def check_accumulation(global_samples: int, steps: int, micro: int | None = None) -> None:
-    """Refuse a step of more than ``MAX_ACCUM_STEPS`` micro-batches per GPU: ``steps`` exact
-    at the fitted ``micro``, or a lower bound before the fit (``micro`` None)."""
-    if steps > MAX_ACCUM_STEPS:
-        count = f"at least {steps:,}" if micro is None else f"{steps:,}"
-        of = "" if micro is None else f" of micro-batch {micro}"
-        raise UsageError(
-            f"{global_samples:,} samples per step need {count} accumulation steps{of} on each "
-            f"GPU (past the {MAX_ACCUM_STEPS:,} batchfit plans): give a smaller --global-batch "
-            "or --global-batch-tokens"
-        )
-
-
 ENGINES: tuple[Engine, ...] = ("trace", "analytic")
 _IMAGE_TASK = "image-classification"
 
