@@ -41,7 +41,7 @@ def tiny(tmp_path):
 
 
 def test_the_4bit_layer_stores_nf4_and_dequantises_a_transient_weight():
-    layer = Linear4bit(torch.nn.Linear(256, 512, bias=False), torch.bfloat16)
+    layer = Linear4bit(torch.nn.Linear(256, 512, bias=False), torch.bfloat16, torch.uint8)
     stored = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
     n = 256 * 512
     # the packed codes and statistics, plus the two fixed code tables (256 + 16 fp32)

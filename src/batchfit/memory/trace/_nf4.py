@@ -2,8 +2,9 @@
 
 What is emulated (bitsandbytes need not be installed, and its CUDA kernels cannot run here):
 
-- storage (``Params4bit`` with ``quant_storage=uint8``): the NF4 codes packed two per byte,
-  ``(n + 1) // 2`` bytes for ``n`` weights; with double quantisation (``bnb_4bit_use_double_quant``,
+- storage (``Params4bit`` with ``quant_storage=uint8``, or a 16-bit dtype under FSDP as the
+  FSDP-QLoRA recipes set it): the NF4 codes packed two per byte, ``(n + 1) // 2`` bytes for
+  ``n`` weights; with double quantisation (``bnb_4bit_use_double_quant``,
   batchfit's export sets it) each 64-weight block's absmax is itself quantised to 8 bits, with an
   fp32 absmax per 256 blocks and a 256-entry fp32 code (``functional.quantize_4bit``,
   ``compress_statistics=True``, ``blocksize=64``; the nested blocksize is 256);
@@ -70,13 +71,17 @@ class Linear4bit(torch.nn.Linear):
     It stays an ``nn.Linear`` so peft wraps it with LoRA as it wraps bitsandbytes' layer.
     """
 
-    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self, linear: torch.nn.Linear, compute_dtype: torch.dtype, storage: torch.dtype
+    ) -> None:
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         device = linear.weight.device
         n = self.in_features * self.out_features
         blocks = math.ceil(n / NF4_BLOCK)
-        packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=device)
+        # the packed bytes as ``storage`` elements (bnb_4bit_quant_storage)
+        elements = math.ceil((n + 1) // 2 / storage.itemsize)
+        packed = torch.empty((elements, 1), dtype=storage, device=device)
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
         if self.bias is not None:
@@ -107,11 +112,17 @@ class Linear4bit(torch.nn.Linear):
 
 
 def quantize_linears(
-    net: torch.nn.Module, compute_dtype: torch.dtype, *, with_head: bool = False
+    net: torch.nn.Module,
+    compute_dtype: torch.dtype,
+    *,
+    with_head: bool = False,
+    storage: torch.dtype = torch.uint8,
 ) -> int:
     """Replace every ``nn.Linear`` of ``net`` but its output head with :class:`Linear4bit`
     (transformers' bitsandbytes quantizer skips the head; ``with_head``: Lightning's plugin
-    does not, unless the head is tied to the embeddings); returns how many were replaced."""
+    does not, unless the head is tied to the embeddings); returns how many were replaced.
+    ``storage``: the dtype the packed codes are stored as (bnb_4bit_quant_storage; a 16-bit
+    one under FSDP, which flattens floating-point parameters only)."""
     get_head = getattr(net, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     get_embeddings = getattr(net, "get_input_embeddings", None)
@@ -123,7 +134,7 @@ def quantize_linears(
             if (name in HEAD_NAMES or child is head) and (tied or not with_head):
                 continue
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, Linear4bit(child, compute_dtype))
+                setattr(parent, name, Linear4bit(child, compute_dtype, storage))
                 replaced += 1
             elif type(child).__name__ == "Conv1D" and getattr(child, "weight", None) is not None:
                 # GPT-2's transposed linear: transformers' quantizer converts it too
@@ -132,7 +143,7 @@ def quantize_linears(
                 in_features, out_features = weight.shape
                 shell = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
                 shell.bias = child.bias  # type: ignore[assignment]
-                layer = Linear4bit(shell, compute_dtype)
+                layer = Linear4bit(shell, compute_dtype, storage)
                 layer.weight = torch.nn.Parameter(
                     torch.empty_like(layer.weight, device=weight.device), requires_grad=False
                 )

@@ -82,15 +82,15 @@ def shard(net: torch.nn.Module, setup: TrainingSetup, mesh: Any) -> torch.nn.Mod
 
 
 def _shard_v1(net: torch.nn.Module, setup: TrainingSetup) -> torch.nn.Module:
-    """FSDP1 as ``accelerate`` builds it: one FlatParameter per decoder layer and one for the
-    root, ``use_orig_params=True``, FULL_SHARD, BACKWARD_PRE; under AMP its ``MixedPrecision``
+    """FSDP1 as ``accelerate`` builds it: one FlatParameter per decoder layer (and per LoRA
+    leaf, as peft's wrap policy) and one for the root, ``use_orig_params=True``, FULL_SHARD, BACKWARD_PRE; under AMP its ``MixedPrecision``
     (16-bit parameters, reductions and buffers) and fp32 flat parameters where any part
     trains."""
     # lazy: torch (~1 s): the trace engine's cached path reads is_fsdp without it
     import torch
     from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import CustomPolicy
 
     from batchfit.memory.trace.dry_run import layer_stacks
 
@@ -98,11 +98,21 @@ def _shard_v1(net: torch.nn.Module, setup: TrainingSetup) -> torch.nn.Module:
     # accelerate utils/dataclasses.py:2136-2142: param, reduce and buffer dtype all the 16-bit one
     policy = MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low) if low else None
     layers = {type(layer) for stack in layer_stacks(net) for layer in stack}
+
+    def own_unit(module: torch.nn.Module) -> bool:
+        # accelerate TRANSFORMER_BASED_WRAP: the model's decoder layer classes; with an
+        # adapter, peft's fsdp_auto_wrap_policy (which transformers' Trainer installs for a
+        # PEFT model, distributed/fsdp.py update_fsdp_plugin_peft) also wraps each leaf whose
+        # weight trains (lora_A, lora_B): the layer's flat parameter stays frozen
+        weight = getattr(module, "weight", None)
+        trains = isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+        leaf = next(module.children(), None) is None
+        return type(module) in layers or (setup.is_lora and leaf and trains)
+
     try:
         wrapped = FSDP(
             net,
-            # accelerate TRANSFORMER_BASED_WRAP: the model's decoder layer classes
-            auto_wrap_policy=ModuleWrapPolicy(layers),
+            auto_wrap_policy=CustomPolicy(own_unit),
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
             mixed_precision=policy,

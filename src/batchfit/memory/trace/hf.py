@@ -206,7 +206,10 @@ def _quantize(net: torch.nn.Module, setup: TrainingSetup) -> None:
     compute = torch.float16 if setup.precision in ("fp16", "amp-fp16") else torch.bfloat16
     # (the fused loss reads the head's weight itself: it keeps the head 16-bit)
     with_head = setup.conventions.quantizes_head and setup.loss != "fused"
-    quantize_linears(net, compute, with_head=with_head)
+    # FSDP flattens floating-point parameters only: the FSDP-QLoRA recipes store the codes
+    # in the 16-bit dtype (bnb_4bit_quant_storage; transformers' update_fsdp_plugin_peft)
+    storage = compute if is_fsdp(setup) else torch.uint8
+    quantize_linears(net, compute, with_head=with_head, storage=storage)
     if setup.kbit_upcast:
         upcast_unquantised(net)
 
