@@ -54,9 +54,32 @@ def test_each_alternative_s_largest_micro_batch_is_estimate_s_verdict_analytic(c
     assert _check_alternatives(plan, capsys) >= 4
 
 
+GPT2_T4 = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"]
+
+
 @pytest.mark.slow
 def test_each_alternative_s_largest_micro_batch_is_estimate_s_verdict_traced(capsys):
-    args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"]
-    plan = _json(args, capsys)
+    plan = _json([*GPT2_T4, "--alternatives", "traced"], capsys)
     assert plan["engine"] == "trace"
+    assert not any(alt["from_lines"] for alt in plan["alternatives"])
     assert _check_alternatives(plan, capsys) >= 2
+
+
+@pytest.mark.slow
+def test_by_default_only_the_chosen_alternative_is_traced_at_its_size(capsys):
+    """The default sizes the alternatives from their peak moments' lines (marked
+    ``from_lines``); the choice is traced at its size and confirmed, as ``estimate`` says; a
+    lines figure is within a size of the trace's verdict."""
+    plan = _json(GPT2_T4, capsys)
+    wanted = plan["headroom_wanted_bytes"]
+    guessed = [alt for alt in plan["alternatives"] if alt["from_lines"]]
+    assert guessed and all(alt["engine"] == "trace" for alt in guessed)
+    for alt in guessed[:2]:  # the lines' size is the trace's verdict or one off it
+        size, args = alt["max_micro_batch"], alt["estimate_args"]
+        below = _json(["estimate", *_with_micro(args, max(size - 1, 1))], capsys)
+        above = _json(["estimate", *_with_micro(args, size + 2)], capsys)
+        assert below["headroom_bytes"] >= wanted > above["headroom_bytes"], alt
+    for row in plan["candidates"]:
+        if row["chosen"]:
+            est = _json(["estimate", *row["estimate_args"]], capsys)
+            assert est["device_total_bytes"] == plan["device_total_bytes"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, cast
 
 import typer
 
@@ -42,6 +42,7 @@ from batchfit.plan import (
     parse_betas,
     read_probe,
 )
+from batchfit.plan.request import ALTERNATIVES
 from batchfit.spec import TrainingSetup, check_choice
 
 GpuArg = Annotated[
@@ -134,6 +135,16 @@ MaxGpusO = Annotated[
         "--max-gpus", help="With --num-gpus auto: the most GPUs tried (1, 2, 4, ... and it)."
     ),
 ]
+AlternativesO = Annotated[
+    str | None,
+    typer.Option(
+        "--alternatives",
+        help="lines|traced: each alternative's largest micro-batch from its peak moments' "
+        "lines through traced sizes 1 and 2 (marked ~; the chosen one is traced at its size), "
+        "or each traced at its size and the next as the choice is (slower). Default: lines, "
+        "traced with --report.",
+    ),
+]
 ReportO = Annotated[
     Path | None,
     typer.Option(
@@ -176,6 +187,7 @@ def plan(
     throughput_from: ThroughputFromO = None,
     max_gpus: MaxGpusO = DEFAULT_MAX_GPUS,
     report: ReportO = None,
+    alternatives: AlternativesO = None,
     as_json: JsonO = False,
     num_gpus_auto: bool = False,
 ) -> None:
@@ -204,6 +216,7 @@ def plan(
         critical_batch_tokens=critical_batch_tokens,
         headroom_bytes=headroom,
         engine=looked_up.engine,
+        alternatives=_alternatives(alternatives, report),
         train_tokens=run_tokens,
         epochs=epochs,
         dataset_size=dataset_size,
@@ -213,6 +226,13 @@ def plan(
     with _cache_switch(no_cache, verbose) as stage:
         result = make_plan(request, progress=stage, warn=_warn)
     _answer(result, looked_up, export_kind, out, report, as_json)
+
+
+def _alternatives(given: str | None, report: Path | None) -> Literal["lines", "traced"]:
+    """--alternatives as given; by default traced for the report (it shows each alternative's
+    figure), from the lines otherwise."""
+    mode = given or ("traced" if report is not None else "lines")
+    return cast(Literal["lines", "traced"], check_choice("--alternatives", mode, ALTERNATIVES))
 
 
 def _check_outputs(

@@ -94,9 +94,10 @@ def _dial_options(
             alt = target.alternative(combo, setup)
         except UsageError:
             continue
-        if alt.max_micro_batch >= (wanted or 1):
+        offered = every is not None and not selectable  # needs code: offered, never chosen
+        if alt.max_micro_batch >= (wanted or 1) and not offered:
             alt = target.confirmed(alt)  # the lines' answer is a what-if
-        if every is not None and not selectable:
+        if offered:
             needs_code.append(replace(alt, comm_bytes_per_step=target.comm(alt.setup)))
             if alt.max_micro_batch >= (wanted or 1):
                 continue

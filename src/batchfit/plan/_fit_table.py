@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
+from batchfit.memory.fit import predict
 from batchfit.memory.formulas.analytic import resolve_setup
+from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._ladder import (
     FUSED_ADAMW,
@@ -45,6 +47,9 @@ class FitRow:
     # batch of REFERENCE_BATCH_TOKENS (None: not predicted)
     seconds_per_billion_tokens: float | None = None
     choice: str = ""  # which branch of FIT_RULE chose the row's techniques
+    # True: the size and its figure come from each peak moment's line through traced sizes 1
+    # and 2 (shared by every GPU of one kind), not from a trace at that size
+    from_lines: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +63,7 @@ class FitRow:
             "note": self.note or None,
             "seconds_per_billion_tokens": self.seconds_per_billion_tokens,
             "choice": self.choice or None,
+            "from_lines": self.from_lines,
             "rule": FIT_RULE,
         }
 
@@ -112,12 +118,38 @@ class _OnGpu:
     seq_len: int
     headroom_bytes: int
     engine: str
+    seen: dict[Combo, tuple[int, int, MemoryEstimate, bool]] = field(default_factory=dict)
 
     def largest(self, combo: Combo) -> int:
         """The largest micro-batch of ``combo`` by the row's engine."""
-        find = max_micro_batch_traced if self.engine == "trace" else max_micro_batch
+        return self.sized(combo)[0]
+
+    def sized(self, combo: Combo) -> tuple[int, int, MemoryEstimate, bool]:
+        """``combo``'s largest micro-batch, the device total there, the estimate at size 1
+        (its setup and engine) and whether the size comes from the lines.
+
+        By the trace engine, from each peak moment's line through traced sizes 1 and 2: the
+        same two dry runs serve every GPU with the same cuBLAS workspace and precision, where
+        a search would trace each GPU's own sizes; by the formulas, searched."""
+        if combo not in self.seen:
+            self.seen[combo] = self._size(combo)
+        return self.seen[combo]
+
+    def _size(self, combo: Combo) -> tuple[int, int, MemoryEstimate, bool]:
         setup = apply(self.setup, combo)
-        return find(self.model, setup, self.gpu, self.seq_len, None, self.headroom_bytes)
+        args = (self.model, setup, self.gpu)
+        one = fits(*args, 1, self.seq_len, 1, self.headroom_bytes, self.engine)[1]
+        if self.engine == "trace":
+            two = fits(*args, 2, self.seq_len, 1, self.headroom_bytes, self.engine)[1]
+            budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
+            lines = predict(one, two, budget)
+            if lines is not None:
+                return lines[0], lines[1], one, lines[0] > 0
+            best = max_micro_batch_traced(*args, self.seq_len, None, self.headroom_bytes)
+        else:
+            best = max_micro_batch(*args, self.seq_len, None, self.headroom_bytes)
+        at = fits(*args, max(best, 1), self.seq_len, 1, self.headroom_bytes, self.engine)[1]
+        return best, at.device_total_bytes, one, False
 
     def per_billion(self, combo: Combo, micro: int) -> float:
         """Seconds per 1B tokens at ``micro``, offload penalised by ``OFFLOAD_MARGIN``."""
@@ -160,17 +192,17 @@ def _row(
     techniques, best, choice = _fastest_exact(row, exact)
     if not best:
         techniques, best, choice = _changes_training(row, combos, exact)
-    chosen = apply(setup, techniques)
-    _, est = fits(model, chosen, gpu, max(best, 1), seq_len, 1, headroom_bytes, engine)
+    _, total, est, from_lines = row.sized(techniques)
     return FitRow(
         gpu,
         est.setup.precision,
         best,
-        est.device_total_bytes,
+        total,
         techniques,
         est.engine,
         seconds_per_billion_tokens=_per_billion(model, est.setup, gpu, best, seq_len),
         choice=choice,
+        from_lines=from_lines,
     )
 
 

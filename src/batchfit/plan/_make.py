@@ -209,7 +209,7 @@ def _plan(request: PlanRequest) -> Plan:
     measured, probe_note = bind(request.throughput_from, model, gpu, setup, seq)
     engine, engine_note = usable_engine(request.engine)
     per_gpu = request.per_gpu_samples
-    target = _Target(model, gpu, seq, per_gpu, headroom, engine, measured)
+    target = _Target(model, gpu, seq, per_gpu, headroom, engine, measured, request.alternatives)
     fit = _climb(target, setup, request.micro_batch_size)
     micro = request.micro_batch_size or largest_divisor_at_most(
         per_gpu, max(fit.max_micro_batch, 1)

@@ -44,6 +44,9 @@ class _Target:
 
     engine: str
     measured: Measured | None = None  # --throughput-from: the probe's correction
+    # "lines": an alternative's size from the peak moments' lines, traced only when chosen;
+    # "traced": each alternative searched and confirmed as the plan's own choice is
+    alternatives: str = "lines"
 
     def timed_micro(self, max_micro: int, wanted: int | None) -> int:
         """The micro-batch an option is timed at: the one asked for, else the largest that
@@ -81,37 +84,46 @@ class _Target:
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
         """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
 
-        By the trace engine, from each peak moment's line through sizes 1 and 2, then traces at
-        that size and the one after it: where the lines' size does not fit, or the next one
-        does too, the size is searched upward and confirmed as the plan's own is (its figure is
-        ``estimate``'s verdict); by the formulas when the trace cannot run the setup.
+        By the trace engine, from each peak moment's line through sizes 1 and 2 (``from_lines``:
+        two dry runs whatever the size, the default ``alternatives="lines"``); with
+        ``alternatives="traced"``, then traces at that size and the one after it: where the
+        lines' size does not fit, or the next one does too, the size is searched upward and
+        confirmed as the plan's own is (its figure is ``estimate``'s verdict). By the formulas
+        when the trace cannot run the setup.
         """
         if self.engine == "trace":
             one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
             budget = self.gpu.memory_bytes - max(self.headroom, 1)
             lines = predict(one, two, budget, self.per_gpu)
             if lines is not None:
-                if lines[0] == 0:
+                if lines[0] == 0:  # size 1 was traced: it does not fit
                     return Alternative(combo, setup, 0, lines[1], two.engine)
+                if self.alternatives == "lines":
+                    return Alternative(combo, setup, *lines, two.engine, from_lines=True)
                 size = lines[0]
                 ok, est = self.fits(setup, size)
                 alt = Alternative(combo, setup, size, est.device_total_bytes, est.engine)
                 if ok and (size >= self.per_gpu or not self.fits(setup, size + 1)[0]):
                     return alt
-                return self.confirmed(alt)
+                return self.confirmed(replace(alt, from_lines=True))
         best = self.max_micro(setup)
         _, est = self.fits(setup, max(best, 1))
         return Alternative(combo, setup, best, est.device_total_bytes, est.engine)
 
     def confirmed(self, alt: Alternative) -> Alternative:
         """``alt`` with its largest micro-batch searched and confirmed as the plan's own is
-        (the trace at the answer fits, the size after it does not); as is by the formulas."""
-        if self.engine != "trace":
+        (the trace at the answer fits, the size after it does not); as is where that holds
+        already (``alt.from_lines`` False) and by the formulas."""
+        if self.engine != "trace" or not alt.from_lines:
             return alt
         best = self.max_micro(alt.setup)
         _, est = self.fits(alt.setup, max(best, 1))
         return replace(
-            alt, max_micro_batch=best, device_total_bytes=est.device_total_bytes, engine=est.engine
+            alt,
+            max_micro_batch=best,
+            device_total_bytes=est.device_total_bytes,
+            engine=est.engine,
+            from_lines=False,
         )
 
     def comm(self, setup: TrainingSetup) -> int:

@@ -31,6 +31,9 @@ class Alternative:
     step_seconds: float | None = None
     tokens_per_s_per_gpu: float | None = None
     throughput_source: str | None = None  # --throughput-from: how the probe corrected it
+    # True: the largest micro-batch and its figure come from each peak moment's line through
+    # traced sizes 1 and 2, not from traces at that size (``alternatives="lines"``)
+    from_lines: bool = False
 
     @property
     def needs(self) -> list[str]:
@@ -46,6 +49,7 @@ class Alternative:
             "max_micro_batch": self.max_micro_batch,
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
+            "from_lines": self.from_lines,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "micro_batch_size": self.micro_batch_size,
             "step_seconds": self.step_seconds,

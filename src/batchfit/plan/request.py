@@ -31,7 +31,7 @@ from batchfit.plan._own import OwnModel, own_model
 from batchfit.plan._prices import GpuHourPrice
 from batchfit.plan._prices import gpu_hour_price as _hour_price
 from batchfit.plan._throughput import ProbeFile
-from batchfit.spec import TrainingSetup
+from batchfit.spec import TrainingSetup, check_choice
 
 if TYPE_CHECKING:
     from batchfit.lengths import LengthsSummary
@@ -40,6 +40,7 @@ __all__ = ["ENGINES", "PlanRequest", "samples_from_target"]
 
 Engine = Literal["trace", "analytic"]
 ENGINES: tuple[Engine, ...] = ("trace", "analytic")
+ALTERNATIVES = ("lines", "traced")  # how a plan's alternatives are sized (PlanRequest)
 _IMAGE_TASK = "image-classification"
 
 
@@ -68,6 +69,9 @@ class PlanRequest:
             as a fraction of the GPU's memory, which ``make_plan`` reads.
         engine: ``"trace"`` (a dry run; the formulas answer, and say so, without torch) or
             ``"analytic"``.
+        alternatives: ``"lines"`` (each alternative's largest micro-batch from its peak
+            moments' lines through traced sizes 1 and 2; only the chosen one is traced at
+            its size) or ``"traced"`` (each searched and confirmed as the choice is).
         train_tokens: Tokens of the whole run (adds its steps, time and cost).
         train_samples: Samples of the whole run (or ``epochs`` with ``dataset_size``).
         epochs: Passes over ``dataset_size`` samples: the run's length.
@@ -110,6 +114,7 @@ class PlanRequest:
     critical_batch_tokens: int | None = None
     headroom_bytes: int | str = DEFAULT_HEADROOM_BYTES
     engine: Engine = "trace"
+    alternatives: Literal["lines", "traced"] = "lines"  # one of ALTERNATIVES
     train_tokens: int | None = None
     train_samples: int | None = None
     epochs: float | None = None
@@ -154,6 +159,7 @@ class PlanRequest:
             raise UsageError(f"setup must be a TrainingSetup, got {self.setup!r}")
         if self.engine not in ENGINES:
             raise UsageError(f"engine must be 'trace' or 'analytic', got {self.engine!r}")
+        check_choice("--alternatives", self.alternatives, ALTERNATIVES)
 
     def _check_model(self) -> None:
         """A catalog model takes its sample size; your own module its batches."""

@@ -154,12 +154,13 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
             overflow="fold",
         )
     for r in rows:
+        mark = "~" if r.from_lines else ""
         table.add_row(
             r.gpu.name,
             gib_figure(r.gpu.memory_bytes),
             r.precision,
-            str(r.max_micro_batch) if r.max_micro_batch else "[red]none[/]",
-            "-" if r.note else gib_figure(r.device_total_bytes),
+            f"{mark}{r.max_micro_batch}" if r.max_micro_batch else "[red]none[/]",
+            "-" if r.note else mark + gib_figure(r.device_total_bytes),
             "-"
             if r.seconds_per_billion_tokens is None
             else f"{r.seconds_per_billion_tokens / 3600:,.1f}",
@@ -212,3 +213,8 @@ def _fit_notes(rows: list[FitRow], engine: str) -> None:
         render.out.print("* changes what is learned; the others are exact")
     if any(r.engine != engine for r in rows):
         render.out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
+    if any(r.from_lines for r in rows):
+        render.out.print(
+            "~: by each peak moment's line through traced micro-batch 1 and 2, not traced at "
+            "that size (batchfit plan MODEL --gpu GPU traces its choice)"
+        )

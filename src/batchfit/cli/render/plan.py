@@ -190,12 +190,16 @@ def _alternatives(p: Plan) -> None:
 
 
 def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
-    how = (
-        "; trace engine: each peak moment's line through micro-batch 1 and 2, then "
-        "traced at that size (searched again where it did not fit)"
-        if p.estimate.engine == "trace"
-        else ""
-    )
+    how = ""
+    if p.estimate.engine == "trace":
+        how = (
+            "; trace engine: each peak moment's line through micro-batch 1 and 2"
+            + (
+                "; ~: not traced at that size (--alternatives traced traces each)"
+                if any(alt.from_lines for alt in p.alternatives)
+                else ", then traced at that size (searched again where it did not fit)"
+            )
+        )
     order = "exact first, then by s / step" if timed else "exact rungs first"
     table = Table(title=f"Alternatives ({order}{how})", title_justify="left")
     table.add_column("techniques", overflow="fold")
@@ -213,14 +217,15 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
             table.add_column("cost", justify="right")
     for alt in ranked(p.alternatives):
         kinds = {t.kind for t in alt.techniques}
+        mark = "~" if alt.from_lines else ""
         table.add_row(
             _rung_name(alt, p.num_gpus)
             + (" (analytic)" if traced and alt.engine == "analytic" else "")
             + (" (needs code)" if alt.needs else "")
             + (" *" if alt.techniques == p.techniques else ""),
             "changes-training" if "changes-training" in kinds else "exact",
-            str(alt.max_micro_batch) if alt.max_micro_batch else "[red]none[/]",
-            gib_figure(alt.device_total_bytes),
+            f"{mark}{alt.max_micro_batch}" if alt.max_micro_batch else "[red]none[/]",
+            mark + gib_figure(alt.device_total_bytes),
             *(_timed_cells(p, alt) if timed else ()),
         )
     return table
