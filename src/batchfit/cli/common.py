@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,13 @@ from batchfit.errors import UsageError
 
 
 @contextlib.contextmanager
-def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[Callable[[str], None]]:
+def _cache_switch(
+    no_cache: bool, verbose: bool = False, quiet: bool = False
+) -> Iterator[Callable[[str], None]]:
     """The trace cache off for this command when --no-cache is given, its notes on stderr
-    with --verbose; each dry run shown as progress on a terminal (they take seconds). Yields
-    the function that names the stage the dry runs belong to (shown before each)."""
+    with --verbose; each dry run shown as progress on a terminal (they take seconds), unless
+    ``quiet`` (--json). Yields the function that names the stage the dry runs belong to
+    (shown before each)."""
     # logging, the cache, the trace engine and rich load when a command runs, not for --help
     import logging
 
@@ -35,10 +39,15 @@ def _cache_switch(no_cache: bool, verbose: bool = False) -> Iterator[Callable[[s
             _cache.log.addHandler(handler)
             _cache.log.setLevel(logging.INFO)
             stack.callback(_cache.log.removeHandler, handler)
-        status = stack.enter_context(render.progress("dry runs"))
+        status = stack.enter_context(render.progress("dry runs", shown=not quiet))
         stage = [""]
+        runs = [0]
+        start = time.monotonic()
 
         def named(text: str) -> None:
+            # how many dry runs so far and for how long: a search has no count known ahead
+            runs[0] += 1
+            text = f"{text} (dry run {runs[0]}, {time.monotonic() - start:.0f} s)"
             status(f"{stage[0]}: {text}" if stage[0] else text)
 
         def set_stage(text: str) -> None:

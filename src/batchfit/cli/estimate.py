@@ -115,7 +115,7 @@ def estimate(
     seq, lengths_seen = sample_size(
         info, seq_len=seq_len, image_size=image_size, lengths=lengths, padding=padding
     )
-    with _cache_switch(no_cache, verbose):
+    with _cache_switch(no_cache, verbose, quiet=as_json):
         result = run_estimate(
             info,
             setup,

@@ -78,7 +78,7 @@ def gpus(
     seq_len, _ = sample_size(info, seq_len=seq_len, image_size=image_size)
     check_workload(info, 1, seq_len)
     engine_name = parse_engine(engine)
-    with _cache_switch(no_cache, verbose):
+    with _cache_switch(no_cache, verbose, quiet=as_json):
         rows = fit_table(
             info,
             setup,

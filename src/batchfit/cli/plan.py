@@ -223,7 +223,7 @@ def plan(
         gpu_hour_price=gpu_hour_price,
         throughput_from=read_probe(throughput_from) if throughput_from is not None else None,
     )
-    with _cache_switch(no_cache, verbose) as stage:
+    with _cache_switch(no_cache, verbose, quiet=as_json) as stage:
         result = make_plan(request, progress=stage, warn=_warn)
     _answer(result, looked_up, export_kind, out, report, as_json)
 

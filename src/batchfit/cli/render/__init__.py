@@ -44,10 +44,10 @@ err = _Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.st
 
 
 @contextlib.contextmanager
-def progress(what: str) -> Iterator[Callable[[str], None]]:
-    """A one-line status on stderr while ``what`` runs, on a terminal only; yields the
-    function that updates it."""
-    if not err.is_terminal:
+def progress(what: str, shown: bool = True) -> Iterator[Callable[[str], None]]:
+    """A one-line status on stderr while ``what`` runs, on a terminal only (and only when
+    ``shown``); yields the function that updates it."""
+    if not shown or not err.is_terminal:
         yield lambda _text: None
         return
     with err.status(what) as status:
