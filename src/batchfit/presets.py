@@ -37,6 +37,10 @@ class Preset:
             fp32, and checkpointing is switched on unless the recipe turns it off.
         quantizes_head: its 4-bit QLoRA quantises the output head too (transformers keeps it
             16-bit).
+        liger_switch: its config switches Liger's fused loss on (HF Trainer's
+            ``use_liger_kernel``); without it the planner offers the fused loss as needing code.
+        chunked_switch: its config switches a chunked loss on (torchtune's loss component,
+            axolotl's ``chunked_cross_entropy``); without it, offered as needing code.
     """
 
     name: str
@@ -51,7 +55,16 @@ class Preset:
     selects_ckpt_layers: bool = False
     kbit_prepare: bool = False
     quantizes_head: bool = False
+    liger_switch: bool = False
+    chunked_switch: bool = False
 
+
+# transformers 5.24.0 (PyPI wheel): the fused loss is a TrainingArguments switch; a chunked
+# loss has none (compute_loss runs the model's own full-vocabulary loss)
+_LIGER_SOURCES = (
+    "losses: training_args.py use_liger_kernel (Liger's fused linear cross-entropy; "
+    "liger-kernel installed); no chunked-loss option",
+)
 
 # peft 0.21.2 (PyPI wheel), utils/other.py, and the recipes that call it on a 4-bit model
 _KBIT_SOURCES = (
@@ -85,10 +98,12 @@ PRESETS: dict[str, Preset] = {
                 "accelerator.clip_grad_norm_ every step",
                 *_KBIT_SOURCES,
                 'fsdp: training_args.py:2826 `fsdp_config.get("version", 2)` (FSDP1 deprecated)',
+                *_LIGER_SOURCES,
             ),
             outputs_fp32=True,
             clips_grad_norm=True,
             kbit_prepare=True,
+            liger_switch=True,
         ),
         Preset(
             "accelerate",
@@ -168,6 +183,7 @@ PRESETS: dict[str, Preset] = {
             pure_bf16=True,
             no_bf16_precision="amp-fp16",
             plans_deepspeed=False,
+            chunked_switch=True,
             quantizes_head=True,
         ),
         Preset(
@@ -202,6 +218,7 @@ PRESETS: dict[str, Preset] = {
             qlora_needs_bf16=True,
             plans_deepspeed=False,
             selects_ckpt_layers=True,
+            chunked_switch=True,
         ),
         Preset(
             "axolotl",
@@ -218,8 +235,12 @@ PRESETS: dict[str, Preset] = {
                 "adapters: loaders/adapter.py:368-385 get_peft_model with peft's default "
                 "autocast_adapter_dtype (fp32)",
                 "optimizer: utils/schemas/training.py:122-123 default 'adamw_torch_fused'",
+                "losses: utils/schemas/config.py chunked_cross_entropy (a chunked loss) and "
+                "the Liger plugin's liger_fused_linear_cross_entropy",
             ),
             outputs_fp32=True,
+            liger_switch=True,
+            chunked_switch=True,
         ),
     )
 }
@@ -228,7 +249,9 @@ PRESETS: dict[str, Preset] = {
 # switches of its TrainingArguments: gradient_checkpointing wraps every layer, so the planner
 # chooses no every-K-th-layer checkpointing; the HF QLoRA recipe's preparation) with PyTorch's
 # optimizer implementation.
-DEFAULT = Preset("none", {}, _KBIT_SOURCES, kbit_prepare=True)
+DEFAULT = Preset(
+    "none", {}, (*_KBIT_SOURCES, *_LIGER_SOURCES), kbit_prepare=True, liger_switch=True
+)
 FRAMEWORKS: tuple[str, ...] = tuple(PRESETS)
 
 

@@ -187,7 +187,9 @@ def _row(
 ) -> FitRow:
     """One GPU's row by ``FIT_RULE``."""
     row = _OnGpu(model, setup, gpu, seq_len, headroom_bytes, engine)
-    combos: list[Combo] = [(), *ladder(setup, gpu, model)]
+    # what the framework's config switches on: a rung that needs code is never a row's choice
+    runnable = [c for c in ladder(setup, gpu, model) if not any(t.needs for t in c)]
+    combos: list[Combo] = [(), *runnable]
     exact = _exact(combos)
     techniques, best, choice = _fastest_exact(row, exact)
     if not best:

@@ -175,11 +175,36 @@ LIGER_TYPES = frozenset(
 
 def lean_loss(model: ModelInfo | None, setup: TrainingSetup) -> Technique | None:
     """The loss rung for ``model``: fused where Liger supports the model type, else chunked;
-    None for a classification head, a loss that is already lean or one the user fixed."""
+    None for a classification head, a loss that is already lean or one the user fixed. Where
+    the framework's config cannot switch it on (``Preset.liger_switch``,
+    ``Preset.chunked_switch``), the technique carries the code it needs.
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> lean_loss(resolve_model("gpt2"), TrainingSetup()).needs.split(":")[0]
+        'code'
+        >>> lean_loss(resolve_model("gpt2"), TrainingSetup(framework="axolotl")).needs
+        ''
+    """
     heads = ("classification", "image-classification")  # a label per sample: no vocabulary
     if model is None or model.task in heads or setup.loss != "full" or setup.keep_loss:
         return None
-    return FUSED_LOSS if model.arch.model_type in LIGER_TYPES else CHUNKED_LOSS
+    conventions = setup.conventions
+    if model.arch.model_type in LIGER_TYPES:
+        if conventions.liger_switch:
+            return FUSED_LOSS
+        return replace(FUSED_LOSS, needs=LIGER_NEEDS)
+    return CHUNKED_LOSS if conventions.chunked_switch else replace(CHUNKED_LOSS, needs=CHUNK_NEEDS)
+
+
+LIGER_NEEDS = (
+    "code: liger_kernel.transformers' apply_liger_kernel_to_<model type>() before the model "
+    "is built (the framework's config has no switch for it)"
+)
+CHUNK_NEEDS = (
+    "code: a loss that runs the output head and the cross-entropy per chunk of tokens "
+    "(the framework's config has no switch for it; Liger has no kernel for this model type)"
+)
 
 
 ZeroStage = Literal["zero1", "zero2", "zero3"]
@@ -344,6 +369,11 @@ def ladder(
         fused-loss + gradient-checkpointing
     """
     loss = lean_loss(model, setup)
+    offered: list[Combo] = []  # a lean loss that needs code: offered, never chosen
+    if loss is not None and loss.needs:
+        offered = [(loss,), (loss, GRAD_CKPT)] if checkpointing and not setup.grad_ckpt else []
+        offered = offered or [(loss,)]
+        loss = None
     base: Combo = () if loss is None else (loss,)
     first: list[Combo] = [base] if base else []
     if get_optimizer(setup.optimizer).fused_first and setup.optimizer_impl in ("auto", "foreach"):
@@ -359,7 +389,8 @@ def ladder(
             sharded = [r for r in _exact_rungs(setup, base) if r[-1].name in _SHARDINGS]
         base = (*base, GRAD_CKPT)
         first.append(base)
-    combos = (*first, *sharded, *_exact_rungs(setup, base), *_changing_rungs(setup, gpu, base))
+    changing = _changing_rungs(setup, gpu, base)
+    combos = (*first, *sharded, *_exact_rungs(setup, base), *offered, *changing)
     return tuple(c for c in combos if _accepted(setup, c))
 
 
