@@ -26,9 +26,7 @@ def fit_warnings(gpu: GpuSpec, wanted: int | None, fit: _Fit) -> list[str]:
     if wanted is not None and wanted > best:
         names = ", ".join(t.name for t in fit.techniques)
         # an option that fits it but needs code the framework's config cannot switch on
-        coded = next(
-            (a for a in fit.alternatives if a.needs and a.max_micro_batch >= wanted), None
-        )
+        coded = next((a for a in fit.alternatives if a.needs and a.max_micro_batch >= wanted), None)
         with_code = (
             f"; {' + '.join(t.name for t in coded.techniques)} (needs code) fits it"
             if coded is not None

@@ -192,13 +192,10 @@ def _alternatives(p: Plan) -> None:
 def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
     how = ""
     if p.estimate.engine == "trace":
-        how = (
-            "; trace engine: each peak moment's line through micro-batch 1 and 2"
-            + (
-                "; ~: not traced at that size (--alternatives traced traces each)"
-                if any(alt.from_lines for alt in p.alternatives)
-                else ", then traced at that size (searched again where it did not fit)"
-            )
+        how = "; trace engine: each peak moment's line through micro-batch 1 and 2" + (
+            "; ~: not traced at that size (--alternatives traced traces each)"
+            if any(alt.from_lines for alt in p.alternatives)
+            else ", then traced at that size (searched again where it did not fit)"
         )
     order = "exact first, then by s / step" if timed else "exact rungs first"
     table = Table(title=f"Alternatives ({order}{how})", title_justify="left")

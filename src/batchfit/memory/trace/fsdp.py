@@ -83,9 +83,9 @@ def shard(net: torch.nn.Module, setup: TrainingSetup, mesh: Any) -> torch.nn.Mod
 
 def _shard_v1(net: torch.nn.Module, setup: TrainingSetup) -> torch.nn.Module:
     """FSDP1 as ``accelerate`` builds it: one FlatParameter per decoder layer (and per LoRA
-    leaf, as peft's wrap policy) and one for the root, ``use_orig_params=True``, FULL_SHARD, BACKWARD_PRE; under AMP its ``MixedPrecision``
-    (16-bit parameters, reductions and buffers) and fp32 flat parameters where any part
-    trains."""
+    leaf, as peft's wrap policy) and one for the root, ``use_orig_params=True``, FULL_SHARD,
+    BACKWARD_PRE; under AMP its ``MixedPrecision`` (16-bit parameters, reductions and
+    buffers) and fp32 flat parameters where any part trains."""
     # lazy: torch (~1 s): the trace engine's cached path reads is_fsdp without it
     import torch
     from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
