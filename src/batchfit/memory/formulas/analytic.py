@@ -37,6 +37,7 @@ from batchfit.memory.formulas._params import (
     parameters,
 )
 from batchfit.memory.formulas._peak import peak
+from batchfit.memory.formulas._qlora import qlora_notes
 from batchfit.memory.formulas._sharding import Sharded, shard_and_offload
 from batchfit.memory.formulas.deepspeed import compute_precision, deepspeed_states
 from batchfit.memory.types import Line, MemoryEstimate
@@ -133,7 +134,7 @@ def estimate_analytic(model: ModelInfo, setup: TrainingSetup, workload: Workload
             *advice(setup, device, gpu),
         ),
     )
-    return assemble(
+    est = assemble(
         step,
         totals,
         model=model.name,
@@ -141,6 +142,8 @@ def estimate_analytic(model: ModelInfo, setup: TrainingSetup, workload: Workload
         setup=setup,
         workload=workload,
     )
+    notes = qlora_notes(model, setup)
+    return replace(est, extras={**est.extras, "notes": notes}) if notes else est
 
 
 def _model_states(

@@ -23,6 +23,7 @@ from batchfit.memory.device.totals import (
     gpu_extras,
 )
 from batchfit.memory.formulas import analytic
+from batchfit.memory.formulas._qlora import qlora_notes
 from batchfit.memory.trace.fsdp import is_fsdp
 from batchfit.memory.trace.result import (
     TraceResult,
@@ -226,35 +227,11 @@ def _fsdp_note(setup: TrainingSetup) -> str:
 
 def _qlora_notes(model: ModelInfo, setup: TrainingSetup) -> list[str]:
     """How QLoRA's 4-bit linears are emulated, what stays unquantised, and in which dtype."""
-    notes = [
+    return [
         "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
-        "double-quantised statistics, the 16-bit weight dequantised in forward and backward)"
+        "double-quantised statistics, the 16-bit weight dequantised in forward and backward)",
+        *qlora_notes(model, setup),
     ]
-    experts = model.fused_expert_params()
-    kept = "fp32" if setup.kbit_upcast else "16-bit"
-    if setup.kbit_upcast:
-        rest = model.total_params - model.quantizable_params()
-        notes.append(
-            f"QLoRA recipe: peft's prepare_model_for_kbit_training casts the {rest:,} parameters "
-            "left unquantised (embeddings, norms, output head"
-            + (", fused MoE experts" if experts else "")
-            + ") to fp32; the 4-bit layers then take fp32 inputs and return fp32 outputs"
-        )
-        if not setup.grad_ckpt:
-            notes.append(
-                "QLoRA recipe: prepare_model_for_kbit_training switches gradient checkpointing "
-                "on unless told not to (use_gradient_checkpointing=True): add --grad-ckpt to "
-                "estimate that run"
-            )
-    if experts:
-        share = experts / max(1, model.total_params)
-        notes.append(
-            f"QLoRA on MoE: the fused expert tensors ({share:.0%} of the weights) are 3-D "
-            "parameters, not nn.Linear layers: transformers' replace_with_bnb_linear quantises "
-            f"nn.Linear and Conv1D only, so they stay {kept} "
-            "(bitsandbytes-foundation/bitsandbytes#1849)"
-        )
-    return notes
 
 
 def _dry_runs(
