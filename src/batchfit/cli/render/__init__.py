@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
+from batchfit.cli.render.layout import print_line
+
 
 class _Console(Console):
     """rich's Console, except that a reader closing the pipe (``| head``) raises
@@ -38,7 +40,7 @@ def _width(stream: object) -> int | None:
 
 
 PIPE_WIDTH = 160
-# soft_wrap: sentences are never cut into lines (tables still fit the terminal width).
+# soft_wrap: rich never cuts a line; `line` wraps each between words (tables fit the width).
 out = _Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
 err = _Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
 
@@ -54,9 +56,15 @@ def progress(what: str, shown: bool = True) -> Iterator[Callable[[str], None]]:
         yield lambda text: status.update(escape(text))
 
 
+def line(markup: str) -> None:
+    """One line of an answer (rich markup) on stdout, wrapped at the width between words, the
+    lines after the first under the text after its ``key: ``."""
+    print_line(out, markup)
+
+
 def note(text: str) -> None:
     """One line about the inputs, before the answer (user text escaped)."""
-    out.print(escape(text))
+    line(escape(text))
 
 
 def wrote(path: object, what: str) -> None:
@@ -68,7 +76,7 @@ def wrote(path: object, what: str) -> None:
 def warn(warnings: tuple[str, ...] | list[str]) -> None:
     """Each warning on stderr, one line each (user text escaped)."""
     for w in warnings:
-        err.print(f"[yellow]warning:[/] {escape(w)}")
+        print_line(err, f"[yellow]warning:[/] {escape(w)}")
 
 
 @contextlib.contextmanager

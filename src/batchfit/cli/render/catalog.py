@@ -10,6 +10,7 @@ from rich.table import Table
 
 from batchfit._units import gib_figure, human_count
 from batchfit.cli import render
+from batchfit.cli.render.layout import Column, fitted_table, print_table
 from batchfit.hardware import GpuSpec
 from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo
 from batchfit.plan import FIT_RULE, TIME_TOLERANCE, FitRow
@@ -135,38 +136,44 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
     render.out.print(_plain_table(title, columns, rows, "GPU"))
 
 
+# `gpus MODEL`'s columns; on a narrow terminal the card's memory goes first, then the memory
+# used, then the hours per billion tokens (the GPU, its precision, its micro-batch and the
+# techniques stay).
+_FIT_COLUMNS = [
+    Column("GPU"),
+    Column("GiB", right=True, leave_out=1),
+    Column("precision"),
+    Column("largest micro-batch", right=True),
+    Column("GiB used", right=True, leave_out=2),
+    Column("h / 1B tokens", right=True, leave_out=3),
+    Column("setup (techniques)", want=24),
+]
+
+
 def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) -> None:
     """``gpus MODEL``: the largest micro-batch on each GPU, with the rule each row follows."""
     image = info.task == "image-classification"
-    table = Table(
-        title=f"{escape(info.name)}, {render.sample_size(seq_len, image)}: "
-        "largest micro-batch per GPU "
-        f"({engine} engine; no gradient accumulation)",
-        title_justify="left",
+    title = (
+        f"{escape(info.name)}, {render.sample_size(seq_len, image)}: largest micro-batch per "
+        f"GPU ({engine} engine; no gradient accumulation)"
     )
-    columns = ("GPU", "GiB", "precision", "largest micro-batch", "GiB used", "h / 1B tokens")
-    for col in (*columns, "setup (techniques)"):
-        table.add_column(
-            col,
-            justify="right" if col in columns[1:] and col != "precision" else "left",
-            no_wrap=col == "GPU",
-            min_width=max(len(r.gpu.name) for r in rows) if col == "GPU" else None,
-            overflow="fold",
-        )
+    cells: list[list[str] | None] = []
     for r in rows:
         mark = "~" if r.from_lines else ""
-        table.add_row(
-            r.gpu.name,
-            gib_figure(r.gpu.memory_bytes),
-            r.precision,
-            f"{mark}{r.max_micro_batch}" if r.max_micro_batch else "[red]none[/]",
-            "-" if r.note else mark + gib_figure(r.device_total_bytes),
-            "-"
-            if r.seconds_per_billion_tokens is None
-            else f"{r.seconds_per_billion_tokens / 3600:,.1f}",
-            _needs(r, engine),
+        cells.append(
+            [
+                r.gpu.name,
+                gib_figure(r.gpu.memory_bytes),
+                r.precision,
+                f"{mark}{r.max_micro_batch}" if r.max_micro_batch else "[red]none[/]",
+                "-" if r.note else mark + gib_figure(r.device_total_bytes),
+                "-"
+                if r.seconds_per_billion_tokens is None
+                else f"{r.seconds_per_billion_tokens / 3600:,.1f}",
+                _needs(r, engine),
+            ]
         )
-    render.out.print(table)
+    print_table(render.out, *fitted_table(render.out, title, _FIT_COLUMNS, cells))
     _fit_notes(rows, engine)
 
 
@@ -202,19 +209,17 @@ def _needs(r: FitRow, engine: str) -> str:
 
 def _fit_notes(rows: list[FitRow], engine: str) -> None:
     if any(r.seconds_per_billion_tokens for r in rows):
-        render.out.print(
+        render.line(
             "h / 1B tokens: one GPU at the largest micro-batch in the row's setup, the optimizer "
             "step spread over a 1M-token batch (predicted; batchfit.speed)"
         )
-    render.out.print(
-        f"{FIT_RULE}; options within {TIME_TOLERANCE:.0%} tie, the fewer techniques win"
-    )
+    render.line(f"{FIT_RULE}; options within {TIME_TOLERANCE:.0%} tie, the fewer techniques win")
     if any(t.kind != "exact" for r in rows for t in r.techniques):
-        render.out.print("* changes what is learned; the others are exact")
+        render.line("* changes what is learned; the others are exact")
     if any(r.engine != engine for r in rows):
-        render.out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
+        render.line("(analytic): the trace cannot run this setup yet; the formulas answered")
     if any(r.from_lines for r in rows):
-        render.out.print(
+        render.line(
             "~: by each peak moment's line through traced micro-batch 1 and 2, not traced at "
             "that size (batchfit plan MODEL --gpu GPU traces its choice)"
         )

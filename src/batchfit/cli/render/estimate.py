@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rich.markup import escape
-from rich.table import Table
 
 from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count
 from batchfit.cli import render
+from batchfit.cli.render.layout import Column, fitted_table, print_table
 from batchfit.hardware import GpuSpec
 from batchfit.lengths import LengthsSummary
 from batchfit.memory.device.totals import fits_on_card
@@ -20,14 +20,19 @@ from batchfit.models import ModelInfo
 from batchfit.plan import DEFAULT_HEADROOM_BYTES
 from batchfit.views import timeline as tl
 
+# The breakdown's columns; below about 100 columns the lines of how each part is counted are
+# left out (the parts and their figures stay).
+_BREAKDOWN = [
+    Column("component"),
+    Column("part", want=24),
+    Column("GiB", right=True),
+    Column("how it is counted", leave_out=1, want=60),
+]
 
-def breakdown(est: MemoryEstimate, title: str) -> Table:
+
+def print_breakdown(est: MemoryEstimate, title: str) -> None:
     """The components, each line of how they are counted, the peak and the device total."""
-    table = Table(title=title, title_justify="left", show_lines=False)
-    table.add_column("component")
-    table.add_column("part")
-    table.add_column("GiB", justify="right")
-    table.add_column("how it is counted", overflow="fold")
+    rows: list[list[str] | None] = []
     for comp in COMPONENTS:
         first = True
         # Trace lines that only restate a component at the peak are shown once, below.
@@ -36,64 +41,71 @@ def breakdown(est: MemoryEstimate, title: str) -> Table:
             for ln in est.lines
             if ln.component == comp and not ln.label.startswith("at the peak")
         ):
-            table.add_row(
-                comp if first else "",
-                escape(line.label),
-                gib_figure(line.num_bytes),
-                escape(line.formula),
+            rows.append(
+                [
+                    comp if first else "",
+                    escape(line.label),
+                    gib_figure(line.num_bytes),
+                    escape(line.formula),
+                ]
             )
             first = False
-    table.add_section()
+    rows.append(None)
     for comp in COMPONENTS:
-        table.add_row(
-            f"[bold]{comp}[/]",
-            f"at the peak ({est.peak_phase})",
-            gib_figure(est.components[comp]),
-            "",
+        rows.append(
+            [
+                f"[bold]{comp}[/]",
+                f"at the peak ({est.peak_phase})",
+                gib_figure(est.components[comp]),
+                "",
+            ]
         )
-    table.add_section()
-    _totals(table, est)
-    return table
+    rows.append(None)
+    rows += _totals(est)
+    print_table(render.out, *fitted_table(render.out, title, _BREAKDOWN, rows))
 
 
-def _totals(table: Table, est: MemoryEstimate) -> None:
-    table.add_row(
-        "[bold]peak allocated[/]",
-        "",
-        f"[bold]{gib_figure(est.peak_bytes)}[/]",
-        "comparable to torch.cuda.max_memory_allocated"
-        if est.device != "cpu"
-        else "bytes held by tensors",
-    )
-    if est.device != "cpu":
-        table.add_row("reserved", "", gib_figure(est.reserved_bytes), "caching allocator")
-        table.add_row(
-            "[bold]device total[/]",
+def _totals(est: MemoryEstimate) -> list[list[str] | None]:
+    rows: list[list[str] | None] = [
+        [
+            "[bold]peak allocated[/]",
             "",
-            f"[bold]{gib_figure(est.device_total_bytes)}[/]",
-            "what nvidia-smi shows: + CUDA context, NCCL",
+            f"[bold]{gib_figure(est.peak_bytes)}[/]",
+            "comparable to torch.cuda.max_memory_allocated"
+            if est.device != "cpu"
+            else "bytes held by tensors",
+        ]
+    ]
+    if est.device != "cpu":
+        rows.append(["reserved", "", gib_figure(est.reserved_bytes), "caching allocator"])
+        rows.append(
+            [
+                "[bold]device total[/]",
+                "",
+                f"[bold]{gib_figure(est.device_total_bytes)}[/]",
+                "what nvidia-smi shows: + CUDA context, NCCL",
+            ]
         )
     if est.host_bytes:
-        table.add_row(
-            "host RAM", "", gib_figure(est.host_bytes), "offloaded state, per GPU process"
+        rows.append(
+            ["host RAM", "", gib_figure(est.host_bytes), "offloaded state, per GPU process"]
         )
+    return rows
 
 
 def estimate(
     est: MemoryEstimate, info: ModelInfo, gpu: GpuSpec | None, explain: bool = False
 ) -> None:
-    render.out.print(_setup_line(est, info))
-    render.out.print(
-        breakdown(
-            est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} ({est.engine} engine)"
-        )
+    render.line(_setup_line(est, info))
+    print_breakdown(
+        est, f"Memory per {'GPU' if est.device != 'cpu' else 'process'} ({est.engine} engine)"
     )
     for note in est.extras.get("notes", []):
-        render.out.print(f"note: {escape(note)}")
+        render.line(f"note: {escape(note)}")
     if explain:
         _explain(est)
     if gpu is not None:
-        render.out.print(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
+        render.line(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
         time_line(est.speed_json())
     render.warn(est.warnings)
 
@@ -101,10 +113,10 @@ def estimate(
 def _setup_line(est: MemoryEstimate, info: ModelInfo) -> str:
     setup = est.setup
     return (
-        f"[bold]{escape(info.name)}[/] ({human_count(est.total_params)} params, "
-        f"{human_count(est.trainable_params)} trainable, {info.task}) on [bold]{est.device}[/]: "
+        f"[bold]{escape(info.name)}[/] on [bold]{est.device}[/], {setup.precision} "
+        f"({human_count(est.total_params)} params, {human_count(est.trainable_params)} "
+        f"trainable, {info.task}): "
         f"micro-batch {est.micro_batch_size} x {render.sample_size(est.seq_len, est.is_image)}, "
-        f"{setup.precision}, "
         f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
         f"{', grad-ckpt' if setup.grad_ckpt else ''}"
         f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
@@ -121,17 +133,14 @@ def _explain(est: MemoryEstimate) -> None:
     """``--explain``: the modules holding the most activation memory at the peak."""
     top = est.extras.get("top_modules") or []
     if not top:
-        render.out.print("--explain: module attribution comes from the trace engine")
+        render.line("--explain: module attribution comes from the trace engine")
         return
-    table = Table(
-        title="Activation memory by module at the peak (traced layers)",
-        title_justify="left",
-    )
-    table.add_column("module")
-    table.add_column("GiB", justify="right")
-    for name, num_bytes in top:
-        table.add_row(escape(name) or "(model)", gib_figure(num_bytes, 3))
-    render.out.print(table)
+    rows: list[list[str] | None] = [
+        [escape(name) or "(model)", gib_figure(num_bytes, 3)] for name, num_bytes in top
+    ]
+    title = "Activation memory by module at the peak (traced layers)"
+    columns = [Column("module"), Column("GiB", right=True)]
+    print_table(render.out, *fitted_table(render.out, title, columns, rows))
 
 
 def time_line(speed: dict[str, float | None], indent: str = "", source: str | None = None) -> None:
@@ -151,7 +160,7 @@ def time_line(speed: dict[str, float | None], indent: str = "", source: str | No
         else "predicted; compute calibrated on an H100, about 15-25% off on measured steps; "
         "communication and offload not yet checked on real runs"
     )
-    render.out.print(
+    render.line(
         f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
         f"{speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
         f"{100 * (speed['mfu'] or 0):.0f}% ({why})"

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from batchfit._units import gib, gib_figure, human_count, human_duration, usd
 from batchfit.cli import render
-from batchfit.cli.render.estimate import breakdown, time_line
+from batchfit.cli.render.estimate import print_breakdown, time_line
+from batchfit.cli.render.layout import Column, fitted_table, print_table
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.trace.timeline import step_timeline
@@ -56,12 +57,12 @@ def plan(p: Plan, info: ModelInfo) -> None:
     _learning_rate(p)
     _to_fit(p)
     if p.num_gpus > 1 and p.setup.sharding in ("none", "ddp"):
-        render.out.print("  sharding: none (DDP: every GPU holds the whole model and optimizer)")
+        render.line("  sharding: none (DDP: every GPU holds the whole model and optimizer)")
     time_line(p.speed_json(), "  ", p.throughput.source if p.throughput else None)
     if p.train_seconds is not None:
         _the_run(p, p.train_seconds)
     _memory_and_engine(p)
-    render.out.print(breakdown(p.estimate, f"Memory per GPU at micro-batch {p.micro_batch_size}"))
+    print_breakdown(p.estimate, f"Memory per GPU at micro-batch {p.micro_batch_size}")
     if p.alternatives:
         _alternatives(p)
     if p.gpu_counts:
@@ -70,44 +71,44 @@ def plan(p: Plan, info: ModelInfo) -> None:
 
 
 def _batch_lines(p: Plan, info: ModelInfo) -> None:
-    """The model and GPUs, micro-batch x accumulation x GPUs, and the largest that fits."""
-    out = render.out
-    out.print(
+    """The model, GPUs and precision, micro-batch x accumulation x GPUs, and the largest that
+    fits."""
+    render.line(
         f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], "
-        f"{render.sample_size(p.seq_len, p.is_image)}"
+        f"{render.sample_size(p.seq_len, p.is_image)}, {p.setup.precision}"
     )
     tokens = f" = {p.tokens_per_step:,} tokens per step" if p.tokens_per_step is not None else ""
-    out.print(
+    render.line(
         f"  micro-batch [bold]{p.micro_batch_size}[/] x accumulation "
         f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
         f"[bold]{p.global_batch_size:,}[/] samples{tokens}"
     )
     if p.max_micro_batch == 0:
-        out.print("  largest micro-batch that fits: [red]none[/]")
+        render.line("  largest micro-batch that fits: [red]none[/]")
     elif p.max_micro_batch > p.micro_batch_size:
-        out.print(
+        render.line(
             f"  largest micro-batch that fits: {p.max_micro_batch} (the chosen "
             f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus} "
             "samples each GPU takes per step)"
         )
     elif p.max_micro_batch == p.global_batch_size // p.num_gpus:
-        out.print(
+        render.line(
             f"  largest micro-batch that fits: {p.max_micro_batch} (all the samples each GPU "
             "takes per step; the search stops there)"
         )
     else:
-        out.print(f"  largest micro-batch that fits: {p.max_micro_batch}")
+        render.line(f"  largest micro-batch that fits: {p.max_micro_batch}")
 
 
 def _learning_rate(p: Plan) -> None:
     if p.learning_rate is None:
         return
-    render.out.print(
+    render.line(
         f"  learning rate: [bold]{p.learning_rate:.3g}[/] ({escape(p.lr_rule or '')}; valid "
         "below the critical batch size)"
     )
     for line in p.lr_scaling.lines() if p.lr_scaling else []:
-        render.out.print(f"    {escape(line)}")
+        render.line(f"    {escape(line)}")
 
 
 def _to_fit(p: Plan) -> None:
@@ -116,11 +117,11 @@ def _to_fit(p: Plan) -> None:
             f"{t.name} [{'green' if t.kind == 'exact' else 'yellow'}]({t.kind})[/]"
             for t in p.techniques
         )
-        render.out.print(f"  to fit: {named}")
+        render.line(f"  to fit: {named}")
     elif p.max_micro_batch == 0:
-        render.out.print("  to fit: [red]no technique on the ladder is enough[/] (see the warning)")
+        render.line("  to fit: [red]no technique on the ladder is enough[/] (see the warning)")
     else:
-        render.out.print("  to fit: nothing extra needed")
+        render.line("  to fit: nothing extra needed")
 
 
 def _the_run(p: Plan, train_seconds: float) -> None:
@@ -132,14 +133,14 @@ def _the_run(p: Plan, train_seconds: float) -> None:
         if p.gpu_hour_price
         else f" (no list price for {p.gpu} in the table: --gpu-hour-price USD adds the cost)"
     )
-    render.out.print(
+    render.line(
         f"  the run: {p.train_steps:,} optimizer step{'s' if p.train_steps != 1 else ''}, "
         f"~{human_duration(train_seconds)} on "
         f"{p.num_gpus} GPU{'s' if p.num_gpus > 1 else ''}{cost} (predicted)"
     )
     if p.setup.method == "full" and p.task == "causal-lm" and p.tokens_per_step:
         tokens = human_count((p.train_steps or 0) * p.tokens_per_step)
-        render.out.print(
+        render.line(
             f"  pre-training? `batchfit batch-size {escape(p.model.removeprefix('generic-'))} "
             f"--train-tokens {tokens} -s {p.seq_len}`: the batch published laws recommend"
         )
@@ -147,7 +148,7 @@ def _the_run(p: Plan, train_seconds: float) -> None:
 
 def _memory_and_engine(p: Plan) -> None:
     est, free = p.estimate, p.headroom_bytes
-    render.out.print(
+    render.line(
         f"  memory: {gib(est.device_total_bytes)} of {gib(p.gpu_bytes)} "
         f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
         f"asked for {gib(p.headroom_wanted_bytes)})"
@@ -157,9 +158,9 @@ def _memory_and_engine(p: Plan) -> None:
         + technique_flags(p)
     )
     if est.engine == "trace":
-        render.out.print(f"  engine: trace (dry runs of the step; `{same}` gives these figures)")
+        render.line(f"  engine: trace (dry runs of the step; `{same}` gives these figures)")
     else:
-        render.out.print(f"  engine: [yellow]analytic[/] (formulas; `{same} --engine analytic`)")
+        render.line(f"  engine: [yellow]analytic[/] (formulas; `{same} --engine analytic`)")
 
 
 def _alternatives(p: Plan) -> None:
@@ -167,29 +168,45 @@ def _alternatives(p: Plan) -> None:
     timed = any(a.step_seconds for a in p.alternatives)
     # mark the rows the formulas answered, when the trace answered any (it was asked for)
     traced = p.estimate.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
-    render.out.print(_alternatives_table(p, timed, traced))
+    table, left_out = _alternatives_table(p, timed, traced)
+    print_table(render.out, table, left_out)
     steps = p.train_steps
+    if any(t.kind != "exact" for a in p.alternatives for t in a.techniques):
+        render.line("* changes what is learned; the others are exact")
     if timed:
         marked = any(a.techniques == p.techniques for a in p.alternatives)
-        render.out.print(
-            ("* the plan" if marked else "the plan is the setup as given (no row)")
-            + "; each row is timed at the largest micro-batch that divides the per-GPU "
-            "batch (timed at)" + ("; run and cost for the whole run" if steps else "")
+        render.line(
+            ("(plan): the plan's setup" if marked else "the plan is the setup as given (no row)")
+            + "; each row is timed at the largest micro-batch that divides the per-GPU batch"
+            + ("" if "timed at" in left_out else " (timed at)")
+            + ("; run and cost for the whole run" if steps else "")
         )
     needs = sorted({need for a in p.alternatives for need in a.needs})
     for need in needs:  # what the config cannot switch on: offered, never chosen
-        render.out.print(f"(needs code): never chosen; it needs {escape(need)}")
+        render.line(f"(needs code): never chosen; it needs {escape(need)}")
     if traced and any(alt.engine == "analytic" for alt in p.alternatives):
-        render.out.print("(analytic): the trace cannot run this setup yet; the formulas answered")
+        render.line("(analytic): the trace cannot run this setup yet; the formulas answered")
     if any(alt.throughput_source for alt in p.alternatives):
-        render.out.print(
+        render.line(
             "s / step: corrected by --throughput-from (the model x the probe's "
             "measured/predicted ratio at the nearest micro-batch it timed; --json gives "
             "each row's throughput_source)"
         )
 
 
-def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
+# The alternatives' columns; on a narrow terminal the kind goes first (the * marks say it),
+# then the micro-batch each row is timed at, tokens/s/GPU, the run's length, its cost.
+_KIND = Column("kind", leave_out=1)
+_TIMED = (
+    Column("timed at", right=True, wrap=False, leave_out=2),
+    Column("s / step", right=True),
+    Column("tokens/s/GPU", right=True, leave_out=3),
+)
+_RUN = Column("run", right=True, wrap=False, leave_out=4)
+_COST = Column("cost", right=True, wrap=False, leave_out=5)
+
+
+def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list[str]]:
     how = ""
     if p.estimate.engine == "trace":
         how = "; trace engine: each peak moment's line through micro-batch 1 and 2" + (
@@ -198,34 +215,33 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> Table:
             else ", then traced at that size (searched again where it did not fit)"
         )
     order = "exact first, then by s / step" if timed else "exact rungs first"
-    table = Table(title=f"Alternatives ({order}{how})", title_justify="left")
-    table.add_column("techniques", overflow="fold")
-    table.add_column("kind", overflow="fold")
-    table.add_column("largest micro-batch", justify="right")
-    table.add_column("GiB at that size", justify="right")
     steps, price = p.train_steps, p.gpu_hour_price
-    if timed:
-        table.add_column("timed at", justify="right")
-        table.add_column("s / step", justify="right")
-        table.add_column("tokens/s/GPU", justify="right")
-        if steps:
-            table.add_column("run", justify="right")
-        if steps and price is not None:
-            table.add_column("cost", justify="right")
+    columns = [
+        Column("techniques", want=24),
+        _KIND,
+        Column("largest micro-batch", right=True),
+        Column("GiB at that size", right=True),
+        *(_TIMED if timed else ()),
+        *((_RUN,) if timed and steps else ()),
+        *((_COST,) if timed and steps and price is not None else ()),
+    ]
+    rows: list[list[str] | None] = []
     for alt in ranked(p.alternatives):
         kinds = {t.kind for t in alt.techniques}
         mark = "~" if alt.from_lines else ""
-        table.add_row(
-            _rung_name(alt, p.num_gpus)
-            + (" (analytic)" if traced and alt.engine == "analytic" else "")
-            + (" (needs code)" if alt.needs else "")
-            + (" *" if alt.techniques == p.techniques else ""),
-            "changes-training" if "changes-training" in kinds else "exact",
-            f"{mark}{alt.max_micro_batch}" if alt.max_micro_batch else "[red]none[/]",
-            mark + gib_figure(alt.device_total_bytes),
-            *(_timed_cells(p, alt) if timed else ()),
+        rows.append(
+            [
+                _rung_name(alt, p.num_gpus, marked=True)
+                + (" (analytic)" if traced and alt.engine == "analytic" else "")
+                + (" (needs code)" if alt.needs else "")
+                + (" (plan)" if alt.techniques == p.techniques else ""),
+                "changes-training" if "changes-training" in kinds else "exact",
+                f"{mark}{alt.max_micro_batch}" if alt.max_micro_batch else "[red]none[/]",
+                mark + gib_figure(alt.device_total_bytes),
+                *(_timed_cells(p, alt) if timed else ()),
+            ]
         )
-    return table
+    return fitted_table(render.out, f"Alternatives ({order}{how})", columns, rows)
 
 
 def _timed_cells(p: Plan, alt: Alternative) -> list[str]:
@@ -263,10 +279,13 @@ def ranked(alternatives: tuple[Alternative, ...]) -> list[Alternative]:
     )
 
 
-def _rung_name(alt: Alternative, num_gpus: int) -> str:
+def _rung_name(alt: Alternative, num_gpus: int, marked: bool = False) -> str:
     """An alternative's techniques; on several GPUs without sharding, named DDP (else a row
-    of 'fused-loss' alone would not say how the GPUs share the work)."""
-    name = " + ".join(t.name for t in alt.techniques)
+    of 'fused-loss' alone would not say how the GPUs share the work). ``marked``: a * after
+    each technique that changes what is learned, as ``gpus`` marks them."""
+    name = " + ".join(
+        t.name + ("*" if marked and t.kind != "exact" else "") for t in alt.techniques
+    )
     if num_gpus > 1 and alt.setup.sharding in ("none", "ddp"):
         return f"ddp + {name}" if name else "ddp"
     return name
@@ -276,32 +295,38 @@ def _gpu_counts(p: Plan) -> None:
     """``--num-gpus auto``: each count's plan in one row, the chosen one marked."""
     run = any(c.train_seconds for c in p.gpu_counts)
     cost = any(c.cost_usd for c in p.gpu_counts)
-    table = Table(title="GPU counts (--num-gpus auto)", title_justify="left")
-    for name in ("GPUs", "micro x accum", "s/step", "tokens/s/GPU", "eff."):
-        table.add_column(name, justify="right", no_wrap=True)
-    if run:
-        table.add_column("run", justify="right", no_wrap=True)
-    if cost:
-        table.add_column("cost", justify="right", no_wrap=True)
+    columns = [
+        Column("GPUs", right=True, wrap=False),
+        Column("micro x accum", right=True, wrap=False),
+        Column("s/step", right=True),
+        Column("tokens/s/GPU", right=True, leave_out=1),
+        Column("eff.", right=True),
+        *([Column("run", right=True, wrap=False)] if run else []),
+        *([Column("cost", right=True, wrap=False)] if cost else []),
+    ]
+    rows: list[list[str] | None] = []
     for c in p.gpu_counts:
         if not c.micro_batch_size:
-            table.add_row(str(c.num_gpus), *["-"] * (4 + run + cost))
+            rows.append([str(c.num_gpus), *["-"] * (4 + run + cost)])
             continue
-        table.add_row(
-            f"[bold]{c.num_gpus}[/] *" if c.chosen else str(c.num_gpus),
-            f"{c.micro_batch_size} x {c.grad_accum_steps}" if c.fits else "[red]none fits[/]",
-            f"{c.step_seconds:.3g}" if c.step_seconds else "-",
-            f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
-            f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
-            *([human_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
-            *([usd(c.cost_usd) if c.cost_usd else "-"] if cost else []),
+        rows.append(
+            [
+                f"[bold]{c.num_gpus}[/] *" if c.chosen else str(c.num_gpus),
+                f"{c.micro_batch_size} x {c.grad_accum_steps}" if c.fits else "[red]none fits[/]",
+                f"{c.step_seconds:.3g}" if c.step_seconds else "-",
+                f"{c.tokens_per_s_per_gpu:,.0f}" if c.tokens_per_s_per_gpu else "-",
+                f"{c.efficiency:.0%}" if c.efficiency is not None else "-",
+                *([human_duration(c.train_seconds) if c.train_seconds else "-"] if run else []),
+                *([usd(c.cost_usd) if c.cost_usd else "-"] if cost else []),
+            ]
         )
-    render.out.print(table)
+    title = "GPU counts (--num-gpus auto)"
+    print_table(render.out, *fitted_table(render.out, title, columns, rows))
     # the techniques below the table, a line each: the figures above stay whole on any width
     for c in p.gpu_counts:
         what = c.note if not c.micro_batch_size else " + ".join(c.techniques) or "nothing extra"
-        render.out.print(f"  {c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}: {escape(what)}")
-    render.out.print(
+        render.line(f"  {c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}: {escape(what)}")
+    render.line(
         f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's"
     )
 
