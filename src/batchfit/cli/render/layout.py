@@ -146,7 +146,7 @@ def fitted_table(
         [columns[k].want > 0 for k in keep],
         room(),
     )
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left")  # print_table wraps it between words
     for k, width in zip(keep, widths, strict=True):
         c = columns[k]
         table.add_column(
@@ -162,7 +162,11 @@ def fitted_table(
 
 
 def print_table(console: Console, table: Table, left_out: list[str]) -> None:
-    """The table, and below it the line naming the columns left out for the width."""
+    """The table, its title wrapped between words above it (rich sets a title on one line
+    where the console soft-wraps), and below it the line naming the columns left out."""
+    if isinstance(table.title, str):
+        print_line(console, f"[{table.title_style or 'table.title'}]{table.title}[/]")
+        table.title = None
     console.print(table)
     if left_out:
         them = "them" if len(left_out) > 1 else "it"
