@@ -22,9 +22,11 @@ def wrapped(console: Console, markup: str) -> list[Text]:
 
     Example:
         >>> from rich.console import Console
-        >>> lines = wrapped(Console(width=30), "  time: one two three four five six seven")
-        >>> [line.plain for line in lines]
-        ['  time: one two three four', '        five six seven']
+        >>> text = "  time: ~3.78 s per optimizer step, 17,316 tokens/s per GPU (predicted)"
+        >>> for line in wrapped(Console(width=48), text):
+        ...     print(line.plain)
+          time: ~3.78 s per optimizer step, 17,316
+                tokens/s per GPU (predicted)
     """
     text = Text.from_markup(markup)
     plain, width = text.plain, console.width
@@ -55,15 +57,13 @@ class Column:
     ``wrap``: False keeps each cell on one line (figures: ``32 x 2``); headers wrap onto two
     lines at most. ``leave_out``: 0 keeps the column at any width; 1 is left out first on a
     narrow console, then 2, ... ``want``: the width a text column needs to be worth keeping
-    (its longest word otherwise); text columns take the room left first. ``note``: the name
-    given where it is left out (the header otherwise)."""
+    (its longest word otherwise); text columns take the room left first."""
 
     header: str
     right: bool = False
     wrap: bool = True
     leave_out: int = 0
     want: int = 0
-    note: str = ""
 
 
 def _longest_word(text: str) -> int:
@@ -117,12 +117,14 @@ def fitted_table(
     plain = [[Text.from_markup(cell).plain for cell in row] for row in rows if row is not None]
     cells = [[row[k] for row in plain] for k in range(len(columns))]
     natural = [
-        max(cell_len(c.header), *(cell_len(x) for x in cells[k])) for k, c in enumerate(columns)
+        max([cell_len(c.header), *(cell_len(x) for x in cells[k])]) for k, c in enumerate(columns)
     ]
     least = [
         max(
-            _header_width(c.header),
-            *((_longest_word if c.wrap else cell_len)(x) for x in cells[k]),
+            [
+                _header_width(c.header),
+                *((_longest_word if c.wrap else cell_len)(x) for x in cells[k]),
+            ]
         )
         for k, c in enumerate(columns)
     ]
@@ -157,7 +159,7 @@ def fitted_table(
             table.add_section()
         else:
             table.add_row(*(row[k] for k in keep))
-    left_out = [c.note or c.header for k, c in enumerate(columns) if k not in keep]
+    left_out = [c.header for k, c in enumerate(columns) if k not in keep]
     return table, left_out
 
 
