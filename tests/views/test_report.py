@@ -230,9 +230,11 @@ def _alternative_rows(data: dict[str, Any]) -> list[str]:
         if data["num_gpus"] > 1 and not sharded:
             name = f"ddp + {name}"
         if a["techniques"] == [t["name"] for t in data["techniques"]]:
-            name += " *"  # the plan's row
+            name += " (plan)"  # the plan's row, as the terminal marks it
         kind = "changes-training" if "changes-training" in a["kinds"] else "exact"
-        cells = [name, kind, str(a["max_micro_batch"] or "none"), _gib(a["device_total_bytes"])]
+        mark = "~" if a["from_lines"] else ""  # from the lines, not traced at that size
+        size = f"{mark}{a['max_micro_batch']}" if a["max_micro_batch"] else "none"
+        cells = [name, kind, size, mark + _gib(a["device_total_bytes"])]
         if a["step_seconds"]:
             micro = a["micro_batch_size"]
             cells += [

@@ -228,7 +228,7 @@ def _alternatives(data: dict[str, Any]) -> str:
             escape(_rung_name(a, data))
             + (" (analytic)" if traced and a.get("engine") == "analytic" else "")
             + (" (needs code)" if a.get("needs") else "")
-            + (" *" if list(a.get("techniques", [])) == chosen else ""),
+            + (" (plan)" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
             mark + str(a["max_micro_batch"]) if a.get("max_micro_batch") else "none",
             mark + _gib(a.get("device_total_bytes")),
@@ -246,8 +246,8 @@ def _alternatives(data: dict[str, Any]) -> str:
                     cells.append("-" if not step else usd(step * steps / 3600 * gpus * price))
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     notes = []
-    if any(" *</td>" in r for r in rows):
-        notes.append("* the plan")
+    if any(" (plan)</td>" in r for r in rows):
+        notes.append("(plan): the plan's setup")
     # what the framework's config cannot switch on: offered, never chosen (as the terminal)
     for need in sorted({str(n) for a in alts for n in a.get("needs") or []}):
         notes.append(f"(needs code): never chosen; it needs {escape(need)}")
