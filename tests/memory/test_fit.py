@@ -4,7 +4,7 @@ and the limit."""
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory.fit import fit_micro_batch
+from batchfit.memory.fit import fit_micro_batch, fitting_guess
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import resolve_model
 from batchfit.plan import make_plan
@@ -67,6 +67,49 @@ def test_constant_step_phase_hides_the_slope_then_refits():
     assert result.micro_batch_size == 28
     assert len(calls) <= 6
     assert all(total <= 30 * GIB for b, total in result.traced if b == result.micro_batch_size)
+
+
+def _growing_reserve(at):
+    """``at`` with a reserve of 4 GiB more past size 8 (fragmentation the lines through sizes
+    1 and 2 cannot see)."""
+
+    def grown(b: int) -> MemoryEstimate:
+        est = at(b)
+        extra = 4 * GIB if b > 8 else 0
+        return MemoryEstimate(
+            "m",
+            "trace",
+            "cuda",
+            b,
+            1,
+            TrainingSetup(),
+            {},
+            est.peak_bytes,
+            est.peak_bytes + extra,
+            est.peak_bytes + extra,
+            0,
+            0,
+            "backward",
+            extras=est.extras,
+        )
+
+    return grown
+
+
+def test_a_fitting_guess_traces_the_lines_answer_and_steps_down_until_it_fits():
+    at, calls = law(10, 3, moments=True)
+    assert fitting_guess(at, 40 * GIB).micro_batch_size == 10  # the lines' answer fits
+    assert calls == [1, 2, 10]  # the size after it is not traced
+    at, calls = law(10, 3, moments=True)
+    guess = fitting_guess(_growing_reserve(at), 40 * GIB)
+    assert guess is not None and guess.estimate is not None
+    # 10 by the lines is 44 GiB: down the secant through 2 (16) and 10 (44), to 8 (34)
+    assert (guess.micro_batch_size, calls) == (8, [1, 2, 10, 8])
+    assert guess.estimate.device_total_bytes <= 40 * GIB
+    at, _ = law(50, 1, moments=True)
+    assert fitting_guess(at, 40 * GIB).micro_batch_size == 0  # not even 1
+    at, _ = law(10, 3)  # no moments: no lines
+    assert fitting_guess(at, 40 * GIB) is None
 
 
 def test_nothing_fits():

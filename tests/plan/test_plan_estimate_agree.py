@@ -119,20 +119,25 @@ def test_a_ladder_rung_the_plan_takes_is_confirmed_and_its_hint_reproduces_it(ca
 
 @pytest.mark.slow
 def test_the_alternatives_sizes_are_traced_and_fit():
+    """An alternative's figure is the trace's at its size and fits, whether the size after it
+    was traced (``alternatives="traced"``) or not (the default, ``from_lines``); the lines'
+    answer alone may not fit (GPT-2 with checkpointing on a T4: 18 by the lines, 15.5 GiB)."""
     info = resolve_model("gpt2")
     gpu = get_gpu("t4")
     plan = make_plan(info, gpu, TrainingSetup(), seq_len=1024, global_batch=64)
     from batchfit.memory.estimate import estimate
 
+    assert any(a.from_lines for a in plan.alternatives)
     for alt in plan.alternatives:
-        if alt.max_micro_batch:
+        if alt.max_micro_batch and alt.engine == "trace":
+            size = alt.max_micro_batch
             est = estimate(
                 info,
                 alt.setup,
-                micro_batch_size=alt.max_micro_batch,
+                micro_batch_size=size,
                 seq_len=1024,
                 gpu=gpu,
-                grad_accum_steps=max(64 // alt.max_micro_batch, 1),
+                grad_accum_steps=1 if size >= 64 else max(2, 64 // size),  # as the plan sizes it
             )
-            assert est.device_total_bytes == pytest.approx(alt.device_total_bytes, rel=0.03)
+            assert est.device_total_bytes == alt.device_total_bytes, alt.techniques
             assert est.device_total_bytes <= gpu.memory_bytes - plan.headroom_wanted_bytes

@@ -232,9 +232,9 @@ def _alternative_rows(data: dict[str, Any]) -> list[str]:
         if a["techniques"] == [t["name"] for t in data["techniques"]]:
             name += " (plan)"  # the plan's row, as the terminal marks it
         kind = "changes-training" if "changes-training" in a["kinds"] else "exact"
-        mark = "~" if a["from_lines"] else ""  # from the lines, not traced at that size
+        mark = "≥" if a["from_lines"] else ""  # the size after it was not traced
         size = f"{mark}{a['max_micro_batch']}" if a["max_micro_batch"] else "none"
-        cells = [name, kind, size, mark + _gib(a["device_total_bytes"])]
+        cells = [name, kind, size, _gib(a["device_total_bytes"])]
         if a["step_seconds"]:
             micro = a["micro_batch_size"]
             cells += [

@@ -77,6 +77,44 @@ def predict(
     return best, outside + round(ratio * max(a + s * (best - 1) for a, s in lines))
 
 
+def fitting_guess(
+    estimate_at: Estimator, budget_bytes: int, *, limit: int = 1 << 16, max_traces: int = 4
+) -> FitResult | None:
+    """A size that fits by the trace, from the moments' lines: their answer, traced, and
+    stepped down along the secant while it does not fit; the size after it is not traced, so
+    the answer is a lower bound of ``fit_micro_batch``'s (None: no lines).
+
+    The lines carry the allocator's reserve as its ratio at size 2, which fragmentation can
+    outgrow at larger sizes (GPT-2 on a T4 with checkpointing: 1.05 at 2, 1.16 at 18), so
+    their answer alone may not fit.
+    """
+    cache: dict[int, MemoryEstimate] = {}
+
+    def at(b: int) -> MemoryEstimate:
+        if b not in cache:
+            cache[b] = estimate_at(b)
+        return cache[b]
+
+    def result(b: int) -> FitResult:
+        return FitResult(b, cache[b], tuple((k, _total(e)) for k, e in cache.items()))
+
+    lines = predict(at(1), at(2), budget_bytes, limit)
+    if lines is None:
+        return None
+    if lines[0] == 0:
+        return FitResult(0, cache[1], ((1, _total(cache[1])), (2, _total(cache[2]))))
+    lo = 2 if _total(cache[2]) <= budget_bytes and limit >= 2 else 1
+    size = lines[0]
+    while size > lo and len(cache) < max_traces + 2:
+        if _total(at(size)) <= budget_bytes:
+            return result(size)
+        # down along the secant between the largest size known to fit and this one
+        slope = (_total(cache[size]) - _total(cache[lo])) / (size - lo)
+        step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else 0
+        size = min(size - 1, lo + max(step, 0))
+    return result(lo)
+
+
 def fit_micro_batch(
     estimate_at: Estimator, budget_bytes: int, *, limit: int = 1 << 16, max_traces: int = 10
 ) -> FitResult:

@@ -8,7 +8,7 @@ from typing import Any
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.estimate import usable_engine
-from batchfit.memory.fit import predict
+from batchfit.memory.fit import fitting_guess, predict
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -135,6 +135,26 @@ class _OnGpu:
             self.seen[combo] = self._size(combo)
         return self.seen[combo]
 
+    def traced(self, combo: Combo) -> tuple[int, int, MemoryEstimate, bool]:
+        """``sized``, with the lines' answer traced (stepped down while it does not fit,
+        ``fitting_guess``): the figure is ``estimate``'s at the size shown, whose next size
+        is not traced (True last). The row's choice only: one or two dry runs per GPU."""
+        if self.engine != "trace":
+            return self.sized(combo)
+        setup = apply(self.setup, combo)
+
+        def at(m: int) -> MemoryEstimate:
+            return fits(
+                self.model, setup, self.gpu, m, self.seq_len, 1, self.headroom_bytes, "trace"
+            )[1]
+
+        budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
+        guess = fitting_guess(at, budget)
+        if guess is None or guess.estimate is None:
+            return self.sized(combo)
+        size, est = guess.micro_batch_size, guess.estimate
+        return size, est.device_total_bytes, est, size > 0
+
     def _size(self, combo: Combo) -> tuple[int, int, MemoryEstimate, bool]:
         setup = apply(self.setup, combo)
         args = (self.model, setup, self.gpu)
@@ -194,7 +214,7 @@ def _row(
     techniques, best, choice = _fastest_exact(row, exact)
     if not best:
         techniques, best, choice = _changes_training(row, combos, exact)
-    _, total, est, from_lines = row.sized(techniques)
+    best, total, est, from_lines = row.traced(techniques) if best else row.sized(techniques)
     return FitRow(
         gpu,
         est.setup.precision,

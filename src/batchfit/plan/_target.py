@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from batchfit.hardware import GpuSpec
-from batchfit.memory.fit import predict
+from batchfit.memory.fit import fitting_guess, predict
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -84,22 +84,30 @@ class _Target:
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
         """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
 
-        By the trace engine, from each peak moment's line through sizes 1 and 2 (``from_lines``:
-        two dry runs whatever the size, the default ``alternatives="lines"``); with
-        ``alternatives="traced"``, then traces at that size and the one after it: where the
-        lines' size does not fit, or the next one does too, the size is searched upward and
-        confirmed as the plan's own is (its figure is ``estimate``'s verdict). By the formulas
-        when the trace cannot run the setup.
+        By the trace engine, from each peak moment's line through sizes 1 and 2, traced at that
+        size (and stepped down while it does not fit, ``fitting_guess``): the figure is
+        ``estimate``'s at the size shown, and ``from_lines`` says the size after it was not
+        traced (the default ``alternatives="lines"``). With ``alternatives="traced"``, the size
+        after it is traced too: where the lines' size does not fit, or the next one does too,
+        the size is searched upward and confirmed as the plan's own is. By the formulas when
+        the trace cannot run the setup.
         """
         if self.engine == "trace":
-            one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
             budget = self.gpu.memory_bytes - max(self.headroom, 1)
+            if self.alternatives == "lines":
+                at = lambda m: self.fits(setup, m)[1]  # noqa: E731
+                guess = fitting_guess(at, budget, limit=self.per_gpu)
+                if guess is not None:
+                    size, est = guess.micro_batch_size, guess.estimate
+                    assert est is not None
+                    bound = 0 < size < self.per_gpu  # the size after it was not traced
+                    total = est.device_total_bytes
+                    return Alternative(combo, setup, size, total, est.engine, from_lines=bound)
+            one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
             lines = predict(one, two, budget, self.per_gpu)
             if lines is not None:
                 if lines[0] == 0:  # size 1 was traced: it does not fit
                     return Alternative(combo, setup, 0, lines[1], two.engine)
-                if self.alternatives == "lines":
-                    return Alternative(combo, setup, *lines, two.engine, from_lines=True)
                 size = lines[0]
                 ok, est = self.fits(setup, size)
                 alt = Alternative(combo, setup, size, est.device_total_bytes, est.engine)

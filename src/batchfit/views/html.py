@@ -223,7 +223,7 @@ def _alternatives(data: dict[str, Any]) -> str:
     for _, a in ordered:
         kinds = a.get("kinds") or []
         chosen = [t.get("name") for t in data.get("techniques", []) if isinstance(t, dict)]
-        mark = "~" if a.get("from_lines") else ""  # from the lines, not traced at that size
+        mark = "≥" if a.get("from_lines") else ""  # the size after it was not traced
         cells = [
             escape(_rung_name(a, data))
             + (" (analytic)" if traced and a.get("engine") == "analytic" else "")
@@ -231,7 +231,7 @@ def _alternatives(data: dict[str, Any]) -> str:
             + (" (plan)" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
             mark + str(a["max_micro_batch"]) if a.get("max_micro_batch") else "none",
-            mark + _gib(a.get("device_total_bytes")),
+            _gib(a.get("device_total_bytes")),
         ]
         if timed:
             micro, step = a.get("micro_batch_size") or 0, a.get("step_seconds")
@@ -256,7 +256,7 @@ def _alternatives(data: dict[str, Any]) -> str:
     if any(a.get("throughput_source") for a in alts):
         notes.append("s / step: corrected by --throughput-from")
     if any(a.get("from_lines") for a in alts):
-        notes.append("~: from the peak moments' lines through micro-batch 1 and 2, not traced")
+        notes.append("≥: traced at that size; the size after it was not traced")
     return (
         "<h2>Alternatives <span class='muted'>("
         + ("exact first, then by step time" if timed else "exact rungs first")

@@ -159,14 +159,14 @@ def fit_table(info: ModelInfo, seq_len: int, rows: list[FitRow], engine: str) ->
     )
     cells: list[list[str] | None] = []
     for r in rows:
-        mark = "~" if r.from_lines else ""
+        mark = "≥" if r.from_lines else ""  # the size after it was not traced
         cells.append(
             [
                 r.gpu.name,
                 gib_figure(r.gpu.memory_bytes),
                 r.precision,
                 f"{mark}{r.max_micro_batch}" if r.max_micro_batch else "[red]none[/]",
-                "-" if r.note else mark + gib_figure(r.device_total_bytes),
+                "-" if r.note else gib_figure(r.device_total_bytes),
                 "-"
                 if r.seconds_per_billion_tokens is None
                 else f"{r.seconds_per_billion_tokens / 3600:,.1f}",
@@ -220,6 +220,7 @@ def _fit_notes(rows: list[FitRow], engine: str) -> None:
         render.line("(analytic): the trace cannot run this setup yet; the formulas answered")
     if any(r.from_lines for r in rows):
         render.line(
-            "~: by each peak moment's line through traced micro-batch 1 and 2, not traced at "
-            "that size (batchfit plan MODEL --gpu GPU traces its choice)"
+            "≥: each peak moment's line through traced micro-batch 1 and 2 gave the size, "
+            "traced to fit; the size after it was not traced (batchfit plan MODEL --gpu GPU "
+            "traces both)"
         )

@@ -210,9 +210,10 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
     how = ""
     if p.estimate.engine == "trace":
         how = "; trace engine: each peak moment's line through micro-batch 1 and 2" + (
-            "; ~: not traced at that size (--alternatives traced traces each)"
+            ", traced at that size; ≥: the size after it not traced (--alternatives traced "
+            "traces it)"
             if any(alt.from_lines for alt in p.alternatives)
-            else ", then traced at that size (searched again where it did not fit)"
+            else ", then traced at that size and the next (searched again where it did not fit)"
         )
     order = "exact first, then by s / step" if timed else "exact rungs first"
     steps, price = p.train_steps, p.gpu_hour_price
@@ -228,7 +229,7 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
     rows: list[list[str] | None] = []
     for alt in ranked(p.alternatives):
         kinds = {t.kind for t in alt.techniques}
-        mark = "~" if alt.from_lines else ""
+        mark = "≥" if alt.from_lines else ""  # the size after it was not traced
         rows.append(
             [
                 _rung_name(alt, p.num_gpus, marked=True)
@@ -237,7 +238,7 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
                 + (" (plan)" if alt.techniques == p.techniques else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
                 f"{mark}{alt.max_micro_batch}" if alt.max_micro_batch else "[red]none[/]",
-                mark + gib_figure(alt.device_total_bytes),
+                gib_figure(alt.device_total_bytes),
                 *(_timed_cells(p, alt) if timed else ()),
             ]
         )
