@@ -23,6 +23,25 @@ import torch
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _own_storage(net: torch.nn.Module) -> None:
+    """Copy every tensor still backed by the checkpoint's memory map into memory of its own.
+
+    safetensors maps the file, and a tensor loaded in the file's dtype (the embeddings, the
+    head, norms) stays a view of that map: the map, and every page read through it (the 16-bit
+    or fp32 weights the quantizer read before packing them to 4 bits), stay in the process's
+    RSS as long as one view lives. Those are clean file pages, not memory the step allocates
+    (on a GPU the weights move to the device and the map is dropped): the copy frees them.
+    """
+    for module in net.modules():
+        for param in module._parameters.values():
+            # the 4-bit weights were packed into new memory already
+            if param is not None and type(param).__name__ != "Params4bit":
+                param.data = param.data.clone()
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.clone()
+
+
 def build_4bit(info: Any, setup: Any, depth: int | None) -> torch.nn.Module:
     """The QLoRA model of ``info`` under ``setup`` at ``depth`` layers (None: all of them)."""
     import bitsandbytes  # noqa: F401  (refuse early: no emulated fallback)
@@ -52,6 +71,7 @@ def build_4bit(info: Any, setup: Any, depth: int | None) -> torch.nn.Module:
             device_map="cpu",
             attn_implementation=attn,
         )
+    _own_storage(net)
     ckpt = {"use_reentrant": False}
     if setup.kbit_upcast:
         net = prepare_model_for_kbit_training(

@@ -11,8 +11,9 @@ step does not allocate again. Then, with glibc returning freed blocks (MALLOC_MM
 set by the parent), the kernel's high-water mark is reset (/proc/self/clear_refs, "5") and the model
 is built and trained for two steps so optimizer state exists. Truth = VmHWM - VmRSS before the model
 is built. A QLoRA model is loaded with bitsandbytes (``_bnb_truth.py``: a checkpoint written and
-read back through transformers' quantizer); the mark is reset again once it is loaded, so what it
-holds counts and the loading's transients (the 16-bit checkpoint read before it is quantised) do not.
+read back through transformers' quantizer); the mark is reset again once it is loaded, so what
+it holds counts and the loading's transients (the 16-bit checkpoint read before it is quantised)
+do not.
 
 The model, optimizer and batches are built as batchfit builds them (``step_parts``: the setup
 applied), but the loop is written here, apart from batchfit's own loop code, since it is the
