@@ -8,7 +8,7 @@ quantisation, bf16 compute))`` (transformers' bitsandbytes quantizer: ``Linear4b
 the output head and ``_keep_in_fp32_modules`` left as they are), then peft's
 ``prepare_model_for_kbit_training`` where the framework's recipe runs it
 (``TrainingSetup.kbit_upcast``), checkpointing as the recipe switches it on, and
-``get_peft_model``. bitsandbytes >= 0.48 runs ``Linear4bit`` forward and backward on the CPU
+``get_peft_model``. bitsandbytes 0.50.2 runs ``Linear4bit`` forward and backward on the CPU
 (its CPU backend), so the step is real. It must be importable (``pip install bitsandbytes``);
 without it the truth refuses rather than fall back on the emulation.
 """

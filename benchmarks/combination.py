@@ -10,7 +10,7 @@ half the cases as evaluation cases (held out: run and reported, never debugged o
 as debug cases.
 
 Truth: a real CPU step in a fresh process per case (``_truth.py``), QLoRA through bitsandbytes
-itself (``_bnb_truth.py``; ``pip install bitsandbytes`` first, >= 0.48 runs on the CPU),
+itself (``_bnb_truth.py``; ``pip install bitsandbytes`` first: 0.50.2 runs on the CPU),
 cached in ``data/combination_truth.json`` under a hash of the case. Estimates: the trace and
 analytic engines (``device="cpu"``).
 
@@ -148,10 +148,12 @@ def render(evaluation: list[Row], debug: list[Row], meta: str, failed: list[str]
         "accuracy section); the framework's conventions (its loop, loss, adapter and frozen "
         "dtypes, optimizer implementation, fp32 outputs) as batchfit's step builder applies "
         "them, not the framework's own trainer; QLoRA loaded with bitsandbytes itself "
-        "(`_bnb_truth.py`: transformers' 4-bit quantizer, peft's kbit preparation where the "
-        "recipe runs it), not batchfit's emulation of it. Left out: `--loss fused` (Liger's "
-        "Triton kernel runs on CUDA only), QLoRA under litgpt (Fabric's bitsandbytes plugin "
-        "on litgpt's own model classes) and torchtune (torchao's NF4 tensors). Errors are "
+        "(`_bnb_truth.py`: bitsandbytes 0.50.2's CPU backend, transformers' 4-bit quantizer, "
+        "peft's kbit preparation where the recipe runs it; the checkpoint's memory map dropped "
+        "and the peak mark reset once loaded), not batchfit's emulation of it. Left out: "
+        "`--loss fused` (Liger's Triton kernel runs on CUDA only), QLoRA under litgpt "
+        "(Fabric's bitsandbytes plugin on litgpt's own model classes) and torchtune "
+        "(torchao's NF4 tensors). Errors are "
         f"estimate / truth - 1. {meta}",
         "",
         "**Evaluation cases** (held out):",
