@@ -189,6 +189,8 @@ def shape(case: Case) -> tuple[int, int, int, int]:
         cfg = transformers.AutoConfig.for_model(**raw)
         auto = {
             None: transformers.AutoModelForCausalLM,
+            "causal-lm": transformers.AutoModelForCausalLM,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM,
             "masked-lm": transformers.AutoModelForMaskedLM,
             "classification": transformers.AutoModelForSequenceClassification,
         }[case.task]

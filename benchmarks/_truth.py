@@ -10,7 +10,10 @@ this cache was half loaded and the other half (about 10.5 MiB) landed in the tru
 step does not allocate again. Then, with glibc returning freed blocks (MALLOC_MMAP_THRESHOLD_=65536,
 set by the parent), the kernel's high-water mark is reset (/proc/self/clear_refs, "5") and the model
 is built and trained for two steps so optimizer state exists. Truth = VmHWM - VmRSS before the model
-is built.
+is built. A QLoRA model is loaded with bitsandbytes (``_bnb_truth.py``: a checkpoint written and
+read back through transformers' quantizer); the mark is reset again once it is loaded, so what
+it holds counts and the loading's transients (the 16-bit checkpoint read before it is quantised)
+do not.
 
 The model, optimizer and batches are built as batchfit builds them (``step_parts``: the setup
 applied), but the loop is written here, apart from batchfit's own loop code, since it is the
@@ -79,6 +82,12 @@ def train(
         optimizer.zero_grad(set_to_none=True)
 
 
+def _reset_peak() -> None:
+    """Reset the kernel's high-water mark (VmHWM) to the RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from batchfit.memory.trace import hf as _hf_trace
@@ -94,9 +103,18 @@ def main() -> None:
     fields = {**spec["setup"], "loop": loop}
     setup = TrainingSetup(**fields).resolved(device="cpu", bf16_supported=True)
 
-    def step(micro: int, seq: int, depth: int | None, steps: int) -> None:
+    def step(micro: int, seq: int, depth: int | None, steps: int, reset: bool = False) -> None:
+        built = None
+        if setup.method == "qlora":  # bitsandbytes' own layers (_bnb_truth.py)
+            from _bnb_truth import build_4bit
+
+            built = build_4bit(info, setup, depth)
+            gc.collect()
+            _malloc_trim()
+        if reset:  # after a QLoRA model is loaded: its loading transients are not the step's
+            _reset_peak()
         parts = _hf_trace.step_parts(
-            info, setup, micro=micro, seq=seq, emulate_cuda=False, depth=depth
+            info, setup, micro=micro, seq=seq, emulate_cuda=False, depth=depth, built=built
         )
         train(parts.model, parts.optimizer, parts.make_batch, parts.autocast_dtype, loop, steps)
 
@@ -105,10 +123,9 @@ def main() -> None:
     gc.collect()
     _malloc_trim()
     rss0 = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_peak()
     start = time.perf_counter()
-    step(spec["micro"], spec["seq"], None, 2)
+    step(spec["micro"], spec["seq"], None, 2, reset=True)
     print(
         json.dumps(
             {

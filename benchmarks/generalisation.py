@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,20 +78,26 @@ def truth_key(case: Case) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _cached() -> dict[str, Any]:
-    return json.loads(TRUTH_FILE.read_text()) if TRUTH_FILE.exists() else {}
+def _cached(truth_file: Path = TRUTH_FILE) -> dict[str, Any]:
+    return json.loads(truth_file.read_text()) if truth_file.exists() else {}
 
 
 def measure(
-    cases: list[Case], repeats: dict[str, int], fresh: bool, cached_only: bool
+    cases: list[Case],
+    repeats: dict[str, int],
+    fresh: bool,
+    cached_only: bool,
+    truth_file: Path = TRUTH_FILE,
+    key_of: Callable[[Case], str] = truth_key,
 ) -> dict[str, dict[str, Any]]:
     """Truths of ``cases`` by name: cached ones read back, the others measured one at a time,
     each saved as soon as it is measured (merged into the file as it is then, so a second run
-    loses nothing). A case whose step fails is reported, not cached."""
-    cache = _cached()
+    loses nothing). A case whose step fails is reported, not cached. Another grid passes its
+    own ``truth_file`` and ``key_of``."""
+    cache = _cached(truth_file)
     out: dict[str, dict[str, Any]] = {}
     for case in cases:
-        key = truth_key(case)
+        key = key_of(case)
         want = repeats.get(case.name, 1)
         entry = cache.get(key)
         if entry is None or fresh or len(entry["bytes"]) < want:
@@ -103,8 +110,8 @@ def measure(
                 print(f"{case.name}: truth failed: {e.stderr.strip().splitlines()[-1]}", flush=True)
                 continue
             entry = {"case": case.name, "bytes": measured, "seconds": time.perf_counter() - start}
-            cache = {**_cached(), key: entry}
-            write_json(TRUTH_FILE, cache)
+            cache = {**_cached(truth_file), key: entry}
+            write_json(truth_file, cache)
             gib = statistics.median(measured) / GIB
             print(
                 f"{case.name} {case.micro}x{case.seq}: truth {gib:.3f} GiB in "
