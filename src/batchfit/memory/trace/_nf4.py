@@ -128,10 +128,15 @@ def quantize_linears(
     get_embeddings = getattr(net, "get_input_embeddings", None)
     embeddings = get_embeddings() if callable(get_embeddings) else None
     tied = head is not None and getattr(embeddings, "weight", None) is head.weight
+    # modules the model keeps in fp32 (T5's ``wo``): transformers' 4-bit quantizer leaves them
+    # unquantised (quantizers/quantizer_bnb_4bit.py, _keep_in_fp32_modules among the skipped)
+    kept = set(getattr(net, "_keep_in_fp32_modules", None) or ())
     replaced = 0
     for parent in list(net.modules()):
         for name, child in list(parent.named_children()):
             if (name in HEAD_NAMES or child is head) and (tied or not with_head):
+                continue
+            if name in kept:
                 continue
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, Linear4bit(child, compute_dtype, storage))
