@@ -205,3 +205,20 @@ def test_litgpt_quantises_the_output_head_too_in_both_engines(tiny):
         formulas.components["weights"], abs=15 * 272 * 4 + 1024
     )
     assert tiny.quantizable_params(head=True) - tiny.quantizable_params() == 1024 * 128
+
+
+def test_modules_a_model_keeps_in_fp32_stay_unquantised():
+    """transformers' 4-bit quantizer skips ``_keep_in_fp32_modules`` (T5's ``wo``, whose
+    forward casts its input to the weight's dtype): the emulation leaves them ``nn.Linear``."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from batchfit.memory.trace._nf4 import quantize_linears
+
+    config = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)
+    net = T5ForConditionalGeneration(config)
+    quantize_linears(net, torch.bfloat16)
+    kinds = {name: type(m) for name, m in net.named_modules()}
+    wo = [k for k in kinds if k.endswith(".wo")]
+    wi = [k for k in kinds if k.endswith(".wi")]
+    assert wo and all(kinds[k] is torch.nn.Linear for k in wo)
+    assert wi and all(kinds[k] is Linear4bit for k in wi)
