@@ -53,6 +53,17 @@ MIB = 2**20
 
 # Each case beyond LIMIT, with its cause as diagnosed (the code path read, not guessed).
 CAUSES: dict[str, str] = {
+    "c18 t5 seq2seq": (
+        "the trace failed until the case was seen (RuntimeError: result type torch.float32 "
+        "can't be cast to the desired output type torch.uint8): transformers' bitsandbytes "
+        "quantizer leaves a model's `_keep_in_fp32_modules` unquantised "
+        "(quantizers/quantizer_bnb_4bit.py:121-122; T5's is `wo`, modeling_t5.py:542) and "
+        "batchfit's emulation quantised `wo` too, whose forward casts its input to the "
+        "weight's dtype (modeling_t5.py:88-93). Fixed after it was seen (`quantize_linears` "
+        "skips them; tests/memory/test_qlora.py), so this case is no longer held out. The "
+        "-6.9% left is not diagnosed (one difference not yet checked: the truth loads `wo` "
+        "in fp32, the emulation builds it 16-bit and the recipe's cast makes it fp32)"
+    ),
     "c19 t5 seq2seq": (
         "memory outside tensor storages. The trace's moment and the real peak agree (the "
         "decoder's embedding backward, where the tied embedding's second vocabulary-sized "
@@ -67,18 +78,7 @@ CAUSES: dict[str, str] = {
 
 
 # Each case batchfit could not estimate, with its cause (the error and the code path).
-NO_ESTIMATE: dict[str, str] = {
-    "c18 t5 seq2seq": (
-        "the trace fails (RuntimeError: result type torch.float32 can't be cast to the desired "
-        "output type torch.uint8). transformers' bitsandbytes quantizer leaves a model's "
-        "`_keep_in_fp32_modules` unquantised (quantizers/quantizer_bnb_4bit.py:121-122; T5's "
-        "is `wo`, modeling_t5.py:542), but batchfit's emulation "
-        "(`memory/trace/_nf4.py` `quantize_linears`) converts every linear but the head, `wo` "
-        "too; T5's feed-forward then casts its hidden states to `wo.weight.dtype` "
-        "(modeling_t5.py:88-93), the packed uint8 storage, and the next linear fails. An "
-        "evaluation case: reported, not fixed here"
-    ),
-}
+NO_ESTIMATE: dict[str, str] = {}
 
 
 def key_of(case: Case) -> str:
