@@ -63,12 +63,22 @@ def test_largest_fitting_micro_batch_is_chosen_when_it_divides():
     fitting_divisors = [d for d in range(1, p.max_micro_batch + 1) if 512 % d == 0]
     assert p.micro_batch_size == max(fitting_divisors)
     assert (p.micro_batch_size == p.max_micro_batch) == (512 % p.max_micro_batch == 0)
-    # the time model's pick on one GPU too: the chunked loss's 64 x 8 before plain 32 x 16
-    assert [t.name for t in p.techniques] == ["chunked-loss"] and p.micro_batch_size == 64
+    # HF Trainer's conventions (the default) have no switch for a chunked loss: plain 32 x 16,
+    # the chunked loss offered with the code it needs, never chosen
+    assert not p.techniques and p.micro_batch_size == 32
+    assert any(a.needs and a.techniques[0].name == "chunked-loss" for a in p.alternatives)
+    # axolotl's config switches it on (chunked_cross_entropy): the time model's pick on one
+    # GPU, the chunked loss's 64 x 8 before plain 32 x 16
+    axolotl = TrainingSetup(framework="axolotl")
+    chunked = make_plan_analytic(
+        GPT2, get_gpu("a100-80gb"), axolotl, seq_len=1024, global_batch=512
+    )
+    assert [t.name for t in chunked.techniques] == ["chunked-loss"]
+    assert chunked.micro_batch_size == 64
     bigger = make_plan_analytic(
         GPT2,
         get_gpu("a100-80gb"),
-        TrainingSetup(),
+        axolotl,
         seq_len=1024,
         global_batch=512,
         micro_batch_size=64,

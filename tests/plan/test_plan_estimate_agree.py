@@ -84,6 +84,11 @@ def test_the_gpus_table_agrees_with_plan_at_accumulation_one():
     assert plan.grad_accum_steps == 1
     assert plan.micro_batch_size == row.max_micro_batch
     assert plan.estimate.device_total_bytes == row.device_total_bytes
+    # the row's size was traced, the size after it not (marked): the plan, which searches,
+    # finds no fewer
+    assert row.from_lines
+    searched = make_plan(info, get_gpu("t4"), setup, seq_len=1024, global_batch=64)
+    assert searched.max_micro_batch >= row.max_micro_batch
 
 
 def test_a_ladder_rung_the_plan_takes_is_confirmed_and_its_hint_reproduces_it(capsys):
