@@ -73,7 +73,9 @@ def t4_estimate(gpt2: ModelInfo) -> MemoryEstimate:
 @pytest.fixture
 def draw(capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[str, str]]]:
     """Draws an answer at a width: (stdout, stderr), both consoles that wide."""
-    kept = render.out.width, render.err.width
+    # the consoles' own setting (None: rich asks the terminal each time), not the width it
+    # gives now: restoring a number would pin every later test's console to it
+    kept = render.out._width, render.err._width
 
     def at(width: int, answer: Callable[[], None]) -> tuple[str, str]:
         capsys.readouterr()
@@ -83,7 +85,7 @@ def draw(capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[str
         return captured.out, captured.err
 
     yield at
-    render.out.width, render.err.width = kept
+    render.out._width, render.err._width = kept
 
 
 def _fits(text: str, width: int) -> None:
