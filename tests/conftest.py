@@ -5,6 +5,9 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# pytest-xdist's workers inherit COLUMNS=80 from the controller's terminal writer: the commands
+# under test draw as into a pipe (160 columns) unless a test sets a width itself
+os.environ.pop("COLUMNS", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Dry-run results are cached on disk: one fresh cache per test run, never the user's.
