@@ -37,9 +37,9 @@ from batchfit.memory.formulas._params import (
     parameters,
 )
 from batchfit.memory.formulas._peak import peak
-from batchfit.memory.formulas._qlora import qlora_notes
 from batchfit.memory.formulas._sharding import Sharded, shard_and_offload
 from batchfit.memory.formulas.deepspeed import compute_precision, deepspeed_states
+from batchfit.memory.formulas.qlora import qlora_notes
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup, is_deepspeed

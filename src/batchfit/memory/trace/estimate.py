@@ -23,7 +23,7 @@ from batchfit.memory.device.totals import (
     gpu_extras,
 )
 from batchfit.memory.formulas import analytic
-from batchfit.memory.formulas._qlora import qlora_notes
+from batchfit.memory.formulas.qlora import qlora_notes
 from batchfit.memory.trace.fsdp import is_fsdp
 from batchfit.memory.trace.result import (
     TraceResult,
