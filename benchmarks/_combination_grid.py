@@ -22,10 +22,9 @@ held out (run and reported, never debugged on), and the debug cases.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,9 @@ from _generalisation_grid import (  # noqa: E402
     LORA_RANKS,
     Arch,
     _log_uniform_int,
+    pinned_grid,
     screen_bytes,
     shape,
-    write_json,
 )
 from accuracy import Case  # noqa: E402
 
@@ -219,12 +218,4 @@ def evaluation_names(cases: list[Case]) -> set[str]:
 
 def grid() -> list[Case]:
     """The pinned grid (drawn once, then read back from ``CASES_FILE``)."""
-    if CASES_FILE.exists():
-        pinned = json.loads(CASES_FILE.read_text())
-        if pinned["seed"] != SEED or len(pinned["cases"]) != N_CASES:
-            raise SystemExit(f"{CASES_FILE} was drawn with another seed or size: delete it")
-        cases = [Case(**c) for c in pinned["cases"]]
-    else:
-        cases = draw_grid()
-        write_json(CASES_FILE, {"seed": SEED, "cases": [asdict(c) for c in cases]})
-    return [Case(**{**asdict(c), "model": str(HERE / c.model)}) for c in cases]
+    return pinned_grid(CASES_FILE, SEED, N_CASES, draw_grid)

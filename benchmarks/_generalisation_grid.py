@@ -23,6 +23,7 @@ import math
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -258,17 +259,25 @@ def _passes_screen(case: Case) -> bool:
     return MIN_SCREEN_BYTES <= screen_bytes(case) <= MAX_SCREEN_BYTES
 
 
-def grid() -> list[Case]:
-    """The pinned grid (drawn once, then read back from ``CASES_FILE``)."""
-    if CASES_FILE.exists():
-        pinned = json.loads(CASES_FILE.read_text())
-        if pinned["seed"] != SEED or len(pinned["cases"]) != N_CASES:
-            raise SystemExit(f"{CASES_FILE} was drawn with another seed or size: delete it")
+def pinned_grid(
+    cases_file: Path, seed: int, n_cases: int, draw: Callable[[], list[Case]]
+) -> list[Case]:
+    """A grid drawn once by ``draw``, pinned in ``cases_file``, then read back from it (model
+    paths made absolute); a file drawn with another seed or size is refused."""
+    if cases_file.exists():
+        pinned = json.loads(cases_file.read_text())
+        if pinned["seed"] != seed or len(pinned["cases"]) != n_cases:
+            raise SystemExit(f"{cases_file} was drawn with another seed or size: delete it")
         cases = [Case(**c) for c in pinned["cases"]]
     else:
-        cases = draw_grid()
-        write_json(CASES_FILE, {"seed": SEED, "cases": [asdict(c) for c in cases]})
+        cases = draw()
+        write_json(cases_file, {"seed": seed, "cases": [asdict(c) for c in cases]})
     return [Case(**{**asdict(c), "model": str(HERE / c.model)}) for c in cases]
+
+
+def grid() -> list[Case]:
+    """The pinned grid (drawn once, then read back from ``CASES_FILE``)."""
+    return pinned_grid(CASES_FILE, SEED, N_CASES, draw_grid)
 
 
 def write_json(path: Path, data: Any) -> None:
