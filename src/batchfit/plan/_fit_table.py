@@ -119,6 +119,17 @@ class _OnGpu:
     headroom_bytes: int
     engine: str
     seen: dict[Combo, tuple[int, int, MemoryEstimate, bool]] = field(default_factory=dict)
+    # each (option, micro-batch) estimated once: ranking by the lines and tracing the row's
+    # choice read the same sizes 1 and 2 (with --no-cache too)
+    estimates: dict[tuple[Combo, int], MemoryEstimate] = field(default_factory=dict)
+
+    def at(self, combo: Combo, micro: int) -> MemoryEstimate:
+        """``combo``'s estimate at ``micro`` without accumulation, by the row's engine."""
+        if (combo, micro) not in self.estimates:
+            setup = apply(self.setup, combo)
+            args = (self.model, setup, self.gpu, micro, self.seq_len, 1, self.headroom_bytes)
+            self.estimates[combo, micro] = fits(*args, self.engine)[1]
+        return self.estimates[combo, micro]
 
     def largest(self, combo: Combo) -> int:
         """The largest micro-batch of ``combo`` by the row's engine."""
@@ -141,35 +152,25 @@ class _OnGpu:
         is not traced (True last). The row's choice only: one or two dry runs per GPU."""
         if self.engine != "trace":
             return self.sized(combo)
-        setup = apply(self.setup, combo)
-
-        def at(m: int) -> MemoryEstimate:
-            return fits(
-                self.model, setup, self.gpu, m, self.seq_len, 1, self.headroom_bytes, "trace"
-            )[1]
-
         budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
-        guess = fitting_guess(at, budget)
+        guess = fitting_guess(lambda m: self.at(combo, m), budget)
         if guess is None or guess.estimate is None:
             return self.sized(combo)
         size, est = guess.micro_batch_size, guess.estimate
         return size, est.device_total_bytes, est, size > 0
 
     def _size(self, combo: Combo) -> tuple[int, int, MemoryEstimate, bool]:
-        setup = apply(self.setup, combo)
-        args = (self.model, setup, self.gpu)
-        one = fits(*args, 1, self.seq_len, 1, self.headroom_bytes, self.engine)[1]
+        args = (self.model, apply(self.setup, combo), self.gpu)
+        one = self.at(combo, 1)
         if self.engine == "trace":
-            two = fits(*args, 2, self.seq_len, 1, self.headroom_bytes, self.engine)[1]
             budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
-            lines = predict(one, two, budget)
+            lines = predict(one, self.at(combo, 2), budget)
             if lines is not None:
                 return lines[0], lines[1], one, lines[0] > 0
             best = max_micro_batch_traced(*args, self.seq_len, None, self.headroom_bytes)
         else:
             best = max_micro_batch(*args, self.seq_len, None, self.headroom_bytes)
-        at = fits(*args, max(best, 1), self.seq_len, 1, self.headroom_bytes, self.engine)[1]
-        return best, at.device_total_bytes, one, False
+        return best, self.at(combo, max(best, 1)).device_total_bytes, one, False
 
     def per_billion(self, combo: Combo, micro: int) -> float:
         """Seconds per 1B tokens at ``micro``, offload penalised by ``OFFLOAD_MARGIN``."""
