@@ -371,8 +371,9 @@ def ladder(
     loss = lean_loss(model, setup)
     offered: list[Combo] = []  # a lean loss that needs code: offered, never chosen
     if loss is not None and loss.needs:
-        offered = [(loss,), (loss, GRAD_CKPT)] if checkpointing and not setup.grad_ckpt else []
-        offered = offered or [(loss,)]
+        offered = [(loss,)]
+        if checkpointing and not setup.grad_ckpt:
+            offered.append((loss, GRAD_CKPT))
         loss = None
     base: Combo = () if loss is None else (loss,)
     first: list[Combo] = [base] if base else []
