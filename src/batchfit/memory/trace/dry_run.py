@@ -12,6 +12,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -210,18 +211,59 @@ class _Moments:
             self.micro = 0
 
 
-def _prime(optimizer: torch.optim.Optimizer) -> None:
+def _prime(optimizer: torch.optim.Optimizer, events: list[tuple[int, int]]) -> tuple[int, int]:
     """The first optimizer step on zero gradients: it creates the optimizer's state.
 
     A first step's forward and backward peak below the second's (the state does not exist
-    yet), so only its effect matters, and a dry run saves half its time.
+    yet), so only its effect matters, and a dry run saves half its time. Returns where the
+    ``step()`` began and ended in ``events``: what a real first step's ``step()`` allocates
+    (the state, then its temporaries), gradients of any value being alike to it.
     """
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
+    begin = len(events)
     optimizer.step()
+    end = len(events)
     optimizer.zero_grad(set_to_none=True)
+    return begin, end
+
+
+def _whole_first_step(
+    events: list[tuple[int, int]], marks: list[tuple[int, str]], primed: tuple[int, int, int]
+) -> tuple[tuple[int, int], ...]:
+    """The allocator's history of a whole first step then the measured one, from a primed run.
+
+    ``primed``: where the prime's gradients began and its ``step()`` began and ended. A real
+    first step runs the measured step's forward and backward (the same operators on the same
+    shapes), then the prime's ``step()`` (it creates the state), then frees the gradients as
+    the measured step does; the measured step follows as it ran. Tensors the first step makes
+    get keys of their own; it frees nothing it did not make.
+    """
+    grads_begin, step_begin, step_end = primed
+    measured = next(i for i, phase in marks if phase == "forward" and i >= step_end)
+    optimizer = next(i for i, phase in marks if phase == "optimizer-step" and i >= measured)
+    zero = next(i for i, phase in marks if phase == "zero-grad" and i >= optimizer)
+    fresh: dict[int, int] = {}
+    top = max((key for key, _ in events), default=0)
+
+    def copied(segment: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        out = []
+        for key, delta in segment:
+            if delta > 0:
+                top_key = fresh.setdefault(key, top + 1 + len(fresh))
+                out.append((top_key, delta))
+            elif key in fresh:
+                out.append((fresh[key], delta))
+        return out
+
+    first = [
+        *copied(events[measured:optimizer]),
+        *events[step_begin:step_end],
+        *copied(events[zero:]),
+    ]
+    return (*events[:grads_begin], *first, *events[measured:])
 
 
 def run_steps(
@@ -238,6 +280,7 @@ def run_steps(
     gemm_scratch: bool = False,
     prime: bool = True,
     gloo_scratch: bool = False,
+    replay_first_step: bool = False,
 ) -> TraceResult:
     """Run ``steps`` optimizer steps of ``grad_accum_steps`` micro-steps under the tracker.
 
@@ -249,7 +292,10 @@ def run_steps(
     256, reserved 36.9 GiB; simulated 32.9 after a primed step, 36.7 after a whole one).
     ``gemm_scratch``: count the CPU bf16 fallback matmul's fp32 accumulator
     (:class:`AllocationTracker`); for a step that runs on such a CPU. ``gloo_scratch``: count
-    gloo's copy of each reduce-scatter's input; for sharded CPU ranks.
+    gloo's copy of each reduce-scatter's input; for sharded CPU ranks. ``replay_first_step``
+    (with ``prime``): the result's ``events`` are the allocator's history of a whole first step
+    then the measured one (:func:`_whole_first_step`), as ``prime=False`` records them, at
+    half its cost; its ``timeline`` is the primed run's.
     """
     start = time.perf_counter()
     tracker = AllocationTracker(gemm_scratch, gloo_scratch)
@@ -269,8 +315,10 @@ def run_steps(
         with tracker:
             if extra_other is not None:
                 extra_other(tracker)
+            primed = None
             if steps > 1 and prime:
-                _prime(optimizer)
+                grads_begin = len(tracker.timeline.events)
+                primed = (grads_begin, *_prime(optimizer, tracker.timeline.events))
                 on_phase("zero-grad")  # labels the state; the next step is step 2
                 steps -= 1
             training_steps(
@@ -287,7 +335,12 @@ def run_steps(
     finally:
         for handle in handles:
             handle.remove()
-    return _result(tracker.timeline, time.perf_counter() - start)
+    result = _result(tracker.timeline, time.perf_counter() - start)
+    if replay_first_step and primed is not None:
+        timeline = tracker.timeline
+        events = _whole_first_step(timeline.events, timeline.phase_marks, primed)
+        result = replace(result, events=events)
+    return result
 
 
 def _track_parameters(tracker: AllocationTracker, model: torch.nn.Module) -> list[Any]:

@@ -386,10 +386,16 @@ def trace_once(
     workspace: int,
     depth: int | None,
     grad_accum_steps: int,
+    whole_first_step: bool = False,
 ) -> trace.TraceResult:
     """One dry run at ``depth`` layers (None = the real depth); on CUDA the cuBLAS
     ``workspace`` bytes are allocated first, as the first matmul does. Under FSDP
-    (:func:`batchfit.memory.trace.fsdp.is_fsdp`) it is rank 0 of ``setup.num_gpus``."""
+    (:func:`batchfit.memory.trace.fsdp.is_fsdp`) it is rank 0 of ``setup.num_gpus``.
+
+    On CUDA the allocator replays a whole first step then the measured one; the first is
+    rebuilt from the measured step and the optimizer's priming step (the same allocations at
+    half the cost), unless ``whole_first_step`` runs it, as the timeline picture, which draws
+    every step it shows, needs."""
     emulate_cuda = device == "cuda"
     with contextlib.ExitStack() as world:
         prepare = None
@@ -405,6 +411,7 @@ def trace_once(
             grad_accum_steps=grad_accum_steps,
             workspace=workspace if emulate_cuda else None,
             prepare=prepare,
+            whole_first_step=whole_first_step,
         )
     if emulate_cuda:
         reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
@@ -422,6 +429,7 @@ def _run(
     grad_accum_steps: int,
     workspace: int | None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None,
+    whole_first_step: bool,
 ) -> trace.TraceResult:
     """Build, fake the tensors, run the steps under the tracker; ``workspace`` is None for a
     CPU step, the cuBLAS workspace bytes for an emulated CUDA one."""
@@ -458,5 +466,7 @@ def _run(
                 loop=setup.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
                 gloo_scratch=not emulate_cuda and is_fsdp(setup),
-                prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
+                # CUDA: the allocator's reserve follows a whole first step
+                prime=not (emulate_cuda and whole_first_step),
+                replay_first_step=emulate_cuda,
             )

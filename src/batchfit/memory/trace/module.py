@@ -170,7 +170,8 @@ def _dry_run(
                 grad_accum_steps=min(grad_accum_steps, 2),
                 loop=resolved.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
-                prime=not emulate_cuda,  # CUDA: a whole first step, for the reserve
+                # CUDA: the allocator replays a whole first step, rebuilt from the primed one
+                replay_first_step=emulate_cuda,
             )
     return _ModuleRun(result, net, params, shape)
 

@@ -84,6 +84,7 @@ def step_timeline(
         workspace=gpu_extras(gpu, setup).workspace if device == "cuda" else 0,
         depth=None,
         grad_accum_steps=traced_micro_steps(grad_accum_steps),
+        whole_first_step=True,  # the picture draws both steps
     )
     return from_trace(result, cuda=device == "cuda", setup=setup)
 
