@@ -10,6 +10,7 @@ from itertools import groupby
 from typing import Any
 
 import pytest
+import torch
 
 from batchfit.hardware import get_gpu
 from batchfit.memory.device.allocator import simulate
@@ -31,6 +32,29 @@ def _runs(events: tuple[tuple[int, int], ...]) -> list[Any]:
     ]
 
 
+def _traced(config: Any, options: dict[str, Any], whole: bool) -> Any:
+    model, gpu = resolve_model(str(config)), get_gpu("a100-40gb")
+    setup = resolve_setup(model, TrainingSetup(**options), "cuda", gpu)
+    return trace_once(
+        model,
+        setup,
+        micro=2,
+        seq=32,
+        device="cuda",
+        workspace=gpu_extras(gpu, setup).workspace,
+        depth=None,
+        grad_accum_steps=2,
+        whole_first_step=whole,
+    )
+
+
+@pytest.fixture
+def tiny_llama(tmp_path: Any) -> Any:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(TINY_LLAMA_JSON), "num_hidden_layers": 3}))
+    return config
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -42,28 +66,23 @@ def _runs(events: tuple[tuple[int, int], ...]) -> list[Any]:
     ids=["adamw", "lora-ckpt", "8bit-chunked", "fsdp2"],
 )
 def test_the_rebuilt_first_step_allocates_as_the_whole_one(
-    tmp_path: Any, options: dict[str, Any]
+    tiny_llama: Any, options: dict[str, Any]
 ) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({**json.loads(TINY_LLAMA_JSON), "num_hidden_layers": 3}))
-    model, gpu = resolve_model(str(config)), get_gpu("a100-40gb")
-    setup = resolve_setup(model, TrainingSetup(**options), "cuda", gpu)
-    results = [
-        trace_once(
-            model,
-            setup,
-            micro=2,
-            seq=32,
-            device="cuda",
-            workspace=gpu_extras(gpu, setup).workspace,
-            depth=None,
-            grad_accum_steps=2,
-            whole_first_step=whole,
-        )
-        for whole in (True, False)
-    ]
-    whole, rebuilt = results
+    whole, rebuilt = (_traced(tiny_llama, options, whole) for whole in (True, False))
     assert _runs(rebuilt.events) == _runs(whole.events)
     assert rebuilt.reserved_bytes == whole.reserved_bytes
     assert rebuilt.reserved_bytes == simulate(whole.events).reserved_bytes
     assert rebuilt.peak.total == whole.peak.total
+
+
+def test_gradients_kept_across_steps_run_the_first_step_whole(
+    tiny_llama: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``zero_grad`` that zeroes instead of dropping (torch before 2.0): a real first step
+    allocates the gradients in its backward, which a primed run does not show."""
+    zero = torch.optim.Optimizer.zero_grad
+    monkeypatch.setattr(
+        torch.optim.Optimizer, "zero_grad", lambda self, set_to_none=True: zero(self, False)
+    )
+    whole, rebuilt = (_traced(tiny_llama, {}, whole) for whole in (True, False))
+    assert rebuilt.events == whole.events and rebuilt.reserved_bytes == whole.reserved_bytes

@@ -4,7 +4,7 @@ and the limit."""
 import pytest
 
 from batchfit.hardware import get_gpu
-from batchfit.memory.fit import fit_micro_batch, fitting_guess
+from batchfit.memory.fit import fit_micro_batch, fitting_guess, seeded_fit
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import resolve_model
 from batchfit.plan import make_plan
@@ -112,9 +112,51 @@ def test_a_fitting_guess_traces_the_lines_answer_and_steps_down_until_it_fits():
     assert fitting_guess(at, 40 * GIB) is None
 
 
+def _formulas(fixed_gib: float, per_sample_gib: float):
+    """What the formulas say of a law (no trace): each device total in bytes."""
+    return lambda b: int((fixed_gib + per_sample_gib * b) * GIB)
+
+
+def test_a_seeded_search_confirms_the_formulas_answer_in_two_traces():
+    at, calls = law(10, 3)
+    found = seeded_fit(at, 40 * GIB, _formulas(10, 3))
+    assert found.micro_batch_size == 10 and calls == [10, 11]
+    at, calls = law(10, 3)
+    assert seeded_fit(at, 40 * GIB, _formulas(10, 3), confirm=False).micro_batch_size == 10
+    assert calls == [10]  # the slope says 11 does not fit: not traced
+
+
+@pytest.mark.parametrize("seed_error", [0.7, 0.9, 0.97, 1.03, 1.2, 1.6])
+@pytest.mark.parametrize(
+    "shape", [(10, 3, 0.0), (2, 1, 20.0), (1, 0.05, 0.0), (30, 0.4, 0.0), (37, 2, 0.0)]
+)
+def test_a_seeded_search_finds_the_largest_fit_whatever_the_formulas_miss(
+    seed_error: float, shape: tuple[float, float, float]
+):
+    """Formulas off by -30% .. +60% per sample (a flat optimizer step on top in one law): the
+    confirmed answer is the law's own, and the unconfirmed one a size that fits below it."""
+    fixed, per_sample, step = shape
+    budget = 40 * GIB
+    truth = max(
+        (b for b in range(1, 5000) if max(step, fixed + per_sample * b) * GIB <= budget),
+        default=0,
+    )
+    seed = _formulas(fixed * seed_error, per_sample * seed_error)
+    at, calls = law(fixed, per_sample, step_gib=step)
+    found = seeded_fit(at, budget, seed, limit=4096)
+    assert found.micro_batch_size == min(truth, 4096)
+    assert len(calls) <= 8
+    at, calls = law(fixed, per_sample, step_gib=step)
+    bound = seeded_fit(at, budget, seed, limit=4096, confirm=False).micro_batch_size
+    assert 0 < bound <= truth and bound in calls
+
+
 def test_nothing_fits():
     at, _ = law(50, 1)
     assert fit_micro_batch(at, 40 * GIB).micro_batch_size == 0
+    at, calls = law(50, 1)
+    assert seeded_fit(at, 40 * GIB, _formulas(45, 1)).micro_batch_size == 0
+    assert calls == [1]
 
 
 def test_limit_caps_the_answer():

@@ -115,6 +115,100 @@ def fitting_guess(
     return result(lo)
 
 
+def _largest(ok: Callable[[int], bool], limit: int) -> int:
+    """The largest size in 1..``limit`` that is ``ok`` (0: none), ``ok`` falling with size."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def seeded_fit(
+    estimate_at: Estimator,
+    budget_bytes: int,
+    seed_total: Callable[[int], int],
+    *,
+    limit: int = 1 << 16,
+    confirm: bool = True,
+    max_traces: int = 10,
+) -> FitResult:
+    """The largest micro-batch within budget by the trace, the search seeded by the formulas.
+
+    ``seed_total(b)`` is the formulas' device total at ``b`` (no dry run): their largest size
+    is traced first, and each next size is a step along a slope, the secant through traced
+    sizes where two are known, else the formulas' bytes per sample. With ``confirm``, as
+    ``fit_micro_batch``: the answer fits by the trace and the size after it does not (two
+    dry runs where the formulas are right, against four from sizes 1 and 2). Without, the
+    search stops at the first size that fits where the slope says the next does not: a
+    lower bound, whose next size may be untraced (``FitResult.traced`` says).
+
+    Example:
+        >>> from batchfit.memory.types import MemoryEstimate
+        >>> from batchfit.spec import TrainingSetup
+        >>> def fake(b):  # 10 GiB fixed + 3 GiB per sample
+        ...     total = (10 + 3 * b) << 30
+        ...     return MemoryEstimate("m", "trace", "cuda", b, 1, TrainingSetup(), {}, total,
+        ...                           total, total, 0, 0, "backward")
+        >>> seeds = lambda b: (9 + 3 * b) << 30  # the formulas: 1 GiB low
+        >>> found = seeded_fit(fake, 40 << 30, seeds)
+        >>> found.micro_batch_size, [b for b, _ in found.traced]
+        (10, [10, 11])
+    """
+    cache: dict[int, MemoryEstimate] = {}
+    traced: list[tuple[int, int]] = []
+
+    def total(b: int) -> int:
+        if b not in cache:
+            cache[b] = estimate_at(b)
+            traced.append((b, _total(cache[b])))
+        return _total(cache[b])
+
+    lo, hi = 0, limit + 1  # largest size known to fit, smallest known not to (or past limit)
+    guess = max(_largest(lambda b: seed_total(b) <= budget_bytes, limit), 1)
+    while len(cache) < max_traces:
+        t = total(guess)
+        lo, hi = (max(lo, guess), hi) if t <= budget_bytes else (lo, min(hi, guess))
+        if hi - lo <= 1:
+            break
+        slope = _slope(cache, lo, hi, guess, seed_total)
+        if t <= budget_bytes:
+            step = math.floor((budget_bytes - t) / slope) if slope > 0 else 15 * guess
+            if step < 1 and not confirm:
+                break
+            guess = guess + max(step, 1)
+        else:
+            guess = guess - (max(math.ceil((t - budget_bytes) / slope), 1) if slope > 0 else 1)
+        guess = min(max(guess, lo + 1), hi - 1)
+    if lo == 0 and hi > 1 and 1 not in cache:  # out of traces above 1: does 1 fit?
+        lo = 1 if total(1) <= budget_bytes else 0
+    return FitResult(lo, cache[lo] if lo else cache.get(1), tuple(traced))
+
+
+def _slope(
+    cache: dict[int, MemoryEstimate],
+    lo: int,
+    hi: int,
+    at: int,
+    seed_total: Callable[[int], int],
+) -> float:
+    """Bytes per sample near ``at``: the secant across the bracket when both ends are traced
+    (memory is convex in the batch: its crossing never overshoots), else through the two
+    traced sizes nearest ``at``, else the formulas'."""
+    if lo in cache and hi in cache:
+        return (_total(cache[hi]) - _total(cache[lo])) / (hi - lo)
+    near = sorted(cache, key=lambda b: abs(b - at))[:2]
+    if len(near) == 2:
+        a, b = sorted(near)
+        return (_total(cache[b]) - _total(cache[a])) / (b - a)
+    return float(seed_total(at + 1) - seed_total(at))
+
+
 def fit_micro_batch(
     estimate_at: Estimator, budget_bytes: int, *, limit: int = 1 << 16, max_traces: int = 10
 ) -> FitResult:

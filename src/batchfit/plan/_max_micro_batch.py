@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from batchfit._units import BYTES_IN_GIB
+from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate
-from batchfit.memory.fit import fit_micro_batch
+from batchfit.memory.fit import FitResult, fit_micro_batch, seeded_fit
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._own import OwnModel
@@ -81,8 +82,27 @@ def max_micro_batch_traced(
     per_gpu_batch: int | None,
     headroom: int,
 ) -> int:
-    """Largest micro-batch by the trace engine: each peak moment's line through traced sizes
-    1 and 2, confirmed by traces at the answer (fits) and the size after it (does not)."""
+    """Largest micro-batch by the trace engine, confirmed by traces at the answer (fits) and
+    the size after it (does not); the search starts at the formulas' answer
+    (:func:`traced_fit`)."""
+    return traced_fit(model, setup, gpu, seq_len, per_gpu_batch, headroom).micro_batch_size
+
+
+def traced_fit(
+    model: ModelInfo | OwnModel,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int | None,
+    headroom: int,
+    *,
+    confirm: bool = True,
+) -> FitResult:
+    """The trace engine's search for the largest micro-batch (``seeded_fit``): the formulas'
+    answer traced first, then steps along the traced slope. Without ``confirm`` it stops at a
+    size that fits where the slope says the next does not. A model the formulas cannot size
+    (your own module, a setup they refuse) is searched from each peak moment's line through
+    traced sizes 1 and 2 (``fit_micro_batch``)."""
 
     def at(m: int) -> MemoryEstimate:
         return fits(model, setup, gpu, m, seq_len, _accum(m, per_gpu_batch), headroom, "trace")[1]
@@ -90,4 +110,17 @@ def max_micro_batch_traced(
     limit = per_gpu_batch or 1 << 16
     # a fit leaves at least a byte free (fits_on_card), whatever the headroom asked
     budget = gpu.memory_bytes - max(headroom, 1)
-    return fit_micro_batch(at, budget, limit=limit).micro_batch_size
+    if isinstance(model, ModelInfo):
+
+        def formulas(m: int) -> int:
+            accum = _accum(m, per_gpu_batch)
+            args = (model, setup, gpu, m, seq_len, accum, headroom, "analytic")
+            return fits(*args)[1].device_total_bytes
+
+        try:
+            formulas(1)
+        except UsageError:
+            pass  # a setup only the trace runs: searched from its lines
+        else:
+            return seeded_fit(at, budget, formulas, limit=limit, confirm=confirm)
+    return fit_micro_batch(at, budget, limit=limit)

@@ -3,16 +3,19 @@ at its largest micro-batch; and ``_Fit``, what the ladder search settled on."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from batchfit.hardware import GpuSpec
-from batchfit.memory.fit import fitting_guess, predict
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.plan._ladder import Combo
-from batchfit.plan._max_micro_batch import fits, max_micro_batch, max_micro_batch_traced
+from batchfit.plan._max_micro_batch import (
+    fits,
+    max_micro_batch,
+    traced_fit,
+)
 from batchfit.plan._own import OwnModel
 from batchfit.plan._throughput import Measured
 from batchfit.plan._value import Alternative
@@ -47,6 +50,9 @@ class _Target:
     # "lines": an alternative's size from the peak moments' lines, traced only when chosen;
     # "traced": each alternative searched and confirmed as the plan's own choice is
     alternatives: str = "lines"
+    # an estimate of each setup at some size: what its communication needs (the resolved
+    # setup, its parameter counts) does not depend on the size
+    sized: dict[TrainingSetup, MemoryEstimate] = field(default_factory=dict, compare=False)
 
     def timed_micro(self, max_micro: int, wanted: int | None) -> int:
         """The micro-batch an option is timed at: the one asked for, else the largest that
@@ -56,7 +62,10 @@ class _Target:
     def max_micro(self, setup: TrainingSetup) -> int:
         args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
         if self.engine == "trace":
-            return max_micro_batch_traced(*args)
+            found = traced_fit(*args)
+            if found.estimate is not None:
+                self.sized.setdefault(setup, found.estimate)
+            return found.micro_batch_size
         return max_micro_batch(*args)
 
     def step_seconds(self, setup: TrainingSetup, micro_batch_size: int) -> float:
@@ -77,43 +86,39 @@ class _Target:
         # same for any count from 2 up): 35 of 64 is estimated at 2, never at 1
         size, per_gpu = micro_batch_size, self.per_gpu
         accum = 1 if size >= per_gpu else max(2, per_gpu // size)
-        return fits(
+        ok, est = fits(
             self.model, setup, self.gpu, size, self.seq_len, accum, self.headroom, self.engine
         )
+        self.sized.setdefault(setup, est)
+        return ok, est
 
     def alternative(self, combo: Combo, setup: TrainingSetup) -> Alternative:
         """``setup`` (``combo`` applied) at its largest micro-batch, for the alternatives.
 
-        By the trace engine, from each peak moment's line through sizes 1 and 2, traced at that
-        size (and stepped down while it does not fit, ``fitting_guess``): the figure is
-        ``estimate``'s at the size shown, and ``from_lines`` says the size after it was not
-        traced (the default ``alternatives="lines"``). With ``alternatives="traced"``, the size
-        after it is traced too: where the lines' size does not fit, or the next one does too,
-        the size is searched upward and confirmed as the plan's own is. By the formulas when
-        the trace cannot run the setup.
+        By the trace engine, searched from the formulas' answer (``traced_fit``): the figure
+        is ``estimate``'s at the size shown. With the default ``alternatives="lines"`` the
+        search stops at a size that fits where the traced slope says the next does not, and
+        ``from_lines`` says the size after it was not traced; with ``"traced"`` it is
+        confirmed as the plan's own is (the size after it does not fit). By the formulas
+        when the trace cannot run the setup.
         """
         if self.engine == "trace":
-            budget = self.gpu.memory_bytes - max(self.headroom, 1)
-            if self.alternatives == "lines":
-                at = lambda m: self.fits(setup, m)[1]  # noqa: E731
-                guess = fitting_guess(at, budget, limit=self.per_gpu)
-                if guess is not None:
-                    size, est = guess.micro_batch_size, guess.estimate
-                    assert est is not None
-                    bound = 0 < size < self.per_gpu  # the size after it was not traced
-                    total = est.device_total_bytes
-                    return Alternative(combo, setup, size, total, est.engine, from_lines=bound)
-            one, two = self.fits(setup, 1)[1], self.fits(setup, 2)[1]
-            lines = predict(one, two, budget, self.per_gpu)
-            if lines is not None:
-                if lines[0] == 0:  # size 1 was traced: it does not fit
-                    return Alternative(combo, setup, 0, lines[1], two.engine)
-                size = lines[0]
-                ok, est = self.fits(setup, size)
-                alt = Alternative(combo, setup, size, est.device_total_bytes, est.engine)
-                if ok and (size >= self.per_gpu or not self.fits(setup, size + 1)[0]):
-                    return alt
-                return self.confirmed(replace(alt, from_lines=True))
+            found = traced_fit(
+                self.model,
+                setup,
+                self.gpu,
+                self.seq_len,
+                self.per_gpu,
+                self.headroom,
+                confirm=self.alternatives == "traced",
+            )
+            size, est = found.micro_batch_size, found.estimate
+            if est is not None:
+                self.sized.setdefault(setup, est)
+                sizes = {b for b, _ in found.traced}
+                bound = 0 < size < self.per_gpu and size + 1 not in sizes
+                total = est.device_total_bytes
+                return Alternative(combo, setup, size, total, est.engine, from_lines=bound)
         best = self.max_micro(setup)
         _, est = self.fits(setup, max(best, 1))
         return Alternative(combo, setup, best, est.device_total_bytes, est.engine)
@@ -136,7 +141,7 @@ class _Target:
 
     def comm(self, setup: TrainingSetup) -> int:
         """Bytes one GPU sends per optimizer step under ``setup`` (``speed/_comm.py``)."""
-        est = self.fits(setup, 1)[1]
+        est = self.sized.get(setup) or self.fits(setup, 1)[1]
         return comm_bytes_per_step(est.setup, est.total_params, est.trainable_params)
 
 

@@ -25,6 +25,7 @@ from batchfit.spec import Loop
 
 __all__ = [
     "PHASES",
+    "FirstStepNotReplayable",
     "PhaseResult",
     "TraceResult",
     "extrapolate",
@@ -230,6 +231,12 @@ def _prime(optimizer: torch.optim.Optimizer, events: list[tuple[int, int]]) -> t
     return begin, end
 
 
+class FirstStepNotReplayable(Exception):
+    """The primed run cannot stand for a whole first step: the priming step's gradients
+    outlived its ``zero_grad`` (gradients zeroed, not dropped, as before torch 2.0), where a
+    real first step allocates them in its backward."""
+
+
 def _whole_first_step(
     events: list[tuple[int, int]], marks: list[tuple[int, str]], primed: tuple[int, int, int]
 ) -> tuple[tuple[int, int], ...]:
@@ -243,6 +250,9 @@ def _whole_first_step(
     """
     grads_begin, step_begin, step_end = primed
     measured = next(i for i, phase in marks if phase == "forward" and i >= step_end)
+    grads = {key for key, delta in events[grads_begin:step_begin] if delta > 0}
+    if grads - {key for key, delta in events[step_end:measured] if delta < 0}:
+        raise FirstStepNotReplayable
     optimizer = next(i for i, phase in marks if phase == "optimizer-step" and i >= measured)
     zero = next(i for i, phase in marks if phase == "zero-grad" and i >= optimizer)
     fresh: dict[int, int] = {}

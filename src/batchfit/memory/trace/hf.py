@@ -402,7 +402,8 @@ def trace_once(
         if is_fsdp(setup):
             mesh = world.enter_context(fake_world(setup.num_gpus))
             prepare = functools.partial(shard, setup=setup, mesh=mesh)
-        result = _run(
+        run = functools.partial(
+            _run,
             model,
             setup,
             micro=micro,
@@ -411,8 +412,11 @@ def trace_once(
             grad_accum_steps=grad_accum_steps,
             workspace=workspace if emulate_cuda else None,
             prepare=prepare,
-            whole_first_step=whole_first_step,
         )
+        try:
+            result = run(whole_first_step=whole_first_step)
+        except trace.FirstStepNotReplayable:  # gradients kept across steps: run it whole
+            result = run(whole_first_step=True)
     if emulate_cuda:
         reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
         result = replace(result, reserved_bytes=reserved.reserved_bytes)
