@@ -103,15 +103,10 @@ class _Target:
         when the trace cannot run the setup.
         """
         if self.engine == "trace":
-            found = traced_fit(
-                self.model,
-                setup,
-                self.gpu,
-                self.seq_len,
-                self.per_gpu,
-                self.headroom,
-                confirm=self.alternatives == "traced",
-            )
+            args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
+            found = traced_fit(*args, confirm=self.alternatives == "traced")
+            if found.estimate is not None and found.estimate.engine != "trace":
+                found = traced_fit(*args)  # the formulas answered: searching costs nothing
             size, est = found.micro_batch_size, found.estimate
             if est is not None:
                 self.sized.setdefault(setup, est)
