@@ -150,6 +150,27 @@ def test_checkpointing_a_convnet_is_refused_and_the_plan_skips_it(tmp_path):
     assert p.to_json()["image_size"] == 64 and p.to_json()["seq_len"] is None
 
 
+@pytest.mark.parametrize(
+    ("name", "supported"), [("vit-base-patch16-224", True), ("resnet-50", False)]
+)
+def test_whether_an_image_model_checkpoints_is_read_once_then_cached(
+    name, supported, tmp_path, monkeypatch
+):
+    """transformers answers it from the model's class (importing it costs seconds): a warm
+    plan of an image model asks the cache instead."""
+    from batchfit.models import _meta
+
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BATCHFIT_NO_CACHE", raising=False)
+    assert resolve_model(name).supports_grad_ckpt is supported
+
+    def unreachable(*_args):
+        raise AssertionError("transformers was asked again")
+
+    monkeypatch.setattr(_meta, "model_class", unreachable)
+    assert resolve_model(name).supports_grad_ckpt is supported
+
+
 def test_vision_plan_needs_the_ladder_without_checkpointing_when_unsupported():
     # ConvNeXt-T at 224 px on a T4 with micro-batch 512: only changes-training rungs help,
     # never checkpointing (transformers cannot checkpoint ConvNeXt)

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, cast
 
-from batchfit import catalog
+from batchfit import _cache, catalog
 from batchfit._names import normalise, suggest
 from batchfit._units import human_count, looks_like_count, parse_count
 from batchfit.errors import UsageError
@@ -179,18 +179,21 @@ class ModelInfo:
 
         Every catalog language model can; of the image models, the convolutional ones
         (ConvNeXt, ResNet: ``supports_gradient_checkpointing = False``) cannot. Asked of an
-        image model, this imports transformers to read the class.
+        image model, this reads the class from transformers (imported: seconds) or from the
+        cache, which keeps the answer per model type, task and transformers version.
         """
         if self.arch.family != "vision":
             return True
         if self.arch.model_type == "torchvision":
             return False
-
-        return bool(
-            getattr(
-                _meta.model_class(self.config, self.task), "supports_gradient_checkpointing", False
-            )
-        )
+        key = {"model_type": self.arch.model_type, "task": self.task}
+        record = _cache.load("grad-ckpt", key)
+        if record is not None and isinstance(record.get("supported"), bool):
+            return bool(record["supported"])
+        cls = _meta.model_class(self.config, self.task)
+        supported = bool(getattr(cls, "supports_gradient_checkpointing", False))
+        _cache.store("grad-ckpt", key, {"supported": supported})
+        return supported
 
     def resolve_attention(self, requested: Attention) -> Attention:
         """``--attention`` made concrete for this model class, as transformers resolves it.
