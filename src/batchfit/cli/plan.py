@@ -139,10 +139,10 @@ AlternativesO = Annotated[
     str | None,
     typer.Option(
         "--alternatives",
-        help="lines|traced: each alternative's largest micro-batch from its peak moments' "
-        "lines through traced sizes 1 and 2 (marked ~; the chosen one is traced at its size), "
-        "or each traced at its size and the next as the choice is (slower). Default: lines, "
-        "traced with --report.",
+        help="lines|traced: each alternative's largest micro-batch traced from the formulas' "
+        "size until one fits that the traced slope says is the last (marked ≥: the next size "
+        "is not traced; the chosen one is confirmed), or each confirmed at its size and the "
+        "next as the choice is (slower). Default: lines, traced with --report.",
     ),
 ]
 ReportO = Annotated[

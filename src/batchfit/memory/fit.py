@@ -5,7 +5,9 @@ is affine in the micro-batch: weights and states are fixed, activations and thei
 grow with it. The peak is the largest moment, so each moment's line is fitted through traced
 sizes 1 and 2, the largest size under every line is solved for, and traces at that size (it
 must fit) and the next (it must not) confirm it. Where a confirmation disagrees, the search
-narrows the bracket with the secant through the sizes traced on both sides.
+narrows the bracket with the secant through the sizes traced on both sides. Where the
+formulas can size the model, ``seeded_fit`` starts at their answer instead and needs no
+traces at sizes 1 and 2.
 """
 
 from __future__ import annotations

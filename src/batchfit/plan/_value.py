@@ -31,8 +31,8 @@ class Alternative:
     step_seconds: float | None = None
     tokens_per_s_per_gpu: float | None = None
     throughput_source: str | None = None  # --throughput-from: how the probe corrected it
-    # True: the largest micro-batch and its figure come from each peak moment's line through
-    # traced sizes 1 and 2, not from traces at that size (``alternatives="lines"``)
+    # True: the largest micro-batch fits by the trace (its figure is the trace's there) and
+    # the size after it was not traced (``alternatives="lines"``): the largest may be larger
     from_lines: bool = False
 
     @property

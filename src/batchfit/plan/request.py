@@ -69,9 +69,10 @@ class PlanRequest:
             as a fraction of the GPU's memory, which ``make_plan`` reads.
         engine: ``"trace"`` (a dry run; the formulas answer, and say so, without torch) or
             ``"analytic"``.
-        alternatives: ``"lines"`` (each alternative's largest micro-batch from its peak
-            moments' lines through traced sizes 1 and 2; only the chosen one is traced at
-            its size) or ``"traced"`` (each searched and confirmed as the choice is).
+        alternatives: ``"lines"`` (each alternative's largest micro-batch traced from the
+            formulas' size until one fits that the traced slope says is the last; the size
+            after it is traced for the chosen one only) or ``"traced"`` (each searched and
+            confirmed as the choice is).
         train_tokens: Tokens of the whole run (adds its steps, time and cost).
         train_samples: Samples of the whole run (or ``epochs`` with ``dataset_size``).
         epochs: Passes over ``dataset_size`` samples: the run's length.

@@ -209,11 +209,11 @@ _COST = Column("cost", right=True, wrap=False, leave_out=5)
 def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list[str]]:
     how = ""
     if p.estimate.engine == "trace":
-        how = "; trace engine: each peak moment's line through micro-batch 1 and 2" + (
-            ", traced at that size; ≥: the size after it not traced (--alternatives traced "
-            "traces it)"
+        how = "; trace engine: searched from the formulas' size" + (
+            ", traced until one fits that the traced slope says is the last; ≥: the size "
+            "after it not traced (--alternatives traced traces it)"
             if any(alt.from_lines for alt in p.alternatives)
-            else ", then traced at that size and the next (searched again where it did not fit)"
+            else ", traced at the answer and the size after it"
         )
     order = "exact first, then by s / step" if timed else "exact rungs first"
     steps, price = p.train_steps, p.gpu_hour_price
