@@ -1,6 +1,6 @@
 """`make demo`: batchfit's main job on catalog models, offline.
 
-The first run dry-runs the models on fake tensors (minutes on a 2-core machine); a second
+The first run dry-runs the models on fake tensors (about a minute on a 2-core machine); a second
 run reads them from the trace cache and takes seconds. The GPU table uses the formulas
 (``--engine analytic``): the trace over every catalog GPU is the slow part of a first run.
 """
@@ -28,7 +28,7 @@ def run(args: list[str]) -> None:
 def demo() -> None:
     print(
         "batchfit demo: four questions a user asks (the README's tour). The first run dry-runs\n"
-        "each model's step on fake tensors: a few minutes on 2 cores, a line on the terminal\n"
+        "each model's step on fake tensors: about a minute on 2 cores, a line on the terminal\n"
         "naming each dry run; the next run reads the trace cache and takes seconds.",
         flush=True,
     )
