@@ -5,7 +5,7 @@
   ``PROBE_GPT2`` is the GPT-2 the probe runs real steps on; ``TIMELINE_GPT2`` the one the
   step's timeline is traced and drawn for; ``DEBERTA_V3_BASE`` is
   microsoft/deberta-v3-base's config and ``TINY_DEBERTA_V3`` the same narrowed to 2 layers of
-  width 64.
+  width 64; ``TINY_VIT`` a 2-layer ViT classifier of 64 px images.
 - Models: ``example_gpt2`` builds ``TINY_GPT2``; ``linear_stack``, ``tiny_gpt2_lm`` and
   ``wide_mlp`` are the training-runtime tests' models, with their data (``token_batches``,
   ``wide_batches``) and reference steps (``full_batch_steps``, ``accumulated_steps``).
@@ -64,6 +64,19 @@ TIMELINE_GPT2: dict[str, Any] = {
     "n_head": 4,
     "n_positions": 256,
     "vocab_size": 3000,
+}
+
+# a ViT image classifier of 2 layers of width 64, 64 px images in 16 px patches
+TINY_VIT: dict[str, Any] = {
+    "model_type": "vit",
+    "architectures": ["ViTForImageClassification"],
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "image_size": 64,
+    "patch_size": 16,
+    "num_labels": 10,
 }
 
 # microsoft/deberta-v3-base's config.json (the keys that shape it)

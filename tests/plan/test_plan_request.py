@@ -18,6 +18,7 @@ from batchfit.lengths import LengthsSummary
 from batchfit.models import resolve_model
 from batchfit.plan import PlanRequest, make_plan, make_plan_auto
 from batchfit.spec import TrainingSetup
+from tests._tiny import TINY_VIT
 
 GPT2 = resolve_model("gpt2")
 VIT = resolve_model("vit-base-patch16-224")
@@ -242,10 +243,13 @@ def test_the_keyword_form_and_the_request_plan_the_same(options: dict[str, Any])
     _same(keywords, request)
 
 
-def test_an_image_model_s_keyword_seq_len_is_its_image_size() -> None:
+def test_an_image_model_s_keyword_seq_len_is_its_image_size(tmp_path: Any) -> None:
     # the trace engine: the formulas model token models only
-    keywords = make_plan(VIT, T4, TrainingSetup(), seq_len=64, global_batch=8)
-    request = make_plan(PlanRequest(VIT, T4, image_size=64, global_batch=8))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_VIT))
+    vit = resolve_model(str(config))
+    keywords = make_plan(vit, T4, TrainingSetup(), seq_len=64, global_batch=8)
+    request = make_plan(PlanRequest(vit, T4, image_size=64, global_batch=8))
     _same(keywords, request)
     assert request.seq_len == 64
 
