@@ -396,7 +396,7 @@ def export(plan: Plan, kind: str) -> dict[str, Any]:
         >>> from batchfit.hardware import get_gpu
         >>> from batchfit.plan import make_plan
         >>> p = make_plan(resolve_model("gpt2"), get_gpu("a100-40gb"), TrainingSetup(),
-        ...               seq_len=1024, global_batch=64, micro_batch_size=16)
+        ...               seq_len=1024, global_batch=64, micro_batch_size=16, engine="analytic")
         >>> export(p, "deepspeed")["gradient_accumulation_steps"]
         4
     """
