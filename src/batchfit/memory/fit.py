@@ -117,8 +117,14 @@ def fitting_guess(
     return result(lo)
 
 
-def _largest(ok: Callable[[int], bool], limit: int) -> int:
-    """The largest size in 1..``limit`` that is ``ok`` (0: none), ``ok`` falling with size."""
+def largest_passing(ok: Callable[[int], bool], limit: int) -> int:
+    """The largest size in 1..``limit`` that is ``ok`` (0: none), ``ok`` holding up to a size
+    and failing above it: doubling, then bisecting.
+
+    Example:
+        >>> largest_passing(lambda b: 3 * b <= 40, 1 << 16), largest_passing(lambda b: b < 9, 4)
+        (13, 4)
+    """
     if not ok(1):
         return 0
     lo, hi = 1, 2
@@ -172,7 +178,7 @@ def seeded_fit(
         return _total(cache[b])
 
     lo, hi = 0, limit + 1  # largest size known to fit, smallest known not to (or past limit)
-    guess = max(_largest(lambda b: seed_total(b) <= budget_bytes, limit), 1)
+    guess = max(largest_passing(lambda b: seed_total(b) <= budget_bytes, limit), 1)
     while len(cache) < max_traces:
         t = total(guess)
         lo, hi = (max(lo, guess), hi) if t <= budget_bytes else (lo, min(hi, guess))

@@ -7,7 +7,7 @@ from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate
-from batchfit.memory.fit import FitResult, fit_micro_batch, seeded_fit
+from batchfit.memory.fit import FitResult, fit_micro_batch, largest_passing, seeded_fit
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._own import OwnModel
@@ -62,16 +62,7 @@ def max_micro_batch(
     def ok(m: int) -> bool:
         return fits(model, setup, gpu, m, seq_len, _accum(m, per_gpu_batch), headroom)[0]
 
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= cap and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return largest_passing(ok, cap)
 
 
 def max_micro_batch_traced(
