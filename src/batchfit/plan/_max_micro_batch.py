@@ -95,8 +95,9 @@ def traced_fit(
     (your own module, a setup they refuse) is searched from each peak moment's line through
     traced sizes 1 and 2 (``fit_micro_batch``)."""
 
-    def at(m: int) -> MemoryEstimate:
-        return fits(model, setup, gpu, m, seq_len, _accum(m, per_gpu_batch), headroom, "trace")[1]
+    def at(m: int, engine: str = "trace") -> MemoryEstimate:
+        accum = _accum(m, per_gpu_batch)
+        return fits(model, setup, gpu, m, seq_len, accum, headroom, engine)[1]
 
     limit = per_gpu_batch or 1 << 16
     # a fit leaves at least a byte free (fits_on_card), whatever the headroom asked
@@ -104,9 +105,7 @@ def traced_fit(
     if isinstance(model, ModelInfo):
 
         def formulas(m: int) -> int:
-            accum = _accum(m, per_gpu_batch)
-            args = (model, setup, gpu, m, seq_len, accum, headroom, "analytic")
-            return fits(*args)[1].device_total_bytes
+            return at(m, "analytic").device_total_bytes
 
         try:
             formulas(1)

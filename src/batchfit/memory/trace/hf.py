@@ -470,7 +470,7 @@ def _run(
                 loop=setup.loop,
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
                 gloo_scratch=not emulate_cuda and is_fsdp(setup),
-                # CUDA: the allocator's reserve follows a whole first step
+                # CUDA: the allocator's reserve follows a whole first step, run or rebuilt
                 prime=not (emulate_cuda and whole_first_step),
-                replay_first_step=emulate_cuda,
+                replay_first_step=emulate_cuda and not whole_first_step,
             )
