@@ -12,6 +12,7 @@ per global batch (``train_batch_size`` 32).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import resource
 import sys
@@ -79,6 +80,10 @@ def run(
 def main() -> None:
     dist.init_process_group("gloo")
     import deepspeed
+
+    # The shared-memory all-reduce is a C++ op compiled on first use (2-3 minutes on 2 cores);
+    # gloo carries every collective these tests run. (``deepspeed.comm.torch`` is PyTorch there.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
