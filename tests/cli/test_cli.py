@@ -176,7 +176,8 @@ def test_models_and_gpus_list(capsys):
 
 def test_export_to_file(tmp_path, capsys):
     target = tmp_path / "args.json"
-    code, out, _ = run_cli([*CONTRACT, "--export", "hf", "--out", str(target), "--json"], capsys)
+    args = [*CONTRACT, "--export", "hf", "--out", str(target), "--engine", "analytic", "--json"]
+    code, out, _ = run_cli(args, capsys)
     assert code == 0
     exports = json.loads(out)["exports"]
     assert exports["hf"] == str(target) and set(exports) == {"hf", "launch"}

@@ -147,6 +147,29 @@ def test_the_analytic_saving_agrees_with_the_trace(wide, loss):
     assert by_formula == pytest.approx(by_trace, rel=0.15)
 
 
+def test_a_dry_run_of_the_fused_loss_skips_identical_chunks_and_gives_the_same_figures(
+    wide, monkeypatch
+):
+    from batchfit.memory.trace import _lm_loss
+    from batchfit.memory.trace.estimate import estimate_trace
+    from batchfit.workload import Workload
+
+    monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
+    # 199 rows over a vocabulary 128 times the width: chunks of 2, 100 of them, the last shorter
+    assert len(_lm_loss._chunk_starts(199, 2, fake=False)) == 100
+    assert _lm_loss._chunk_starts(199, 2, fake=True) == [0, 2, 196, 198]
+    setup = TrainingSetup(loss="fused", precision="amp-bf16")
+    work = Workload(micro_batch_size=1, seq_len=200, gpu=get_gpu("a100-40gb"), grad_accum_steps=2)
+
+    def figures():
+        est = estimate_trace(wide, setup, work)
+        return est.peak_bytes, est.reserved_bytes, est.extras["moments"]
+
+    cut = figures()
+    monkeypatch.setattr(_lm_loss, "KEPT_FAKE_CHUNKS", 10**6)
+    assert figures() == cut
+
+
 @pytest.mark.parametrize("engine", ["trace", "analytic"])
 def test_adapter_and_frozen_dtypes_move_the_weights(engine):
     info = resolve_model("llama-3.2-1b")

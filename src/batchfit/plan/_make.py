@@ -107,11 +107,12 @@ def make_plan(
     (``warn(message)`` for a file it had to set aside, else a ``UserWarning``) and the plan's
     first warning says what they gave.
 
-    Example:
+    Example (by the formulas, which answer at once; the default engine traces the step):
         >>> from batchfit.models import resolve_model
         >>> from batchfit.hardware import get_gpu
         >>> p = make_plan(resolve_model("gpt2"), get_gpu("rtx-3060"), TrainingSetup(),
-        ...               seq_len=256, global_batch_tokens=32768, micro_batch_size=16)
+        ...               seq_len=256, global_batch_tokens=32768, micro_batch_size=16,
+        ...               engine="analytic")
         >>> p.micro_batch_size, p.grad_accum_steps, p.tokens_per_step
         (16, 8, 32768)
         >>> r = PlanRequest(resolve_model("gpt2"), get_gpu("rtx-3060"), seq_len=256,
