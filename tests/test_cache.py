@@ -17,6 +17,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
+from tests._cli import plan_setup_flags
 
 KEY = {"model": "m", "config": {"n_layer": 2}, "micro": 4}
 
@@ -113,12 +114,13 @@ def test_a_warm_plan_needs_no_torch_and_gives_the_same_answer(tmp_path):
     assert "TORCH" in cold.stderr.split()
     assert "NO-TORCH" in warm.stderr.split()
     assert json.loads(cold.stdout) == json.loads(warm.stdout)
-    # --no-cache traces again (torch comes back) and agrees
-    fresh = _cli([*args, "--no-cache"], env)
+    # --no-cache traces again (torch comes back) and agrees: the plan's setup, estimated
+    plan = json.loads(cold.stdout)
+    sized = ["-b", str(plan["micro_batch_size"]), "--grad-accum", str(plan["grad_accum_steps"])]
+    again = ["estimate", *args[1:6], *sized, *plan_setup_flags(plan), "--no-cache", "--json"]
+    fresh = _cli(again, env)
     assert "TORCH" in fresh.stderr.split()
-    assert (
-        json.loads(fresh.stdout)["micro_batch_size"] == json.loads(cold.stdout)["micro_batch_size"]
-    )
+    assert json.loads(fresh.stdout)["device_total_bytes"] == plan["device_total_bytes"]
 
 
 @pytest.mark.slow

@@ -181,7 +181,7 @@ def test_child_dies_with_its_parent(tmp_path):
     "message",
     ["even a micro-batch of 1 does not fit in 1 GiB", "the chosen micro-batch 4 no longer fits"],
 )
-def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch, message):
+def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch, tmp_path, message):
     # the CUDA path runs probe() in this process: the search's NoFitError must arrive as one
     # (one line, exit 2); any other ValueError is a bug and keeps its type and traceback
     from batchfit.errors import NoFitError
@@ -193,8 +193,8 @@ def test_probe_nothing_fits_is_a_nofit_error_on_every_device(monkeypatch, messag
         raise raised.pop(0)
 
     monkeypatch.setattr("batchfit.search.find_batch_size", nothing_fits)
-    spec = _probe_spec(Path("unused"))
-    spec.update(model="gpt2", memory_budget=None, high=2)
+    spec = _probe_spec(_config(tmp_path / "tiny"))
+    spec.update(memory_budget=None, high=2)
     with pytest.raises(NoFitError, match=message):
         _probe.probe(spec, lambda _message: None)
     with pytest.raises(ValueError, match=message) as bug:

@@ -14,7 +14,7 @@ from batchfit.workload import Workload
 
 pytestmark = pytest.mark.slow
 
-# 8 wide layers, short sequences: up to about micro-batch 12 the peak is the end of backward
+# 8 wide layers, short sequences: up to micro-batch 9 the peak is the end of backward
 # (every gradient held, the embeddings' last), beyond it the start of backward.
 DEEP_GPT2 = {
     "model_type": "gpt2",
@@ -50,7 +50,7 @@ def _traced(info, setup, micro, seq, full, accum=1):
 def test_extrapolated_equals_full_depth_around_the_phase_change(deep, loop):
     setup = TrainingSetup(precision="fp32", loop=loop)
     moments = set()
-    for micro in (4, 10, 12, 14, 16):
+    for micro in (4, 9, 10, 16):  # the peak moment changes between 9 and 10
         extrapolated, moment = _traced(deep, setup, micro, 16, full=False)
         full, full_moment = _traced(deep, setup, micro, 16, full=True)
         assert extrapolated == pytest.approx(full, rel=0.005), micro
@@ -71,7 +71,7 @@ def test_later_micro_steps_hold_the_gradients(deep):
 
 
 @settings(
-    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     micro=st.integers(1, 12),
