@@ -10,8 +10,16 @@ import pytest
 from tests._cli import CONTRACT, run_cli
 
 
-def test_plan_json_contract(capsys):
-    code, out, _ = run_cli([*CONTRACT, "--json"], capsys)
+@pytest.mark.parametrize("engine", ["analytic", "trace"])
+def test_plan_json_contract(capsys, engine):
+    # the trace's question is the one tests/plan/test_plan_estimate_agree.py asks (one cold
+    # search); the formulas' is the README's contract example (8 x 16 x 256 tokens)
+    if engine == "trace":
+        args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"]
+        accum, tokens = 64 // 8, 64 * 1024  # the trace fits micro-batch 8
+    else:
+        args, accum, tokens = [*CONTRACT, "--engine", "analytic"], 8, 32768
+    code, out, _ = run_cli([*args, "--json"], capsys)
     assert code == 0
     data = json.loads(out)
     for key in (
@@ -31,7 +39,8 @@ def test_plan_json_contract(capsys):
         "versions",
     ):
         assert key in data, key
-    assert data["grad_accum_steps"] == 8 and data["tokens_per_step"] == 32768
+    assert data["engine"] == engine
+    assert data["grad_accum_steps"] == accum and data["tokens_per_step"] == tokens
     assert data["headroom_bytes"] == data["gpu_bytes"] - data["device_total_bytes"]
     assert set(data["versions"]) == {"batchfit", "torch", "transformers"}
 

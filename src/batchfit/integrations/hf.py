@@ -29,7 +29,7 @@ def training_arguments(plan: Plan, **overrides: Any) -> TrainingArguments:
         >>> from batchfit.plan import make_plan
         >>> from batchfit.spec import TrainingSetup
         >>> plan = make_plan(resolve_model("gpt2"), get_gpu("rtx-3060"), TrainingSetup(),
-        ...                  seq_len=256, global_batch=32, micro_batch_size=8)
+        ...                  seq_len=256, global_batch=32, micro_batch_size=8, engine="analytic")
         >>> args = training_arguments(plan, output_dir="out", use_cpu=True, bf16=False)
         >>> args.per_device_train_batch_size, args.gradient_accumulation_steps
         (8, 4)
