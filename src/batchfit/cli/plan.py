@@ -142,7 +142,8 @@ AlternativesO = Annotated[
         help="lines|traced: each alternative's largest micro-batch traced from the formulas' "
         "size until one fits that the traced slope says is the last (marked ≥: the next size "
         "is not traced; the chosen one is confirmed), or each confirmed at its size and the "
-        "next as the choice is (slower). Default: lines, traced with --report.",
+        "next as the choice is (slower). Default: lines, traced with --report. Either way an "
+        "option the formulas put over 25% past the card is not traced (marked (formulas)).",
     ),
 ]
 ReportO = Annotated[

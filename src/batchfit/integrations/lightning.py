@@ -301,7 +301,7 @@ def trainer_kwargs(plan: Plan, **overrides: Any) -> dict[str, Any]:
         >>> from batchfit.plan import make_plan
         >>> from batchfit.spec import TrainingSetup
         >>> plan = make_plan(resolve_model("gpt2"), get_gpu("rtx-3060"), TrainingSetup(),
-        ...                  seq_len=256, global_batch=32, micro_batch_size=8)
+        ...                  seq_len=256, global_batch=32, micro_batch_size=8, engine="analytic")
         >>> trainer_kwargs(plan, accelerator="cpu")["accumulate_grad_batches"]
         4
     """

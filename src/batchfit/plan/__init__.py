@@ -26,7 +26,7 @@ from batchfit.plan._ladder import Technique
 from batchfit.plan._lr_scaling import parse_betas as parse_betas
 from batchfit.plan._lr_scaling import scale_learning_rate
 from batchfit.plan._make import make_plan, make_plan_auto
-from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES
+from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES, PRUNE_MARGIN
 from batchfit.plan._target import _Target as _Target  # benchmarks/plan_choice.py times with it
 from batchfit.plan._throughput import ProbeFile as ProbeFile
 from batchfit.plan._throughput import probe_identity as probe_identity
@@ -37,6 +37,7 @@ from batchfit.plan.request import PlanRequest, samples_from_target
 __all__ = [
     "DEFAULT_HEADROOM_BYTES",
     "DEFAULT_MAX_GPUS",
+    "PRUNE_MARGIN",
     "Alternative",
     "FitRow",
     "Plan",

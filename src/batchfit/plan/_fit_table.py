@@ -23,6 +23,7 @@ from batchfit.plan._ladder import (
 )
 from batchfit.plan._max_micro_batch import (
     DEFAULT_HEADROOM_BYTES,
+    beyond_reach,
     fits,
     max_micro_batch,
     max_micro_batch_traced,
@@ -106,10 +107,6 @@ FIT_RULE = (
 # (utilisation only grows with the micro-batch), so options that cannot win are not searched
 # (the trace engine bounds at twice the formulas' size instead: fewer traced searches)
 _BOUND_MICRO = 1 << 16
-# an option whose formulas' total at micro-batch 1 exceeds the card by more than this is not
-# traced: the formulas are within a few percent of the trace (their largest known excess,
-# LoRA's dropout masks, is under 9%), so it cannot fit by the trace either
-PRUNE_MARGIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -165,13 +162,13 @@ class _OnGpu:
 
     def _size(self, combo: Combo) -> tuple[int, int, MemoryEstimate, bool]:
         args = (self.model, apply(self.setup, combo), self.gpu)
-        budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
-        if self.engine == "trace":
-            beyond = self._beyond_reach(combo, budget)
+        if self.engine == "trace":  # a row where nothing fits traces its choice (_row)
+            beyond = beyond_reach(*args, self.seq_len, 1, self.headroom_bytes)
             if beyond is not None:
                 return 0, beyond.device_total_bytes, beyond, False
         one = self.at(combo, 1)
         if self.engine == "trace":
+            budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
             lines = predict(one, self.at(combo, 2), budget)
             if lines is not None:
                 return lines[0], lines[1], one, lines[0] > 0
@@ -179,19 +176,6 @@ class _OnGpu:
         else:
             best = max_micro_batch(*args, self.seq_len, None, self.headroom_bytes)
         return best, self.at(combo, max(best, 1)).device_total_bytes, one, False
-
-    def _beyond_reach(self, combo: Combo, budget: int) -> MemoryEstimate | None:
-        """The formulas' estimate at micro-batch 1 where it exceeds ``budget`` by more than
-        ``PRUNE_MARGIN`` (None otherwise, or where they cannot size the setup): the option
-        cannot fit, and is not traced. Such an option is never a row's figure: a row where
-        nothing fits shows its choice traced at size 1 (``_row``)."""
-        setup = apply(self.setup, combo)
-        args = (self.model, setup, self.gpu, 1, self.seq_len, 1, self.headroom_bytes)
-        try:
-            est = fits(*args, "analytic")[1]
-        except UsageError:
-            return None
-        return est if est.device_total_bytes > budget * (1 + PRUNE_MARGIN) else None
 
     def per_billion(self, combo: Combo, micro: int) -> float:
         """Seconds per 1B tokens at ``micro``, offload penalised by ``OFFLOAD_MARGIN``."""

@@ -15,6 +15,10 @@ from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
 
 DEFAULT_HEADROOM_BYTES = BYTES_IN_GIB // 2
+# an option whose formulas' total at micro-batch 1 exceeds the card by more than this is not
+# traced: the formulas are within a few percent of the trace (their largest known excess,
+# LoRA's dropout masks, is under 9%), so it cannot fit by the trace either
+PRUNE_MARGIN = 0.25
 
 
 def fits(
@@ -35,6 +39,29 @@ def fits(
     workload = Workload(micro_batch_size, seq_len, "cuda", gpu, grad_accum_steps=accum)
     est = estimate(model, setup, workload=workload, engine=engine)  # type: ignore[arg-type]
     return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
+
+
+def beyond_reach(
+    model: ModelInfo | OwnModel,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int | None,
+    headroom: int,
+) -> MemoryEstimate | None:
+    """The formulas' estimate at micro-batch 1 where it is over ``PRUNE_MARGIN`` past what
+    ``gpu`` leaves after ``headroom``: the setup cannot fit, and the trace need not run it.
+    None where it may fit, or where the formulas cannot size it (your own module, an image
+    model, a setup only the trace runs)."""
+    if not isinstance(model, ModelInfo):
+        return None
+    accum = _accum(1, per_gpu_batch)
+    try:
+        est = fits(model, setup, gpu, 1, seq_len, accum, headroom, "analytic")[1]
+    except UsageError:
+        return None
+    budget = gpu.memory_bytes - max(headroom, 1)
+    return est if est.device_total_bytes > budget * (1 + PRUNE_MARGIN) else None
 
 
 def _accum(micro: int, per_gpu_batch: int | None) -> int:

@@ -12,6 +12,7 @@ from batchfit.models import ModelInfo
 from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.plan._ladder import Combo
 from batchfit.plan._max_micro_batch import (
+    beyond_reach,
     fits,
     max_micro_batch,
     traced_fit,
@@ -59,8 +60,21 @@ class _Target:
         divides the per-GPU batch and fits."""
         return wanted or largest_divisor_at_most(self.per_gpu, max_micro)
 
+    def beyond(self, setup: TrainingSetup) -> MemoryEstimate | None:
+        """The formulas' estimate at micro-batch 1 where ``setup`` is far past the card
+        (``beyond_reach``): by the trace engine it is not traced. None otherwise."""
+        if self.engine != "trace":
+            return None
+        args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
+        est = beyond_reach(*args)
+        if est is not None:
+            self.sized.setdefault(setup, est)  # its communication, without a dry run
+        return est
+
     def max_micro(self, setup: TrainingSetup) -> int:
         args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
+        if self.beyond(setup) is not None:
+            return 0
         if self.engine == "trace":
             found = traced_fit(*args)
             if found.estimate is not None:
@@ -100,8 +114,13 @@ class _Target:
         search stops at a size that fits where the traced slope says the next does not, and
         ``from_lines`` says the size after it was not traced; with ``"traced"`` it is
         confirmed as the plan's own is (the size after it does not fit). By the formulas
-        when the trace cannot run the setup.
+        when the trace cannot run the setup, or when they put it far past the card
+        (``beyond_reach``: not traced, it cannot fit).
         """
+        beyond = self.beyond(setup)
+        if beyond is not None:  # shown with the formulas' figure, marked (never chosen)
+            total = beyond.device_total_bytes
+            return Alternative(combo, setup, 0, total, beyond.engine, beyond_reach=True)
         if self.engine == "trace":
             args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
             found = traced_fit(*args, confirm=self.alternatives == "traced")

@@ -34,6 +34,9 @@ class Alternative:
     # True: the largest micro-batch fits by the trace (its figure is the trace's there) and
     # the size after it was not traced (``alternatives="lines"``): the largest may be larger
     from_lines: bool = False
+    # True: not traced, the formulas put it over PRUNE_MARGIN past the card at micro-batch 1
+    # (it cannot fit); its figure is theirs
+    beyond_reach: bool = False
 
     @property
     def needs(self) -> list[str]:
@@ -50,6 +53,7 @@ class Alternative:
             "device_total_bytes": self.device_total_bytes,
             "engine": self.engine,
             "from_lines": self.from_lines,
+            "beyond_reach": self.beyond_reach,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "micro_batch_size": self.micro_batch_size,
             "step_seconds": self.step_seconds,

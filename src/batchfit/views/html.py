@@ -208,7 +208,9 @@ def _alternatives(data: dict[str, Any]) -> str:
     if timed:
         head += ["timed at micro x accum", "s / step", "tokens/s/GPU"]
         head += ["run", "cost"] if steps and price is not None else ["run"] if steps else []
-    traced = data.get("engine") == "trace" or any(a.get("engine") == "trace" for a in alts)
+    traced = data.get("engine") == "trace" or any(
+        a.get("engine") == "trace" or a.get("beyond_reach") for a in alts
+    )
     rows = []
     # the terminal's order: exact first, then changing training; each timed fastest first
     ordered = sorted(
@@ -226,7 +228,12 @@ def _alternatives(data: dict[str, Any]) -> str:
         mark = "≥" if a.get("from_lines") else ""  # the size after it was not traced
         cells = [
             escape(_rung_name(a, data))
-            + (" (analytic)" if traced and a.get("engine") == "analytic" else "")
+            + (" (formulas)" if a.get("beyond_reach") else "")
+            + (
+                " (analytic)"
+                if traced and a.get("engine") == "analytic" and not a.get("beyond_reach")
+                else ""
+            )
             + (" (needs code)" if a.get("needs") else "")
             + (" (plan)" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
@@ -251,8 +258,13 @@ def _alternatives(data: dict[str, Any]) -> str:
     # what the framework's config cannot switch on: offered, never chosen (as the terminal)
     for need in sorted({str(n) for a in alts for n in a.get("needs") or []}):
         notes.append(f"(needs code): never chosen; it needs {escape(need)}")
-    if traced and any(a.get("engine") == "analytic" for a in alts):
+    if traced and any(a.get("engine") == "analytic" and not a.get("beyond_reach") for a in alts):
         notes.append("(analytic): the trace cannot run this setup yet; the formulas answered")
+    if any(a.get("beyond_reach") for a in alts):
+        notes.append(
+            "(formulas): not traced: the formulas put micro-batch 1 far past the card, so it "
+            "cannot fit; the figure is theirs"
+        )
     if any(a.get("throughput_source") for a in alts):
         notes.append("s / step: corrected by --throughput-from")
     if any(a.get("from_lines") for a in alts):

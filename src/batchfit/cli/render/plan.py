@@ -18,7 +18,7 @@ from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.trace.timeline import step_timeline
 from batchfit.models import ModelInfo
-from batchfit.plan import Alternative, Plan
+from batchfit.plan import PRUNE_MARGIN, Alternative, Plan
 from batchfit.spec import TrainingSetup
 from batchfit.views import html as _html
 from batchfit.views import plots as _plots
@@ -167,7 +167,10 @@ def _alternatives(p: Plan) -> None:
     """The ladder's options, exact first, and the notes that explain the table."""
     timed = any(a.step_seconds for a in p.alternatives)
     # mark the rows the formulas answered, when the trace answered any (it was asked for)
-    traced = p.estimate.engine == "trace" or any(a.engine == "trace" for a in p.alternatives)
+    # the trace engine was asked (a row it left to the formulas is marked)
+    traced = p.estimate.engine == "trace" or any(
+        a.engine == "trace" or a.beyond_reach for a in p.alternatives
+    )
     table, left_out = _alternatives_table(p, timed, traced)
     print_table(render.out, table, left_out)
     steps = p.train_steps
@@ -184,8 +187,13 @@ def _alternatives(p: Plan) -> None:
     needs = sorted({need for a in p.alternatives for need in a.needs})
     for need in needs:  # what the config cannot switch on: offered, never chosen
         render.line(f"(needs code): never chosen; it needs {escape(need)}")
-    if traced and any(alt.engine == "analytic" for alt in p.alternatives):
+    if traced and any(alt.engine == "analytic" and not alt.beyond_reach for alt in p.alternatives):
         render.line("(analytic): the trace cannot run this setup yet; the formulas answered")
+    if any(alt.beyond_reach for alt in p.alternatives):
+        render.line(
+            f"(formulas): not traced: the formulas put micro-batch 1 over {PRUNE_MARGIN:.0%} "
+            "past the card, so it cannot fit; the figure is theirs"
+        )
     if any(alt.throughput_source for alt in p.alternatives):
         render.line(
             "s / step: corrected by --throughput-from (the model x the probe's "
@@ -233,7 +241,12 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
         rows.append(
             [
                 _rung_name(alt, p.num_gpus, marked=True)
-                + (" (analytic)" if traced and alt.engine == "analytic" else "")
+                + (" (formulas)" if alt.beyond_reach else "")
+                + (
+                    " (analytic)"
+                    if traced and alt.engine == "analytic" and not alt.beyond_reach
+                    else ""
+                )
                 + (" (needs code)" if alt.needs else "")
                 + (" (plan)" if alt.techniques == p.techniques else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
