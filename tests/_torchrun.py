@@ -49,7 +49,7 @@ def torchrun(
             env=full_env,
             capture_output=True,
             text=True,
-            timeout=900,  # DeepSpeed's two ranks build their CPU ops: ~4 min under load
+            timeout=900,  # two ranks importing torch and DeepSpeed under a loaded suite
             check=False,
         )
         if proc.returncode == 0:
