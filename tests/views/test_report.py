@@ -96,6 +96,15 @@ def test_an_alternative_that_needs_code_is_marked_with_the_change() -> None:
     assert "(needs code)" not in _text(_html.plan_html(_plan_json()))
 
 
+def test_an_alternative_beyond_reach_is_marked_as_the_formulas() -> None:
+    data = _plan_json()
+    data["alternatives"][0].update(beyond_reach=True, engine="analytic", max_micro_batch=0)
+    text = _text(_html.plan_html(data))
+    assert "zero2 <i> + lora (formulas) | changes-training | none |" in text
+    assert "(formulas): not traced" in text and "(analytic)" not in text
+    assert "(formulas)" not in _text(_html.plan_html(_plan_json()))
+
+
 def test_the_estimate_renders_itself_in_jupyter() -> None:
     est = estimate(
         resolve_model("gpt2"),

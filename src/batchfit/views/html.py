@@ -193,6 +193,12 @@ def estimate_html(data: dict[str, Any], gpu_bytes: int | None = None) -> str:
     )
 
 
+_FORMULAS_NOTE = (
+    "(formulas): not traced: the formulas put micro-batch 1 far past the card, so it cannot "
+    "fit; the figure is theirs"
+)
+
+
 def _alternatives(data: dict[str, Any]) -> str:
     """The table of alternatives, with the terminal's columns (cli/render.py): techniques, kind,
     largest micro-batch and the GiB at that size; with time, the micro-batch x accumulation the
@@ -228,12 +234,7 @@ def _alternatives(data: dict[str, Any]) -> str:
         mark = "≥" if a.get("from_lines") else ""  # the size after it was not traced
         cells = [
             escape(_rung_name(a, data))
-            + (" (formulas)" if a.get("beyond_reach") else "")
-            + (
-                " (analytic)"
-                if traced and a.get("engine") == "analytic" and not a.get("beyond_reach")
-                else ""
-            )
+            + _engine_mark(a, traced)
             + (" (needs code)" if a.get("needs") else "")
             + (" (plan)" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
@@ -261,10 +262,7 @@ def _alternatives(data: dict[str, Any]) -> str:
     if traced and any(a.get("engine") == "analytic" and not a.get("beyond_reach") for a in alts):
         notes.append("(analytic): the trace cannot run this setup yet; the formulas answered")
     if any(a.get("beyond_reach") for a in alts):
-        notes.append(
-            "(formulas): not traced: the formulas put micro-batch 1 far past the card, so it "
-            "cannot fit; the figure is theirs"
-        )
+        notes.append(_FORMULAS_NOTE)
     if any(a.get("throughput_source") for a in alts):
         notes.append("s / step: corrected by --throughput-from")
     if any(a.get("from_lines") for a in alts):
@@ -279,6 +277,14 @@ def _alternatives(data: dict[str, Any]) -> str:
         + "</table>"
         + "".join(f'<p class="muted">{n}</p>' for n in notes)
     )
+
+
+def _engine_mark(alt: dict[str, Any], traced: bool) -> str:
+    """`` (formulas)`` where the trace was not run (far past the card), `` (analytic)`` where
+    it cannot run the setup, in a plan the trace answered."""
+    if alt.get("beyond_reach"):
+        return " (formulas)"
+    return " (analytic)" if traced and alt.get("engine") == "analytic" else ""
 
 
 def _rung_name(alt: dict[str, Any], plan: dict[str, Any]) -> str:
