@@ -1,6 +1,7 @@
 """The CLI's promise under bad input and faults: exit 0 or 2 (130/143 when stopped), one line
 on stderr, never a traceback, no file the user did not name."""
 
+import importlib
 import json
 import os
 import signal
@@ -79,6 +80,10 @@ def test_setup_options_reach_the_library_typed(capsys):
 def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, args, target):
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
+
+    # a module a command imports lazily, first imported while the target is patched, would
+    # keep the patched name for the tests after this one
+    importlib.import_module("batchfit.search.probe")
 
     monkeypatch.setattr(target, interrupted)
     code, out, err = run_cli(args, capsys)

@@ -15,12 +15,12 @@ import signal
 import sys
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any
-
-import typer
-import typer.main
+from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import CLI_SPELLING_ENV, RankFailure, UsageError
+
+if TYPE_CHECKING:
+    from batchfit.cli._answers import Recorder
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -74,6 +74,8 @@ def _sigterm_raises() -> Iterator[None]:
 def _run(argv: list[str]) -> None:
     """Parse and invoke, as click's ``main`` does, minus its exit-code handling."""
     # the commands load when the CLI runs: importing one part of batchfit.cli stays light
+    import typer.main
+
     from batchfit.cli.app import app
 
     command = typer.main.get_command(app)
@@ -82,16 +84,34 @@ def _run(argv: list[str]) -> None:
     sys.stdout.flush()  # a full disk must show here, not in the interpreter's last flush
 
 
+def _keep(recorder: Recorder | None, code: int) -> None:
+    """The answer kept for the next time the same question is asked (never fails the run)."""
+    if recorder is not None:
+        with contextlib.suppress(Exception):
+            recorder.keep(code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; bad input prints one line on stderr and exits with code 2."""
-    exc = _click_exceptions()
+    """Run the CLI; bad input prints one line on stderr and exits with code 2. From the command
+    line (``argv`` None), a question asked before is answered from what it printed then
+    (``cli/_answers.py``)."""
     if sys.stdout is None:  # started with stdout closed: the answer would be lost
         _fail("error: stdout is closed: run with stdout open or redirected to a file", 2)
+    recorder = None
+    if argv is None:
+        from batchfit.cli._answers import replay_or_record
+
+        recorder = replay_or_record(sys.argv[1:])  # exits on a kept answer
+    # typer (and its pydantic) loads only when a command runs
+    import typer
+
+    exc = _click_exceptions()
     spelling = os.environ.get(CLI_SPELLING_ENV)
     os.environ[CLI_SPELLING_ENV] = "1"  # errors name options, in the probe's ranks too
     try:
         with _sigterm_raises():
             _run(argv if argv is not None else sys.argv[1:])
+        _keep(recorder, 0)
     except UsageError as e:
         _fail(f"error: {e}", EXIT_USAGE)
     except RankFailure as e:  # a probe rank died: nothing the user typed was wrong
@@ -104,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
         _fail(f"error: {message}{hint}", EXIT_USAGE)
     except typer.Exit as e:
+        _keep(recorder, e.exit_code)
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         _silence_stdout()

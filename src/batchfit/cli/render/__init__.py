@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
+from batchfit.cli import _answers
 from batchfit.cli.render.layout import print_line
 
 
@@ -52,7 +53,8 @@ def progress(what: str, shown: bool = True) -> Iterator[Callable[[str], None]]:
     if not shown or not err.is_terminal:
         yield lambda _text: None
         return
-    with err.status(what) as status:
+    # redrawn in place, so not part of the answer a repeated question replays
+    with _answers.hold(), err.status(what) as status:
         yield lambda text: status.update(escape(text))
 
 
