@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from batchfit._units import BYTES_IN_GIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
@@ -115,12 +117,15 @@ def traced_fit(
     headroom: int,
     *,
     confirm: bool = True,
+    correction: Callable[[int], float] | None = None,
 ) -> FitResult:
     """The trace engine's search for the largest micro-batch (``seeded_fit``): the formulas'
     answer traced first, then steps along the traced slope. Without ``confirm`` it stops at a
-    size that fits where the slope says the next does not. A model the formulas cannot size
-    (your own module, a setup they refuse) is searched from each peak moment's line through
-    traced sizes 1 and 2 (``fit_micro_batch``)."""
+    size that fits where the slope says the next does not. ``correction(b)``: bytes added to
+    the formulas' total at ``b`` before they seed the search (what the trace measured against
+    them on a similar setup); it moves where the search starts, never what it confirms. A
+    model the formulas cannot size (your own module, a setup they refuse) is searched from
+    each peak moment's line through traced sizes 1 and 2 (``fit_micro_batch``)."""
 
     def at(m: int, engine: str = "trace") -> MemoryEstimate:
         accum = _accum(m, per_gpu_batch)
@@ -134,10 +139,56 @@ def traced_fit(
         def formulas(m: int) -> int:
             return at(m, "analytic").device_total_bytes
 
+        def seed(m: int) -> int:
+            return formulas(m) + (round(correction(m)) if correction else 0)
+
         try:
             formulas(1)
         except UsageError:
             pass  # a setup only the trace runs: searched from its lines
         else:
-            return seeded_fit(at, budget, formulas, limit=limit, confirm=confirm)
+            return seeded_fit(at, budget, seed, limit=limit, confirm=confirm)
     return fit_micro_batch(at, budget, limit=limit)
+
+
+def trace_errors(
+    model: ModelInfo | OwnModel,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    seq_len: int,
+    per_gpu_batch: int | None,
+    found: FitResult,
+) -> tuple[tuple[int, int], ...]:
+    """(size, trace's device total minus the formulas') at each size ``found`` traced; empty
+    where the formulas cannot size the setup."""
+    if not isinstance(model, ModelInfo):
+        return ()
+    out = []
+    for b, total in found.traced:
+        accum = _accum(b, per_gpu_batch)
+        try:
+            formulas = fits(model, setup, gpu, b, seq_len, accum, 0, "analytic")[1]
+        except UsageError:
+            return ()
+        out.append((b, total - formulas.device_total_bytes))
+    return tuple(out)
+
+
+def error_line(points: tuple[tuple[int, int], ...]) -> Callable[[int], float]:
+    """The formulas' error at any size, from the two traced sizes nearest it (constant from
+    one).
+
+    Example:
+        >>> line = error_line(((8, 100), (16, 180), (9, 110)))
+        >>> line(12), line(20), error_line(((4, 50),))(30)
+        (140.0, 220.0, 50.0)
+    """
+
+    def at(b: int) -> float:
+        near = sorted(points, key=lambda p: (abs(p[0] - b), p[0]))[:2]
+        if len(near) < 2 or near[0][0] == near[1][0]:
+            return float(near[0][1])
+        (x0, y0), (x1, y1) = near
+        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+    return at

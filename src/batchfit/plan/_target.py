@@ -3,9 +3,11 @@ at its largest micro-batch; and ``_Fit``, what the ladder search settled on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from batchfit.hardware import GpuSpec
+from batchfit.memory.fit import FitResult
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -13,8 +15,10 @@ from batchfit.plan._divisors import largest_divisor_at_most
 from batchfit.plan._ladder import Combo
 from batchfit.plan._max_micro_batch import (
     beyond_reach,
+    error_line,
     fits,
     max_micro_batch,
+    trace_errors,
     traced_fit,
 )
 from batchfit.plan._own import OwnModel
@@ -23,6 +27,11 @@ from batchfit.plan._value import Alternative
 from batchfit.spec import TrainingSetup
 from batchfit.speed import comm_bytes_per_step, step_time
 from batchfit.workload import Workload
+
+# TrainingSetup fields that change the activations: a setup the formulas' traced error
+# carries over to shares them all, and the most of the memory layout's
+ACTIVATION_FIELDS = ("grad_ckpt", "grad_ckpt_every", "loss", "method", "precision", "attention")
+LAYOUT_FIELDS = ("optimizer", "optimizer_impl", "sharding", "offload", "num_gpus")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,11 @@ class _Target:
     # an estimate of each setup at some size: what its communication needs (the resolved
     # setup, its parameter counts) does not depend on the size
     sized: dict[TrainingSetup, MemoryEstimate] = field(default_factory=dict, compare=False)
+    # the trace's device total minus the formulas' at each size searched, per setup: the
+    # next similar setup's search starts from the formulas corrected by it (``correction``)
+    errors: dict[TrainingSetup, tuple[tuple[int, int], ...]] = field(
+        default_factory=dict, compare=False
+    )
 
     def timed_micro(self, max_micro: int, wanted: int | None) -> int:
         """The micro-batch an option is timed at: the one asked for, else the largest that
@@ -76,11 +90,52 @@ class _Target:
         if self.beyond(setup) is not None:
             return 0
         if self.engine == "trace":
-            found = traced_fit(*args)
-            if found.estimate is not None:
-                self.sized.setdefault(setup, found.estimate)
+            found = self._searched(setup, confirm=True)
             return found.micro_batch_size
         return max_micro_batch(*args)
+
+    def _searched(self, setup: TrainingSetup, *, confirm: bool) -> FitResult:
+        """``traced_fit`` of ``setup``, seeded by the formulas corrected by the error the trace
+        measured on the most similar setup searched before; its own error kept in turn."""
+        args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
+        found = traced_fit(*args, confirm=confirm, correction=self.correction(setup))
+        if found.estimate is not None:
+            self.sized.setdefault(setup, found.estimate)
+            if found.estimate.engine == "trace" and setup not in self.errors:
+                points = trace_errors(*args[:5], found)
+                if points:
+                    self.errors[setup] = points
+        return found
+
+    def correction(self, setup: TrainingSetup) -> Callable[[int], float] | None:
+        """The formulas' error by the trace on a searched setup with the same activations
+        (checkpointing, loss, method, precision, attention), the one that shares most of the
+        memory layout (optimizer, sharding, offload); None where there is none. Across other
+        activations the formulas' error differs (a loss that holds no logits drops most of
+        it): the formulas alone seed those, except every K-th layer's checkpointing, seeded
+        by a blend of the errors with every layer checkpointed and with none."""
+
+        line = self._alike(setup)
+        every = setup.grad_ckpt_every
+        if line is not None or not every:
+            return line
+        # every K-th layer checkpointed: 1/K of the layers err as under full checkpointing,
+        # the rest as without it
+        full = self._alike(replace(setup, grad_ckpt_every=None))
+        none = self._alike(replace(setup, grad_ckpt=False, grad_ckpt_every=None))
+        if full is None or none is None:
+            return None
+        return lambda b: (full(b) + (every - 1) * none(b)) / every
+
+    def _alike(self, setup: TrainingSetup) -> Callable[[int], float] | None:
+        def same(other: TrainingSetup, fields: tuple[str, ...]) -> int:
+            return sum(getattr(other, f) == getattr(setup, f) for f in fields)
+
+        alike = [o for o in self.errors if same(o, ACTIVATION_FIELDS) == len(ACTIVATION_FIELDS)]
+        if not alike:
+            return None
+        nearest = max(alike, key=lambda o: same(o, LAYOUT_FIELDS))  # the first among equals
+        return error_line(self.errors[nearest])
 
     def step_seconds(self, setup: TrainingSetup, micro_batch_size: int) -> float:
         """Predicted seconds of one optimizer step at ``micro_batch_size`` (``batchfit.speed``);
@@ -122,13 +177,11 @@ class _Target:
             total = beyond.device_total_bytes
             return Alternative(combo, setup, 0, total, beyond.engine, beyond_reach=True)
         if self.engine == "trace":
-            args = (self.model, setup, self.gpu, self.seq_len, self.per_gpu, self.headroom)
-            found = traced_fit(*args, confirm=self.alternatives == "traced")
+            found = self._searched(setup, confirm=self.alternatives == "traced")
             if found.estimate is not None and found.estimate.engine != "trace":
-                found = traced_fit(*args)  # the formulas answered: searching costs nothing
+                found = self._searched(setup, confirm=True)  # the formulas answered: free
             size, est = found.micro_batch_size, found.estimate
             if est is not None:
-                self.sized.setdefault(setup, est)
                 sizes = {b for b, _ in found.traced}
                 bound = 0 < size < self.per_gpu and size + 1 not in sizes
                 total = est.device_total_bytes
