@@ -8,7 +8,7 @@ import copy
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -324,6 +324,19 @@ def step_parts(
 
 _BUILT: collections.OrderedDict[str, torch.nn.Module] = collections.OrderedDict()
 _BUILT_KEEP = 8  # meta models are a few KB of Python objects each
+# setup fields the step reads and the build does not: setups that differ only in them (the
+# optimizer rungs, a lean loss) share one built model
+_NOT_BUILT = frozenset(
+    {
+        "optimizer",
+        "optimizer_impl",
+        "offload",
+        "loop",
+        "loss_chunks",
+        "loss_chunk_tokens",
+        "expandable_segments",
+    }
+)
 
 
 def _meta_build(
@@ -338,8 +351,11 @@ def _meta_build(
     Building from the config (and wrapping with peft) costs tenths of a second; a plan traces
     the same model at several sizes, so a built model is kept and deep-copied (milliseconds).
     """
+    built = {k: v for k, v in asdict(setup).items() if k not in _NOT_BUILT}
+    if setup.method != "qlora":  # QLoRA's fused loss keeps the head 16-bit
+        built.pop("loss")
     key = json.dumps(
-        [model.name, model.config, model.task, repr(setup), depth, cuda_policy, image_size],
+        [model.name, model.config, model.task, built, depth, cuda_policy, image_size],
         sort_keys=True,
         default=str,
     )
