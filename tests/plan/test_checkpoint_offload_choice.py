@@ -4,6 +4,7 @@ several GPUs, and one rule per row in ``batchfit gpus``."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -193,6 +194,18 @@ def test_offload_competes_on_several_gpus_but_needs_the_margin():
     notes = [w for w in p.warnings if "CPU offload wins only" in w]
     assert len(notes) == 1
     assert f"{OFFLOAD_MARGIN:.0%}" in notes[0] and "s/step" in notes[0]
+
+
+def test_the_offload_note_prints_two_different_times_at_seconds_scale(monkeypatch):
+    # the same choice at 1/100 of the time (a small model's seconds): whole seconds printed
+    # "2 s/step against 2 s/step"
+    from batchfit.plan._target import _Target
+
+    seconds = _Target.step_seconds
+    monkeypatch.setattr(_Target, "step_seconds", lambda *a: seconds(*a) / 100)
+    (note,) = [w for w in _plan(num_gpus=2).warnings if "CPU offload wins only" in w]
+    faster, chosen = re.findall(r"([\d.]+) s/step", note)
+    assert float(faster) < float(chosen)
 
 
 def test_offload_wins_when_it_is_faster_by_the_margin(monkeypatch):

@@ -282,8 +282,8 @@ def _widest(
             elif seconds[quickest] < fastest:
                 names = " + ".join(t.name for t in options[quickest].techniques)
                 notes = (
-                    f"{names} is predicted at {seconds[quickest]:.0f} s/step against "
-                    f"{fastest:.0f} s/step for the plan's choice, but not chosen: CPU offload "
+                    f"{names} is predicted at {seconds[quickest]:.3g} s/step against "
+                    f"{fastest:.3g} s/step for the plan's choice, but not chosen: CPU offload "
                     f"wins only when predicted over {margin:.0%} faster (its CPU Adam "
                     "time depends on the host CPU, which batchfit does not know)",
                 )
