@@ -27,6 +27,7 @@ from batchfit.plan._max_micro_batch import (
     fits,
     max_micro_batch,
     max_micro_batch_traced,
+    search_budget,
 )
 from batchfit.spec import TrainingSetup
 from batchfit.speed import step_time
@@ -153,7 +154,7 @@ class _OnGpu:
         is not traced (True last). The row's choice only: one or two dry runs per GPU."""
         if self.engine != "trace":
             return self.sized(combo)
-        budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
+        budget = search_budget(self.gpu, self.headroom_bytes)
         guess = fitting_guess(lambda m: self.at(combo, m), budget)
         if guess is None or guess.estimate is None:
             return self.sized(combo)
@@ -168,7 +169,7 @@ class _OnGpu:
                 return 0, beyond.device_total_bytes, beyond, False
         one = self.at(combo, 1)
         if self.engine == "trace":
-            budget = self.gpu.memory_bytes - max(self.headroom_bytes, 1)
+            budget = search_budget(self.gpu, self.headroom_bytes)
             lines = predict(one, self.at(combo, 2), budget)
             if lines is not None:
                 return lines[0], lines[1], one, lines[0] > 0

@@ -43,6 +43,12 @@ def fits(
     return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
 
 
+def search_budget(gpu: GpuSpec, headroom: int) -> int:
+    """The most a fit's device total may be on ``gpu``: the card less ``headroom``, and at
+    least a byte free whatever the headroom asked (``fits_on_card``)."""
+    return gpu.memory_bytes - max(headroom, 1)
+
+
 def beyond_reach(
     model: ModelInfo | OwnModel,
     setup: TrainingSetup,
@@ -62,8 +68,8 @@ def beyond_reach(
         est = fits(model, setup, gpu, 1, seq_len, accum, headroom, "analytic")[1]
     except UsageError:
         return None
-    budget = gpu.memory_bytes - max(headroom, 1)
-    return est if est.device_total_bytes > budget * (1 + PRUNE_MARGIN) else None
+    far = est.device_total_bytes > search_budget(gpu, headroom) * (1 + PRUNE_MARGIN)
+    return est if far else None
 
 
 def _accum(micro: int, per_gpu_batch: int | None) -> int:
@@ -132,8 +138,7 @@ def traced_fit(
         return fits(model, setup, gpu, m, seq_len, accum, headroom, engine)[1]
 
     limit = per_gpu_batch or 1 << 16
-    # a fit leaves at least a byte free (fits_on_card), whatever the headroom asked
-    budget = gpu.memory_bytes - max(headroom, 1)
+    budget = search_budget(gpu, headroom)
     if isinstance(model, ModelInfo):
 
         def formulas(m: int) -> int:
