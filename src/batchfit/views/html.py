@@ -234,7 +234,7 @@ def _alternatives(data: dict[str, Any]) -> str:
         mark = "≥" if a.get("from_lines") else ""  # the size after it was not traced
         cells = [
             escape(_rung_name(a, data))
-            + _engine_mark(a, traced)
+            + engine_mark(str(a.get("engine")), bool(a.get("beyond_reach")), traced)
             + (" (needs code)" if a.get("needs") else "")
             + (" (plan)" if list(a.get("techniques", [])) == chosen else ""),
             _kind("changes-training" if "changes-training" in kinds else "exact"),
@@ -279,12 +279,13 @@ def _alternatives(data: dict[str, Any]) -> str:
     )
 
 
-def _engine_mark(alt: dict[str, Any], traced: bool) -> str:
-    """`` (formulas)`` where the trace was not run (far past the card), `` (analytic)`` where
-    it cannot run the setup, in a plan the trace answered."""
-    if alt.get("beyond_reach"):
+def engine_mark(engine: str, beyond_reach: bool, traced: bool) -> str:
+    """An alternative's engine mark, the terminal's and the page's: `` (formulas)`` where the
+    trace was not run (far past the card), `` (analytic)`` where it cannot run the setup, in
+    a plan the trace answered (``traced``)."""
+    if beyond_reach:
         return " (formulas)"
-    return " (analytic)" if traced and alt.get("engine") == "analytic" else ""
+    return " (analytic)" if traced and engine == "analytic" else ""
 
 
 def _rung_name(alt: dict[str, Any], plan: dict[str, Any]) -> str:

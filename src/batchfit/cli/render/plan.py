@@ -166,8 +166,7 @@ def _memory_and_engine(p: Plan) -> None:
 def _alternatives(p: Plan) -> None:
     """The ladder's options, exact first, and the notes that explain the table."""
     timed = any(a.step_seconds for a in p.alternatives)
-    # mark the rows the formulas answered, when the trace answered any (it was asked for)
-    # the trace engine was asked (a row it left to the formulas is marked)
+    # the trace engine was asked: the rows it left to the formulas are marked
     traced = p.estimate.engine == "trace" or any(
         a.engine == "trace" or a.beyond_reach for a in p.alternatives
     )
@@ -241,12 +240,7 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
         rows.append(
             [
                 _rung_name(alt, p.num_gpus, marked=True)
-                + (" (formulas)" if alt.beyond_reach else "")
-                + (
-                    " (analytic)"
-                    if traced and alt.engine == "analytic" and not alt.beyond_reach
-                    else ""
-                )
+                + _html.engine_mark(alt.engine, alt.beyond_reach, traced)
                 + (" (needs code)" if alt.needs else "")
                 + (" (plan)" if alt.techniques == p.techniques else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
