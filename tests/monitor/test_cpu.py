@@ -130,8 +130,9 @@ def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
     assert record.estimated_bytes > estimate + 100 * MIB  # the estimate plus torch's runtime
     assert record.measured_bytes == pytest.approx(independent, rel=0.03)
     assert "recorded for `batchfit calibration`" in err
-    # the plan's line and its drift limit start from the runtime baseline, measured once
-    assert err.count("measuring what") == 1
+    # the plan's line and its drift limit start from the runtime baseline, measured once (or
+    # kept from an earlier measurement of this interpreter)
+    assert err.count("measuring what") <= 1
     assert "above the plan" not in err
 
 

@@ -332,3 +332,33 @@ def test_no_command_and_a_zero_interval_say_what_to_do() -> None:
     assert proc.returncode == 2 and "give the command after --" in proc.stderr
     proc = _cli("--interval", "0", "--", PY, "-c", "")
     assert proc.returncode == 2 and "must be greater than 0" in proc.stderr
+
+
+def test_the_runtime_baseline_is_measured_once_per_interpreter_and_its_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``monitor --plan`` on the CPU adds what the command's Python holds before its tensors:
+    measured by a child that imports torch (seconds), then kept until the interpreter or its
+    package folders change."""
+    from batchfit.monitor import _runtime
+
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
+    prefix = tmp_path / "venv"
+    (prefix / "bin").mkdir(parents=True)
+    site = prefix / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    python = prefix / "bin" / "python"
+    python.write_text("")
+    runs: list[list[str]] = []
+
+    def child(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        runs.append(args)
+        return subprocess.CompletedProcess(args, 0, "330000\n", "")
+
+    monkeypatch.setattr(_runtime.subprocess, "run", child)
+    assert _runtime.cached_runtime_bytes(str(python)) is None
+    assert _runtime.runtime_bytes(str(python)) == 330000 * 1024
+    assert _runtime.cached_runtime_bytes(str(python)) == 330000 * 1024 and len(runs) == 1
+    (site / "new_package").mkdir()  # pip installed something: measured again
+    os.utime(site, ns=(1, 1))
+    assert _runtime.cached_runtime_bytes(str(python)) is None

@@ -136,6 +136,9 @@ def _runtime(command: list[str], note: Callable[[str], None]) -> int | None:
     from batchfit import monitor as mon  # the process monitor loads to run, not for --help
 
     python = mon.python_of(command)
+    known = mon.cached_runtime_bytes(python)
+    if known is not None:
+        return known
     note(f"measuring what {Path(python).name} holds before its tensors (a few seconds)")
     runtime = mon.runtime_bytes(python)
     if runtime is None:

@@ -34,13 +34,14 @@ from batchfit.monitor._group import GRACE_SECONDS, child_setup, end_group, forwa
 from batchfit.monitor._output import plot, write_log_path
 from batchfit.monitor._procfs import command_line, process_tree, pss_bytes, rss_bytes
 from batchfit.monitor._result import MonitorResult, Sample, exit_status
-from batchfit.monitor._runtime import python_of, runtime_bytes
+from batchfit.monitor._runtime import cached_runtime_bytes, python_of, runtime_bytes
 
 __all__ = [
     "GRACE_SECONDS",
     "INHERITED_SLACK",
     "MonitorResult",
     "Sample",
+    "cached_runtime_bytes",
     "command_line",
     "end_group",
     "exit_status",

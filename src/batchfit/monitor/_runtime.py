@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from batchfit import _cache
 from batchfit._units import BYTES_IN_KIB
 
 # What a Python training process holds before it makes a tensor: the interpreter, torch and
@@ -28,9 +32,37 @@ def python_of(command: list[str]) -> str:
     return sys.executable
 
 
+def _installed(python: str) -> dict[str, Any]:
+    """What the baseline of ``python`` depends on: the interpreter's file and its environment's
+    package folders (pip installing or removing a package changes a folder's mtime)."""
+    path = Path(python)
+    prefix = path.parent.parent  # <prefix>/bin/python, a virtual environment's or not
+    folders = sorted(
+        glob.glob(str(prefix / "lib" / "python*" / "site-packages"))
+        + glob.glob(str(prefix / "lib" / "python*" / "dist-packages"))
+    )
+    stamps: dict[str, Any] = {"python": str(path.absolute())}
+    for name in [str(path.resolve()), *folders]:
+        try:
+            stat = os.stat(name)
+        except OSError:
+            continue
+        stamps[name] = [stat.st_size, stat.st_mtime_ns]
+    return stamps
+
+
+def cached_runtime_bytes(python: str) -> int | None:
+    """``runtime_bytes(python)`` as last measured for the same interpreter and packages (None:
+    not measured yet, or they changed)."""
+    record = _cache.load("runtime", _installed(python))
+    value = record.get("bytes") if record else None
+    return value if isinstance(value, int) else None
+
+
 def runtime_bytes(python: str, timeout: float = 120.0) -> int | None:
     """The resident high-water mark of ``python`` after importing torch and transformers and
-    running one op (what a CPU run holds besides its tensors); None where that fails."""
+    running one op (what a CPU run holds besides its tensors); None where that fails. Kept in
+    the cache for ``cached_runtime_bytes``."""
     try:
         done = subprocess.run(
             [python, "-c", _RUNTIME_PROBE],
@@ -39,6 +71,8 @@ def runtime_bytes(python: str, timeout: float = 120.0) -> int | None:
             timeout=timeout,
             check=False,
         )
-        return int(done.stdout.strip().splitlines()[-1]) * BYTES_IN_KIB
+        measured = int(done.stdout.strip().splitlines()[-1]) * BYTES_IN_KIB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+    _cache.store("runtime", _installed(python), {"bytes": measured})
+    return measured
