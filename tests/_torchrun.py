@@ -1,14 +1,18 @@
-"""Launch a worker on two CPU ranks under ``torchrun`` (gloo), for the distributed tests."""
+"""Launch a worker on two CPU ranks (gloo), as torchrun would, for the distributed tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RANKS = 2
 
 
 def _free_port() -> int:
@@ -17,41 +21,76 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _once(
+    worker: Path, args: list[str], env: dict[str, str], timeout: float
+) -> tuple[int, str, str]:
+    """Both ranks started with torchrun's environment; the first to fail ends the other after a
+    grace period (a rank waiting on a dead peer in a collective never returns)."""
+    port = str(_free_port())
+    with contextlib.ExitStack() as files:
+        outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(RANKS)]
+        errs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(RANKS)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(worker), *args],
+                env={
+                    **env,
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(RANKS),
+                    "LOCAL_WORLD_SIZE": str(RANKS),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                },
+                stdout=outs[rank],
+                stderr=errs[rank],
+                text=True,
+            )
+            for rank in range(RANKS)
+        ]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + 30):
+                for p in procs:
+                    p.kill()
+            time.sleep(0.05)
+        code = next((p.returncode for p in procs if p.returncode), 0)
+        texts = []
+        for streams in (outs, errs):
+            text = ""
+            for f in streams:
+                f.seek(0)
+                text += f.read()
+            texts.append(text)
+    return code, texts[0], texts[1]
+
+
 def torchrun(
     worker: Path,
     *args: object,
     attempts: int = 3,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``worker *args`` on 2 ranks; the last attempt's process (returncode 0 if one passed).
+    """Run ``worker *args`` on 2 ranks; the last attempt's outcome (returncode 0 if one passed),
+    stdout and stderr rank 0's then rank 1's.
 
-    Two ranks import torch on a 2-core machine: under load that is slow, and a free port can be
-    taken between choosing and binding it; gloo has also aborted at teardown under the full
-    suite ("terminate called without an active exception"). Retries, each a fresh port.
-    ``env`` adds to the environment (PYTHONPATH is the repository, one OpenMP thread a rank).
+    The ranks are started directly with the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): torchrun's own
+    process would import torch once more for nothing. Two ranks import torch on a 2-core
+    machine: under load that is slow, and a free port can be taken between choosing and binding
+    it; gloo has also aborted at teardown under the full suite ("terminate called without an
+    active exception"). Retries, each a fresh port. ``env`` adds to the environment
+    (PYTHONPATH is the repository, one OpenMP thread a rank).
     """
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    argv = [str(a) for a in args]
+    code, out, err = 1, "", ""
     for _attempt in range(attempts):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(_free_port()),
-                str(worker),
-                *(str(a) for a in args),
-            ],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=900,  # two ranks importing torch and DeepSpeed under a loaded suite
-            check=False,
-        )
-        if proc.returncode == 0:
+        # 900 s: two ranks importing torch and DeepSpeed under a loaded suite
+        code, out, err = _once(worker, argv, full_env, timeout=900)
+        if code == 0:
             break
-    return proc
+    return subprocess.CompletedProcess([sys.executable, str(worker), *argv], code, out, err)
