@@ -35,3 +35,16 @@ def test_each_dry_run_is_named_and_counted_on_a_terminal(monkeypatch):
 def test_json_and_pipes_show_no_progress(monkeypatch):
     assert _shown(monkeypatch, quiet=True) == ""
     assert _shown(monkeypatch, quiet=False, terminal=False) == ""
+
+
+def test_a_dry_run_names_tokens_or_images_by_the_model_s_task(monkeypatch):
+    from batchfit.models import resolve_model
+
+    said: list[str] = []
+    monkeypatch.setattr(trace_estimate, "on_dry_run", said.append)
+    trace_estimate._announce(resolve_model("gpt2"), 4, 1024, 1)
+    trace_estimate._announce(resolve_model("vit-base-patch16-224"), 32, 224, None)
+    assert said == [
+        "dry run: gpt2, micro-batch 4 x 1024 tokens, 1 of 12 layers",
+        "dry run: vit-base-patch16-224, micro-batch 32 x 224x224 px images, all layers",
+    ]

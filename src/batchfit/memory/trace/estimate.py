@@ -45,7 +45,8 @@ on_dry_run: Callable[[str], None] | None = None
 def _announce(model: ModelInfo, micro: int, seq: int, depth: int | None) -> None:
     if on_dry_run is not None:
         layers = f"{depth} of {model.arch.num_layers} layers" if depth else "all layers"
-        on_dry_run(f"dry run: {model.name}, micro-batch {micro} x {seq} tokens, {layers}")
+        size = f"{seq}x{seq} px images" if model.task == "image-classification" else f"{seq} tokens"
+        on_dry_run(f"dry run: {model.name}, micro-batch {micro} x {size}, {layers}")
 
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
