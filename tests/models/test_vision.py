@@ -193,6 +193,7 @@ def test_cli_estimate_of_a_catalog_vit_and_plan_of_a_vit(tmp_path, capsys):
     assert data["micro_batch_size"] * data["grad_accum_steps"] == 256
     code, out, _ = run_cli(["plan", vit, "--gpu", "t4", "--global-batch", "256"], capsys)
     assert code == 0 and "image 64 px" in out and "tokens per step" not in out
+    assert "time: not predicted for image models" in out  # said, not left out
 
 
 @pytest.mark.parametrize(

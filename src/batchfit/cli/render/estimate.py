@@ -106,7 +106,7 @@ def estimate(
         _explain(est)
     if gpu is not None:
         render.line(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
-        time_line(est.speed_json())
+        time_line(est.speed_json(), image=est.is_image)
     render.warn(est.warnings)
 
 
@@ -143,10 +143,19 @@ def _explain(est: MemoryEstimate) -> None:
     print_table(render.out, *fitted_table(render.out, title, columns, rows))
 
 
-def time_line(speed: dict[str, float | None], indent: str = "", source: str | None = None) -> None:
+def time_line(
+    speed: dict[str, float | None],
+    indent: str = "",
+    source: str | None = None,
+    *,
+    image: bool = False,
+) -> None:
     """The step time, when there is one: predicted (``batchfit.speed``), or corrected by a
-    probe's measured steps as ``source`` says (``plan --throughput-from``)."""
+    probe's measured steps as ``source`` says (``plan --throughput-from``). An ``image``
+    model has none yet, and says so rather than leave the line out."""
     if speed.get("step_seconds") is None:
+        if image:
+            render.line(f"{indent}time: not predicted for image models (memory only)")
         return
     parts = []
     if speed.get("comm_seconds"):
