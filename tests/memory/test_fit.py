@@ -1,6 +1,8 @@
 """Fitting the largest micro-batch from a few traces: the affine memory law, its moment lines,
 and the limit."""
 
+import math
+
 import pytest
 
 from batchfit.hardware import get_gpu
@@ -149,6 +151,32 @@ def test_a_seeded_search_finds_the_largest_fit_whatever_the_formulas_miss(
     at, calls = law(fixed, per_sample, step_gib=step)
     bound = seeded_fit(at, budget, seed, limit=4096, confirm=False).micro_batch_size
     assert 0 < bound <= truth and bound in calls
+
+
+@pytest.mark.parametrize("seed_error", [0.8, 0.95, 1.05, 1.3])
+@pytest.mark.parametrize("fixed", [2, 10])
+@pytest.mark.parametrize("segment", [0.5, 2.0])
+def test_a_staircase_of_totals_does_not_make_the_search_creep(
+    seed_error: float, fixed: float, segment: float
+):
+    """Totals rounded up to whole allocator segments are flat across many sizes: a secant
+    through two sizes on one stair is zero, and through two stairs creeps a size a trace. The
+    search still ends at the law's own answer, within its traces."""
+
+    def device_gib(b: int) -> float:
+        return math.ceil((fixed + 0.05 * b) / segment) * segment
+
+    calls: list[int] = []
+
+    def at(b: int) -> MemoryEstimate:
+        calls.append(b)
+        t = int(device_gib(b) * GIB)
+        return MemoryEstimate("m", "trace", "cuda", b, 1, TrainingSetup(), {}, t, t, t, 0, 0, "x")
+
+    truth = max(b for b in range(1, 5000) if device_gib(b) <= 15)
+    seed = _formulas(fixed, 0.05 * seed_error)
+    assert seeded_fit(at, 15 * GIB, seed, limit=4096).micro_batch_size == truth
+    assert len(calls) <= 10  # within the search's traces, not out of them
 
 
 def test_nothing_fits():

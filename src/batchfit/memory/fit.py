@@ -179,6 +179,8 @@ def seeded_fit(
 
     lo, hi = 0, limit + 1  # largest size known to fit, smallest known not to (or past limit)
     guess = max(largest_passing(lambda b: seed_total(b) <= budget_bytes, limit), 1)
+    singles = 0  # steps in a row of one size the same way (+ up, - down)
+    halving = False
     while len(cache) < max_traces:
         t = total(guess)
         lo, hi = (max(lo, guess), hi) if t <= budget_bytes else (lo, min(hi, guess))
@@ -189,10 +191,20 @@ def seeded_fit(
             step = math.floor((budget_bytes - t) / slope) if slope > 0 else 15 * guess
             if step < 1 and not confirm:
                 break
-            guess = guess + max(step, 1)
+            step = max(step, 1)
         else:
-            guess = guess - (max(math.ceil((t - budget_bytes) / slope), 1) if slope > 0 else 1)
-        guess = min(max(guess, lo + 1), hi - 1)
+            step = -(max(math.ceil((t - budget_bytes) / slope), 1) if slope > 0 else 1)
+        way = 1 if step > 0 else -1
+        singles = singles + way if abs(step) == 1 and singles * way >= 0 else 0
+        # a size a trace, a third time: a total level with the budget on a stair of the
+        # allocator's segments, or a secant steepened by one, creeps: from then on halve the
+        # bracket, or double the step while one side is unknown
+        halving = halving or (abs(singles) >= 3 and lo > 0 and hi <= limit)
+        if halving:
+            step = (lo + hi) // 2 - guess
+        elif abs(singles) >= 3:
+            step = way * 2 ** (abs(singles) - 2)
+        guess = min(max(guess + step, lo + 1), hi - 1)
     if lo == 0 and hi > 1 and 1 not in cache:  # out of traces above 1: does 1 fit?
         lo = 1 if total(1) <= budget_bytes else 0
     return FitResult(lo, cache[lo] if lo else cache.get(1), tuple(traced))
@@ -207,14 +219,15 @@ def _slope(
 ) -> float:
     """Bytes per sample near ``at``: the secant across the bracket when both ends are traced
     (memory is convex in the batch: its crossing never overshoots), else through the two
-    traced sizes nearest ``at``, else the formulas'."""
+    traced sizes nearest ``at``, else (or where that secant is flat) the formulas'."""
+    secant = 0.0
     if lo in cache and hi in cache:
-        return (_total(cache[hi]) - _total(cache[lo])) / (hi - lo)
-    near = sorted(cache, key=lambda b: abs(b - at))[:2]
-    if len(near) == 2:
-        a, b = sorted(near)
-        return (_total(cache[b]) - _total(cache[a])) / (b - a)
-    return float(seed_total(at + 1) - seed_total(at))
+        secant = (_total(cache[hi]) - _total(cache[lo])) / (hi - lo)
+    elif len(cache) >= 2:
+        a, b = sorted(sorted(cache, key=lambda b: abs(b - at))[:2])
+        secant = (_total(cache[b]) - _total(cache[a])) / (b - a)
+    # a flat secant (two sizes in one allocator segment) says nothing: the formulas' slope
+    return secant if secant > 0 else float(seed_total(at + 1) - seed_total(at))
 
 
 def fit_micro_batch(
