@@ -222,3 +222,41 @@ def test_modules_a_model_keeps_in_fp32_stay_unquantised():
     wi = [k for k in kinds if k.endswith(".wi")]
     assert wo and all(kinds[k] is torch.nn.Linear for k in wo)
     assert wi and all(kinds[k] is Linear4bit for k in wi)
+
+
+def test_the_formulas_keep_t5_s_fp32_modules_unquantised_as_the_trace_does(tmp_path):
+    """T5 keeps each feed-forward's ``wo`` in fp32 (``_keep_in_fp32_modules``) and transformers'
+    4-bit quantizer skips it: both engines count it unquantised (the formulas counted it as
+    NF4, half the weights' bytes on this T5)."""
+    config = {
+        "model_type": "t5",
+        "architectures": ["T5ForConditionalGeneration"],
+        "d_model": 128,
+        "d_ff": 512,
+        "d_kv": 32,
+        "num_heads": 4,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "vocab_size": 512,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    model = resolve_model(str(path), "seq2seq")
+    wo = sum(g.total for g in model.params if g.pattern.endswith(".wo.weight"))
+    assert wo and model.quantizable_params() + wo <= model.total_params
+
+    def weights(engine: str) -> int:
+        est = estimate(
+            model,
+            TrainingSetup(method="qlora"),
+            micro_batch_size=1,
+            seq_len=32,
+            gpu=get_gpu("l4"),
+            engine=engine,
+        )
+        return sum(line.num_bytes for line in est.lines if line.component == "weights")
+
+    assert weights("analytic") == pytest.approx(weights("trace"), rel=0.03)

@@ -85,6 +85,12 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 _PEFT_GUESSED = frozenset({"distilbert", "phi3", "modernbert", "olmo2", "qwen3_moe"} | VISION_TYPES)
 _LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
+# Linear modules a model class keeps in fp32 (``_keep_in_fp32_modules``), by model type: the
+# 4-bit quantizer leaves them unquantised (transformers 5.24.0: models/t5, mt5, umt5, udop,
+# pop2piano). The trace reads the attribute from the built model; the formulas read this.
+KEEP_IN_FP32: dict[str, tuple[str, ...]] = {
+    model_type: ("wo",) for model_type in ("t5", "mt5", "umt5", "udop", "pop2piano")
+}
 KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")
 
 
@@ -300,13 +306,17 @@ class ModelInfo:
         (``replace_with_bnb_linear`` converts ``nn.Linear`` and ``Conv1D`` only,
         integrations/bitsandbytes.py:189 in transformers 5.24.0;
         bitsandbytes-foundation/bitsandbytes#1849, open), as the trace's emulation does.
+        Nor are the modules the model class keeps in fp32 (T5's ``wo``: the quantizer skips
+        ``_keep_in_fp32_modules``).
         """
+        kept = KEEP_IN_FP32.get(self.arch.model_type, ())
         return sum(
             g.total
             for g in self.params
             if g.module in ("Linear", "Conv1D")
             and g.pattern.endswith("weight")
             and (head or g.kind != "head")
+            and g.pattern.split(".")[-2] not in kept
         )
 
     def fused_expert_params(self) -> int:
