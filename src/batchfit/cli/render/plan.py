@@ -58,9 +58,7 @@ def plan(p: Plan, info: ModelInfo) -> None:
     _to_fit(p)
     if p.num_gpus > 1 and p.setup.sharding in ("none", "ddp"):
         render.line("  sharding: none (DDP: every GPU holds the whole model and optimizer)")
-    time_line(
-        p.speed_json(), "  ", p.throughput.source if p.throughput else None, image=p.is_image
-    )
+    time_line(p.speed_json(), "  ", p.throughput.source if p.throughput else None, image=p.is_image)
     if p.train_seconds is not None:
         _the_run(p, p.train_seconds)
     _memory_and_engine(p)
