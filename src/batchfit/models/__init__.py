@@ -23,6 +23,7 @@ from batchfit.models._arch import (
     ATTENTION_FREE_TYPES,
     ENCODER_DECODER_TYPES,
     ENCODER_TYPES,
+    KEEP_IN_FP32,
     NO_SDPA_TYPES,
     SHAPE_KEYS,
     VISION_TYPES,
@@ -85,12 +86,6 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 _PEFT_GUESSED = frozenset({"distilbert", "phi3", "modernbert", "olmo2", "qwen3_moe"} | VISION_TYPES)
 _LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
-# Linear modules a model class keeps in fp32 (``_keep_in_fp32_modules``), by model type: the
-# 4-bit quantizer leaves them unquantised (transformers 5.24.0: models/t5, mt5, umt5, udop,
-# pop2piano). The trace reads the attribute from the built model; the formulas read this.
-KEEP_IN_FP32: dict[str, tuple[str, ...]] = {
-    model_type: ("wo",) for model_type in ("t5", "mt5", "umt5", "udop", "pop2piano")
-}
 KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")
 
 
@@ -303,20 +298,17 @@ class ModelInfo:
         transformers' ``get_keys_to_not_convert`` keeps the output embedding in 16-bit. Fused
         MoE expert tensors (transformers 5 stores each layer's experts as one 3-D parameter)
         are not ``nn.Linear``: transformers' conversion skips them and they stay unquantised
-        (``replace_with_bnb_linear`` converts ``nn.Linear`` and ``Conv1D`` only,
-        integrations/bitsandbytes.py:189 in transformers 5.24.0;
-        bitsandbytes-foundation/bitsandbytes#1849, open), as the trace's emulation does.
-        Nor are the modules the model class keeps in fp32 (T5's ``wo``: the quantizer skips
-        ``_keep_in_fp32_modules``).
+        (``replace_with_bnb_linear`` converts ``nn.Linear`` and ``Conv1D`` only, transformers
+        5.24.0 integrations/bitsandbytes.py:189; bitsandbytes-foundation/bitsandbytes#1849),
+        as the trace's emulation does; nor are modules kept in fp32 (T5's ``wo``).
         """
-        kept = KEEP_IN_FP32.get(self.arch.model_type, ())
         return sum(
             g.total
             for g in self.params
             if g.module in ("Linear", "Conv1D")
             and g.pattern.endswith("weight")
             and (head or g.kind != "head")
-            and g.pattern.split(".")[-2] not in kept
+            and g.pattern.split(".")[-2] not in KEEP_IN_FP32.get(self.arch.model_type, ())
         )
 
     def fused_expert_params(self) -> int:

@@ -49,6 +49,12 @@ VISION_TYPES = frozenset(
 PATCH_ENCODER_TYPES = frozenset({"vit", "deit", "beit", "dinov2", "clip", "siglip"})
 # ... and the convolutional ones, which have no attention to implement (transformers refuses
 # an attention implementation for them; built with its default).
+# Linear modules a model class keeps in fp32 (``_keep_in_fp32_modules``), by model type: the
+# 4-bit quantizer leaves them unquantised (transformers 5.24.0: models/t5, mt5, umt5, udop,
+# pop2piano). The trace reads the attribute from the built model; the formulas read this.
+KEEP_IN_FP32: dict[str, tuple[str, ...]] = {
+    model_type: ("wo",) for model_type in ("t5", "mt5", "umt5", "udop", "pop2piano")
+}
 ATTENTION_FREE_TYPES = frozenset(
     {"convnext", "convnextv2", "resnet", "regnet", "efficientnet", "mobilenet_v2", "torchvision"}
 )
