@@ -21,6 +21,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rank_env(rank: int, port: str) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of ``RANKS`` on this host."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(RANKS),
+        "LOCAL_WORLD_SIZE": str(RANKS),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+
+
 def _once(
     worker: Path, args: list[str], env: dict[str, str], timeout: float
 ) -> tuple[int, str, str]:
@@ -30,33 +42,31 @@ def _once(
     with contextlib.ExitStack() as files:
         outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(RANKS)]
         errs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(RANKS)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(worker), *args],
-                env={
-                    **env,
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(RANKS),
-                    "LOCAL_WORLD_SIZE": str(RANKS),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                },
-                stdout=outs[rank],
-                stderr=errs[rank],
-                text=True,
-            )
-            for rank in range(RANKS)
-        ]
-        deadline, failed_at = time.monotonic() + timeout, None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + 30):
-                for p in procs:
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for rank in range(RANKS):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(worker), *args],
+                        env={**env, **_rank_env(rank, port)},
+                        stdout=outs[rank],
+                        stderr=errs[rank],
+                        text=True,
+                    )
+                )
+            deadline, failed_at = time.monotonic() + timeout, None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now > failed_at + 30):
+                    break
+                time.sleep(0.05)
+        finally:  # a rank still running (timed out, or waiting on a dead peer) is ended
+            for p in procs:
+                if p.poll() is None:
                     p.kill()
-            time.sleep(0.05)
+                    p.wait()
         code = next((p.returncode for p in procs if p.returncode), 0)
         texts = []
         for streams in (outs, errs):

@@ -179,6 +179,17 @@ def test_a_staircase_of_totals_does_not_make_the_search_creep(
     assert len(calls) <= 10  # within the search's traces, not out of them
 
 
+def test_a_flat_moment_under_the_budget_does_not_make_the_search_creep():
+    """The optimizer step's flat peak (38 GiB) just under the budget, activations rising past it
+    from size 120 on, formulas 50% high per sample: flat secants, stepped along the formulas'
+    slope, must not keep stepping by the same few sizes until the dry runs are spent."""
+    at, calls = law(2, 0.3, step_gib=38)
+    formulas = _formulas(2, 0.45)
+    found = seeded_fit(at, 40 * GIB, lambda b: max(38 * GIB, formulas(b)), limit=4096)
+    assert found.micro_batch_size == 126  # 2 + 0.3 x 126 = 39.8 GiB; 127 is 40.1
+    assert len(calls) <= 10  # a step of 4 sizes a dry run stopped at 120
+
+
 def test_nothing_fits():
     at, _ = law(50, 1)
     assert fit_micro_batch(at, 40 * GIB).micro_batch_size == 0

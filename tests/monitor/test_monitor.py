@@ -362,3 +362,26 @@ def test_the_runtime_baseline_is_measured_once_per_interpreter_and_its_packages(
     (site / "new_package").mkdir()  # pip installed something: measured again
     os.utime(site, ns=(1, 1))
     assert _runtime.cached_runtime_bytes(str(python)) is None
+
+
+def test_an_interpreter_without_a_package_folder_beside_it_is_measured_every_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pyenv or conda shim (``~/.pyenv/shims/python3``) has no site-packages beside it: its
+    packages cannot be stamped, so its baseline is never served from the cache."""
+    from batchfit.monitor import _runtime
+
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    shim = tmp_path / "pyenv" / "shims" / "python3"
+    shim.parent.mkdir(parents=True)
+    shim.write_text("")
+    runs: list[list[str]] = []
+
+    def child(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        runs.append(args)
+        return subprocess.CompletedProcess(args, 0, "330000\n", "")
+
+    monkeypatch.setattr(_runtime.subprocess, "run", child)
+    assert _runtime.runtime_bytes(str(shim)) == 330000 * 1024
+    assert _runtime.cached_runtime_bytes(str(shim)) is None

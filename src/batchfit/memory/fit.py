@@ -179,8 +179,7 @@ def seeded_fit(
 
     lo, hi = 0, limit + 1  # largest size known to fit, smallest known not to (or past limit)
     guess = max(largest_passing(lambda b: seed_total(b) <= budget_bytes, limit), 1)
-    singles = 0  # steps in a row of one size the same way (+ up, - down)
-    halving = False
+    last, stalls, robust, halved = 0, 0, False, False  # stalls: steps that did not shrink
     while len(cache) < max_traces:
         t = total(guess)
         lo, hi = (max(lo, guess), hi) if t <= budget_bytes else (lo, min(hi, guess))
@@ -194,16 +193,19 @@ def seeded_fit(
             step = max(step, 1)
         else:
             step = -(max(math.ceil((t - budget_bytes) / slope), 1) if slope > 0 else 1)
-        way = 1 if step > 0 else -1
-        singles = singles + way if abs(step) == 1 and singles * way >= 0 else 0
-        # a size a trace, a third time: a total level with the budget on a stair of the
-        # allocator's segments, or a secant steepened by one, creeps: from then on halve the
-        # bracket, or double the step while one side is unknown
-        halving = halving or (abs(singles) >= 3 and lo > 0 and hi <= limit)
-        if halving:
+        same_way = last != 0 and (last > 0) == (step > 0)
+        stalls = stalls + 1 if same_way and abs(step) >= abs(last) else 0
+        # A third step the same way that did not shrink: the search creeps (a total level
+        # with the budget on a stair of the allocator's segments, a flat moment under it, a
+        # secant steepened by a stair). From then on: double the step until the answer is
+        # bracketed, then halve the bracket every other step.
+        robust = robust or stalls >= 2
+        halved = robust and lo > 0 and hi <= limit and not halved
+        if halved:  # bracketed: every other step halves it, the others are the secant's
             step = (lo + hi) // 2 - guess
-        elif abs(singles) >= 3:
-            step = way * 2 ** (abs(singles) - 2)
+        elif robust and same_way and not (lo > 0 and hi <= limit):
+            step = 2 * last
+        last = step
         guess = min(max(guess + step, lo + 1), hi - 1)
     if lo == 0 and hi > 1 and 1 not in cache:  # out of traces above 1: does 1 fit?
         lo = 1 if total(1) <= budget_bytes else 0

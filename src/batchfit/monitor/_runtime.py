@@ -32,17 +32,26 @@ def python_of(command: list[str]) -> str:
     return sys.executable
 
 
-def _installed(python: str) -> dict[str, Any]:
-    """What the baseline of ``python`` depends on: the interpreter's file and its environment's
-    package folders (pip installing or removing a package changes a folder's mtime)."""
+def _installed(python: str) -> dict[str, Any] | None:
+    """What the baseline of ``python`` depends on: the interpreter's file, its environment's
+    package folders (pip installing or removing a package changes a folder's mtime), the
+    user's site folders and PYTHONPATH; None where no package folder is found beside it (a
+    pyenv or conda shim, whose packages live elsewhere: measured every time)."""
     path = Path(python)
     prefix = path.parent.parent  # <prefix>/bin/python, a virtual environment's or not
-    folders = sorted(
-        glob.glob(str(prefix / "lib" / "python*" / "site-packages"))
-        + glob.glob(str(prefix / "lib" / "python*" / "dist-packages"))
-    )
-    stamps: dict[str, Any] = {"python": str(path.absolute())}
-    for name in [str(path.resolve()), *folders]:
+    found = [
+        folder
+        for root in (prefix, prefix / "local", Path.home() / ".local")
+        for kind in ("site-packages", "dist-packages")
+        for folder in glob.glob(str(root / "lib" / "python*" / kind))
+    ]
+    if not any(str(Path(f)).startswith(str(prefix)) for f in found):
+        return None
+    stamps: dict[str, Any] = {
+        "python": str(path.absolute()),
+        "pythonpath": os.environ.get("PYTHONPATH", ""),
+    }
+    for name in [str(path.resolve()), *sorted(found)]:
         try:
             stat = os.stat(name)
         except OSError:
@@ -53,8 +62,9 @@ def _installed(python: str) -> dict[str, Any]:
 
 def cached_runtime_bytes(python: str) -> int | None:
     """``runtime_bytes(python)`` as last measured for the same interpreter and packages (None:
-    not measured yet, or they changed)."""
-    record = _cache.load("runtime", _installed(python))
+    not measured yet, they changed, or they cannot be told apart)."""
+    key = _installed(python)
+    record = _cache.load("runtime", key) if key is not None else None
     value = record.get("bytes") if record else None
     return value if isinstance(value, int) else None
 
@@ -74,5 +84,7 @@ def runtime_bytes(python: str, timeout: float = 120.0) -> int | None:
         measured = int(done.stdout.strip().splitlines()[-1]) * BYTES_IN_KIB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-    _cache.store("runtime", _installed(python), {"bytes": measured})
+    key = _installed(python)
+    if key is not None:
+        _cache.store("runtime", key, {"bytes": measured})
     return measured
