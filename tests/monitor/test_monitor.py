@@ -334,6 +334,22 @@ def test_no_command_and_a_zero_interval_say_what_to_do() -> None:
     assert proc.returncode == 2 and "must be greater than 0" in proc.stderr
 
 
+def _baseline_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """A cache of the test's own, and the baseline's child faked (330,000 KiB, at once): the
+    command lines it was started with."""
+    from batchfit.monitor import _runtime
+
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
+    runs: list[list[str]] = []
+
+    def child(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        runs.append(args)
+        return subprocess.CompletedProcess(args, 0, "330000\n", "")
+
+    monkeypatch.setattr(_runtime.subprocess, "run", child)
+    return runs
+
+
 def test_the_runtime_baseline_is_measured_once_per_interpreter_and_its_packages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -342,20 +358,13 @@ def test_the_runtime_baseline_is_measured_once_per_interpreter_and_its_packages(
     package folders change."""
     from batchfit.monitor import _runtime
 
-    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
+    runs = _baseline_child(tmp_path, monkeypatch)
     prefix = tmp_path / "venv"
     (prefix / "bin").mkdir(parents=True)
     site = prefix / "lib" / "python3.11" / "site-packages"
     site.mkdir(parents=True)
     python = prefix / "bin" / "python"
     python.write_text("")
-    runs: list[list[str]] = []
-
-    def child(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        runs.append(args)
-        return subprocess.CompletedProcess(args, 0, "330000\n", "")
-
-    monkeypatch.setattr(_runtime.subprocess, "run", child)
     assert _runtime.cached_runtime_bytes(str(python)) is None
     assert _runtime.runtime_bytes(str(python)) == 330000 * 1024
     assert _runtime.cached_runtime_bytes(str(python)) == 330000 * 1024 and len(runs) == 1
@@ -371,17 +380,10 @@ def test_an_interpreter_without_a_package_folder_beside_it_is_measured_every_tim
     packages cannot be stamped, so its baseline is never served from the cache."""
     from batchfit.monitor import _runtime
 
-    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
+    _baseline_child(tmp_path, monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     shim = tmp_path / "pyenv" / "shims" / "python3"
     shim.parent.mkdir(parents=True)
     shim.write_text("")
-    runs: list[list[str]] = []
-
-    def child(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        runs.append(args)
-        return subprocess.CompletedProcess(args, 0, "330000\n", "")
-
-    monkeypatch.setattr(_runtime.subprocess, "run", child)
     assert _runtime.runtime_bytes(str(shim)) == 330000 * 1024
     assert _runtime.cached_runtime_bytes(str(shim)) is None

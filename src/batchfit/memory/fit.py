@@ -200,10 +200,11 @@ def seeded_fit(
         # secant steepened by a stair). From then on: double the step until the answer is
         # bracketed, then halve the bracket every other step.
         robust = robust or stalls >= 2
-        halved = robust and lo > 0 and hi <= limit and not halved
-        if halved:  # bracketed: every other step halves it, the others are the secant's
+        bracketed = lo > 0 and hi <= limit
+        halved = robust and bracketed and not halved
+        if halved:  # every other step halves the bracket, the others are the secant's
             step = (lo + hi) // 2 - guess
-        elif robust and same_way and not (lo > 0 and hi <= limit):
+        elif robust and same_way and not bracketed:
             step = 2 * last
         last = step
         guess = min(max(guess + step, lo + 1), hi - 1)

@@ -39,14 +39,19 @@ def _installed(python: str) -> dict[str, Any] | None:
     pyenv or conda shim, whose packages live elsewhere: measured every time)."""
     path = Path(python)
     prefix = path.parent.parent  # <prefix>/bin/python, a virtual environment's or not
-    found = [
-        folder
-        for root in (prefix, prefix / "local", Path.home() / ".local")
-        for kind in ("site-packages", "dist-packages")
-        for folder in glob.glob(str(root / "lib" / "python*" / kind))
-    ]
-    if not any(str(Path(f)).startswith(str(prefix)) for f in found):
+
+    def folders(*roots: Path) -> list[str]:
+        return [
+            folder
+            for root in roots
+            for kind in ("site-packages", "dist-packages")
+            for folder in glob.glob(str(root / "lib" / "python*" / kind))
+        ]
+
+    own = folders(prefix, prefix / "local")
+    if not own:
         return None
+    found = own + folders(Path.home() / ".local")
     stamps: dict[str, Any] = {
         "python": str(path.absolute()),
         "pythonpath": os.environ.get("PYTHONPATH", ""),
