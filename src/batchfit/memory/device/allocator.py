@@ -94,8 +94,6 @@ class CachingAllocator:
 
     def malloc(self, handle: int, size: int) -> None:
         rounded = round_size(size)
-        self.allocated += rounded
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
         small = rounded <= SMALL_SIZE
         pool = self._free[small]
         i = bisect.bisect_left(pool, (rounded, -1, -1))
@@ -122,6 +120,10 @@ class CachingAllocator:
             block.size = rounded
         block.free = False
         self._where[handle] = block
+        # a block too small to split is handed out whole, and counted whole (as PyTorch's
+        # allocated_bytes counts block->size); its free gives back the same
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
 
     def _grow(self, rounded: int) -> _Block:
         """Map pages at the end of the large pool's one expandable segment: a free block at

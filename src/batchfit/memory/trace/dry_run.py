@@ -19,8 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from batchfit.memory.trace.result import PHASES, PhaseResult, TraceResult, extrapolate
-from batchfit.memory.trace.tracker import AllocationTracker, Timeline
+from batchfit.memory.trace.result import PHASES, LayerLog, PhaseResult, TraceResult, extrapolate
+from batchfit.memory.trace.tracker import AllocationTracker, Layer, Timeline
 from batchfit.spec import Loop
 
 __all__ = [
@@ -155,38 +155,54 @@ class _Moments:
                 if i == 0:
                     names.append(f"{k}bottom")
                 names = names or [f"{k}middle"]
-                self.handles.append(layer.register_forward_pre_hook(self._in_forward(*names)))
-                self.handles.append(layer.register_forward_hook(self._on_output(names)))
+                self.handles.append(
+                    layer.register_forward_pre_hook(self._in_forward(*names, layer=(k, i)))
+                )
+                self.handles.append(layer.register_forward_hook(self._on_output(names, (k, i))))
             # after a stack's top layer: below the next stack, or the head after the last
             after = f"{k + 1}below" if k + 1 < len(stacks) else "head"
             self.handles.append(stack[-1].register_forward_hook(self._in_forward(after)))
             self.handles.append(
                 stack[0].register_forward_pre_hook(self._on_input(f"{k}below"), with_kwargs=True)
             )
+        # The top layer's work ends where the next module outside the stacks starts: what the
+        # model's loop does after a layer returns (dropping the previous hidden states) is that
+        # layer's, the top's as any other's.
+        self.inside = {id(m) for stack in stacks for layer in stack for m in layer.modules()}
+        self.handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._leave))
 
     @property
     def base(self) -> str:
         return f"s{self.step}m{1 if self.micro <= 1 else 2}"
 
-    def _at(self, *names: str) -> Callable[[torch.Tensor], None]:
+    def _at(self, *names: str, layer: Layer | None = None) -> Callable[[torch.Tensor], None]:
+        """A gradient hook: backward reaches ``names`` (and ``layer`` runs, or none)."""
+
         def hook(_grad: torch.Tensor) -> None:
             self.tracker.set_moments(*(f"{self.base}.{n}" for n in names))
+            self.tracker.layer = layer
 
         return hook
 
-    def _in_forward(self, *names: str) -> Callable[..., None]:
+    def _in_forward(self, *names: str, layer: Layer | None = None) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             # not while backward recomputes a checkpointed layer: that is backward's moment
             if self.tracker.phase == "forward":
                 self.tracker.set_moments(*(f"{self.base}.{n}" for n in names))
+                if layer is not None:
+                    self.tracker.layer = layer
 
         return hook
 
-    def _on_output(self, names: list[str]) -> Callable[..., None]:
+    def _leave(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.tracker.phase == "forward" and id(module) not in self.inside:
+            self.tracker.layer = None
+
+    def _on_output(self, names: list[str], layer: Layer) -> Callable[..., None]:
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             tensor = _first_grad_tensor(output)
             if tensor is not None and self.tracker.phase == "forward":
-                tensor.register_hook(self._at(*names))  # type: ignore[no-untyped-call, unused-ignore]
+                tensor.register_hook(self._at(*names, layer=layer))  # type: ignore[no-untyped-call, unused-ignore]
 
         return hook
 
@@ -199,6 +215,7 @@ class _Moments:
         return hook
 
     def enter(self, phase: str) -> None:
+        self.tracker.layer = None
         if phase == "forward":
             self.micro += 1
             start = f".{self.forward_start}" if self.forward_start else ""
@@ -238,9 +255,10 @@ class FirstStepNotReplayable(Exception):
 
 
 def _whole_first_step(
-    events: list[tuple[int, int]], marks: list[tuple[int, str]], primed: tuple[int, int, int]
-) -> tuple[tuple[int, int], ...]:
-    """The allocator's history of a whole first step then the measured one, from a primed run.
+    timeline: Timeline, primed: tuple[int, int, int]
+) -> tuple[tuple[tuple[int, int], ...], LayerLog]:
+    """The allocator's history of a whole first step then the measured one, from a primed run,
+    and which layer made each of its events.
 
     ``primed``: where the prime's gradients began and its ``step()`` began and ended. A real
     first step runs the measured step's forward and backward (the same operators on the same
@@ -248,6 +266,7 @@ def _whole_first_step(
     the measured step does; the measured step follows as it ran. Tensors the first step makes
     get keys of their own; it frees nothing it did not make.
     """
+    events, layers, marks = timeline.events, timeline.event_layers, timeline.phase_marks
     grads_begin, step_begin, step_end = primed
     measured = next(i for i, phase in marks if phase == "forward" and i >= step_end)
     grads = {key for key, delta in events[grads_begin:step_begin] if delta > 0}
@@ -257,23 +276,28 @@ def _whole_first_step(
     zero = next(i for i, phase in marks if phase == "zero-grad" and i >= optimizer)
     fresh: dict[int, int] = {}
     top = max((key for key, _ in events), default=0)
+    key_layers = dict(timeline.key_layers)
+    out: list[tuple[int, int]] = [*events[:grads_begin]]
+    out_layers: list[Layer | None] = [*layers[:grads_begin]]
 
-    def copied(segment: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        out = []
-        for key, delta in segment:
+    def copy(begin: int, end: int) -> None:
+        for (key, delta), layer in zip(events[begin:end], layers[begin:end], strict=True):
             if delta > 0:
-                top_key = fresh.setdefault(key, top + 1 + len(fresh))
-                out.append((top_key, delta))
-            elif key in fresh:
-                out.append((fresh[key], delta))
-        return out
+                new = fresh.setdefault(key, top + 1 + len(fresh))
+                if key in key_layers:
+                    key_layers[new] = key_layers[key]
+            elif key not in fresh:
+                continue
+            out.append((fresh[key], delta))
+            out_layers.append(layer)
 
-    first = [
-        *copied(events[measured:optimizer]),
-        *events[step_begin:step_end],
-        *copied(events[zero:]),
-    ]
-    return (*events[:grads_begin], *first, *events[measured:])
+    copy(measured, optimizer)
+    out.extend(events[step_begin:step_end])
+    out_layers.extend(layers[step_begin:step_end])
+    copy(zero, len(events))
+    out.extend(events[measured:])
+    out_layers.extend(layers[measured:])
+    return tuple(out), LayerLog(tuple(out_layers), key_layers, timeline.stack_depths)
 
 
 def run_steps(
@@ -312,7 +336,9 @@ def run_steps(
     handles = _track_parameters(tracker, model)
     modules = _ForwardModules(tracker, model)
     handles.extend(modules.handles)
-    moments = _Moments(tracker, layer_stacks(model))
+    stacks = layer_stacks(model)
+    _tag_layers(tracker, stacks)
+    moments = _Moments(tracker, stacks)
     handles.extend(moments.handles)
 
     def on_phase(phase: str) -> None:
@@ -347,9 +373,8 @@ def run_steps(
             handle.remove()
     result = _result(tracker.timeline, time.perf_counter() - start)
     if replay_first_step and primed is not None:
-        timeline = tracker.timeline
-        events = _whole_first_step(timeline.events, timeline.phase_marks, primed)
-        result = replace(result, events=events)
+        events, layers = _whole_first_step(tracker.timeline, primed)
+        result = replace(result, events=events, layers=layers)
     return result
 
 
@@ -369,6 +394,19 @@ def _track_parameters(tracker: AllocationTracker, model: torch.nn.Module) -> lis
                 )
             )
     return handles
+
+
+def _tag_layers(
+    tracker: AllocationTracker, stacks: tuple[tuple[torch.nn.Module, ...], ...]
+) -> None:
+    """Tell the tracker which layer each parameter and buffer belongs to."""
+    tracker.timeline.stack_depths = tuple(len(stack) for stack in stacks)
+    for k, stack in enumerate(stacks):
+        for i, layer in enumerate(stack):
+            for tensor in (*layer.parameters(), *layer.buffers()):
+                key = tracker.track(tensor)
+                if key is not None:
+                    tracker.timeline.key_layers[key] = (k, i)
 
 
 class _ForwardModules:
@@ -414,10 +452,11 @@ def _label_step_tensors(
             if param.grad is not None:
                 tracker.label(param.grad, "gradients")
     if phase == "zero-grad":  # the step just ran: its state tensors are the optimizer's
-        for state in optimizer.state.values():
+        for owner, state in optimizer.state.items():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     tracker.label(value, "optimizer_state")
+                    tracker.same_layer(value, owner)
 
 
 def _result(timeline: Timeline, seconds: float) -> TraceResult:
@@ -447,7 +486,10 @@ def _result(timeline: Timeline, seconds: float) -> TraceResult:
             name = timeline.module_of[key]
             by_module[name] = by_module.get(name, 0) + timeline.sizes[key]
     top = tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:10])
-    return TraceResult(tuple(phases), seconds, top, tuple(timeline.events), timeline=timeline)
+    layers = LayerLog(tuple(timeline.event_layers), timeline.key_layers, timeline.stack_depths)
+    return TraceResult(
+        tuple(phases), seconds, top, tuple(timeline.events), timeline=timeline, layers=layers
+    )
 
 
 def quiet() -> contextlib.AbstractContextManager[Any]:

@@ -403,6 +403,7 @@ def trace_once(
     depth: int | None,
     grad_accum_steps: int,
     whole_first_step: bool = False,
+    reserve: bool = True,
 ) -> trace.TraceResult:
     """One dry run at ``depth`` layers (None = the real depth); on CUDA the cuBLAS
     ``workspace`` bytes are allocated first, as the first matmul does. Under FSDP
@@ -411,7 +412,8 @@ def trace_once(
     On CUDA the allocator replays a whole first step then the measured one; the first is
     rebuilt from the measured step and the optimizer's priming step (the same allocations at
     half the cost), unless ``whole_first_step`` runs it, as the timeline picture, which draws
-    every step it shows, needs."""
+    every step it shows, needs. ``reserve=False`` leaves the replay to the caller (the result's
+    ``reserved_bytes`` stays 0): a shallow dry run's is replayed unrolled to the full depth."""
     emulate_cuda = device == "cuda"
     with contextlib.ExitStack() as world:
         prepare = None
@@ -433,7 +435,7 @@ def trace_once(
             result = run(whole_first_step=whole_first_step)
         except trace.FirstStepNotReplayable:  # gradients kept across steps: run it whole
             result = run(whole_first_step=True)
-    if emulate_cuda:
+    if emulate_cuda and reserve:
         reserved = simulate(result.events, expandable_segments=setup.expandable_segments)
         result = replace(result, reserved_bytes=reserved.reserved_bytes)
     return result

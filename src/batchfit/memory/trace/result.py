@@ -65,6 +65,21 @@ _WHERE = {
 
 
 @dataclass(frozen=True)
+class LayerLog:
+    """Which layer made each allocation event of a dry run, for unrolling it to full depth.
+
+    ``event_layers[n]``: the ``(stack, index)`` of the layer running at event ``n`` (None
+    outside the stacks); ``key_layers``: the layer each storage belongs to (made in it, a
+    parameter of it, or optimizer state and temporaries of its parameters);
+    ``stack_depths``: each stack's traced depth.
+    """
+
+    event_layers: tuple[tuple[int, int] | None, ...]
+    key_layers: dict[int, tuple[int, int]]
+    stack_depths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TraceResult:
     """What a traced step allocated: each moment's peak, and the overall peak."""
 
@@ -76,6 +91,8 @@ class TraceResult:
     # the dry run's whole allocation history (``tracker.Timeline``), for the timeline
     # picture; only on a result fresh from a dry run (not extrapolated, not cached)
     timeline: Any = field(default=None, repr=False, compare=False)
+    # which layer made each event, for the unrolled replay (fresh results only, like events)
+    layers: LayerLog | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak(self) -> PhaseResult:

@@ -21,6 +21,10 @@ from torch.utils._pytree import tree_flatten
 from batchfit.memory.trace.result import CATEGORIES
 
 _aten = torch.ops.aten
+Layer = tuple[int, int]  # (stack, index in the stack)
+# phases whose tensors outside a layer belong to a layer's parameters (the optimizer's state
+# and temporaries, the priming gradients): they take the layer of the op's inputs
+_PER_PARAMETER_PHASES = ("setup", "optimizer-step", "zero-grad")
 # matmuls and where their two matrices sit in args (addmm/baddbmm lead with the added input)
 _GEMMS = {
     _aten.mm.default: 0,
@@ -84,6 +88,12 @@ class Timeline:
     events: list[tuple[int, int]] = field(default_factory=list)  # (key, +bytes / -bytes)
     # where each phase began: (number of events before it, phase); for the timeline picture
     phase_marks: list[tuple[int, str]] = field(default_factory=list)
+    # which layer of which stack ran each event ((stack, index); None outside the stacks) and
+    # which layer each storage belongs to: what unrolls a shallow trace to the full depth
+    # (``unroll``)
+    event_layers: list[Layer | None] = field(default_factory=list)
+    key_layers: dict[int, Layer] = field(default_factory=dict)
+    stack_depths: tuple[int, ...] = ()  # layers in each stack, in forward order
 
     def category(self, key: int) -> str:
         label = self.labels.get(key)
@@ -138,6 +148,8 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self.phase = "setup"
         self.moments: tuple[str, ...] = ("",)
         self.module = ""
+        self.layer: Layer | None = None  # the layer running (set by the dry run's hooks)
+        self._hint: Layer | None = None  # the layer of the output being tracked, from inputs
         self._next_key = 0
         self._key_of: dict[int, int] = {}  # id(storage) -> key, while alive
         self._live: set[int] = set()
@@ -177,7 +189,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
                 self.timeline.module_of[key] = self.module
             self._live.add(key)
             self._live_bytes += nbytes
-            self.timeline.events.append((key, nbytes))
+            self._record(key, nbytes)
             self._finalizers[key] = weakref.finalize(storage, self._free, sid, key)
             self._note_peak()
         if label is not None:
@@ -228,7 +240,50 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self._key_of.pop(sid, None)
         self._finalizers.pop(key, None)
         self._live_bytes -= self.timeline.sizes[key]
-        self.timeline.events.append((key, -self.timeline.sizes[key]))
+        self._record(key, -self.timeline.sizes[key])
+
+    def _record(self, key: int, delta: int) -> None:
+        self.timeline.events.append((key, delta))
+        self.timeline.event_layers.append(self.layer)
+        if delta > 0:
+            layer = self.layer or self._hint
+            if layer is not None:
+                self.timeline.key_layers[key] = layer
+
+    def layer_of(self, tensor: torch.Tensor) -> Layer | None:
+        """The layer ``tensor``'s storage belongs to, if it is tracked and has one."""
+        try:
+            key = self._key_of.get(id(tensor.untyped_storage()))
+        except (NotImplementedError, RuntimeError):
+            return None
+        return None if key is None else self.timeline.key_layers.get(key)
+
+    def same_layer(self, tensor: torch.Tensor, like: torch.Tensor) -> None:
+        """``tensor`` belongs to ``like``'s layer (an optimizer state tensor made from no
+        parameter, as Adam's step count)."""
+        layer = self.layer_of(like)
+        key = self.track(tensor)
+        if layer is not None and key is not None:
+            self.timeline.key_layers.setdefault(key, layer)
+
+    def _inputs_layers(self, args: Any, outputs: list[torch.Tensor]) -> list[Layer | None] | None:
+        """Outside a layer, in a per-parameter phase: the layer of each output, from the op's
+        inputs (a list op's outputs pair with its first input list of the same length)."""
+        if not outputs:
+            return None
+        for arg in args:
+            if (
+                isinstance(arg, (list, tuple))
+                and len(arg) == len(outputs) > 1
+                and all(isinstance(t, torch.Tensor) for t in arg)
+            ):
+                return [self.layer_of(t) for t in arg]
+        for item in tree_flatten(args)[0]:
+            if isinstance(item, torch.Tensor):
+                layer = self.layer_of(item)
+                if layer is not None:
+                    return [layer] * len(outputs)
+        return None
 
     def _note_peak(self) -> None:
         for moment in self.moments:
@@ -264,7 +319,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self.timeline.labels[key] = "other"
         self._live.add(key)
         self._live_bytes += nbytes
-        self.timeline.events.append((key, nbytes))
+        self._record(key, nbytes)
         self._note_peak()
         self._free(-1, key)
 
@@ -307,9 +362,14 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         # FSDP2's own ops (torch.ops.fsdp: all-gather and reduce-scatter buffers) hold
         # communication buffers, not activations
         label = "other" if getattr(func, "namespace", "") == "fsdp" else None
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor):
-                self.track(item, label)
+        outputs = [item for item in tree_flatten(out)[0] if isinstance(item, torch.Tensor)]
+        layers = None
+        if self.layer is None and self.phase in _PER_PARAMETER_PHASES:
+            layers = self._inputs_layers(args, outputs)
+        for i, item in enumerate(outputs):
+            self._hint = layers[i] if layers else None
+            self.track(item, label)
+        self._hint = None
         if self.gloo_scratch and func is _REDUCE_SCATTER:
             # gloo reduce-scatters through a full-size copy of the input, allocated below the
             # dispatcher (measured on 4 CPU ranks: one 216 MiB buffer beside the 216 MiB input)
