@@ -1,6 +1,9 @@
 """The trace engine: the real training step run on fake tensors, every allocation counted.
 
-- ``dry_run``: the step under ``FakeTensorMode``, at one or two depths (``tracker`` counts);
+- ``dry_run``: the step under ``FakeTensorMode``, at one or two depths (``tracker`` counts,
+  ``moments`` says which moment and which layer each allocation belongs to);
+- ``unroll``: a shallow dry run's allocation history rebuilt at the model's full depth, for the
+  caching allocator's replay;
 - ``hf``: a Hugging Face model built from its config; ``module``: the user's own ``nn.Module``;
 - ``fsdp``: FSDP2 under a fake process group;
 - ``estimate``: results (from a dry run, or read back from the cache through ``result``) turned

@@ -179,22 +179,46 @@ class _Unroller:
 
     def outside(self, run: _Run) -> None:
         """Events outside the stacks: a layer's tensors (its parameters' optimizer state and
-        gradients) are made and freed in blocks, one per full-depth layer."""
-        n = run.begin
-        while n < run.end:
-            key, delta = self.events[n]
+        gradients) are made and freed in blocks, one per full-depth layer. A list op over every
+        parameter (a foreach optimizer's) makes, or frees, all its tensors in one wave across
+        the layers: each layer's part of a wave is a block of its own."""
+        blocks = self._blocks(run)
+        for begin, end in blocks:
+            key = self.events[begin][0]
             tag = self.log.key_layers.get(key)
             if tag is None:
-                self.out.append((key, delta))
-                n += 1
+                self.out.extend(self.events[begin:end])
                 continue
-            end = n
-            while end < run.end and self.log.key_layers.get(self.events[end][0]) == tag:
-                end += 1
             for layer in self.copies(tag):
-                for key, delta in self.events[n:end]:
+                for key, delta in self.events[begin:end]:
                     self.emit(key, delta, tag[0], layer)
-            n = end
+
+    def _blocks(self, run: _Run) -> list[tuple[int, int]]:
+        """``run`` cut where the layer changes, and at the ends of waves (consecutive
+        allocations, or frees) that cross layers."""
+        events, tags = self.events, self.log.key_layers
+        wave_of: list[int] = []
+        crossing: dict[int, bool] = {}
+        seen: set[object] = set()
+        wave = -1
+        for n in range(run.begin, run.end):
+            if n == run.begin or (events[n][1] > 0) != (events[n - 1][1] > 0):
+                wave += 1
+                seen = set()
+            seen.add(tags.get(events[n][0]))
+            crossing[wave] = len(seen) > 1
+            wave_of.append(wave)
+        blocks: list[tuple[int, int]] = []
+        last: object = None
+        for n in range(run.begin, run.end):
+            w = wave_of[n - run.begin]
+            mark = (tags.get(events[n][0]), w if crossing[w] else None)
+            if blocks and mark == last:
+                blocks[-1] = (blocks[-1][0], n + 1)
+            else:
+                blocks.append((n, n + 1))
+            last = mark
+        return blocks
 
     def stack(self, group: list[_Run]) -> None:
         """A pass over a stack: each run once per full-depth layer it stands for, in the order
