@@ -6,46 +6,18 @@ backward and the optimizer's priming step gives the allocator the same allocatio
 """
 
 import json
-from itertools import groupby
 from typing import Any
 
 import pytest
 import torch
 
-from batchfit.hardware import get_gpu
 from batchfit.memory.device.allocator import simulate
-from batchfit.memory.device.totals import gpu_extras
-from batchfit.memory.formulas.analytic import resolve_setup
-from batchfit.memory.trace.hf import trace_once
-from batchfit.models import resolve_model
-from batchfit.spec import TrainingSetup
 from tests._tiny import TINY_LLAMA_JSON
-
-
-def _runs(events: tuple[tuple[int, int], ...]) -> list[Any]:
-    """The sizes in order, each run of consecutive frees as a sorted run (the order in which
-    ``zero_grad`` and the collector free a batch of tensors is not the step's)."""
-    sizes = [delta for _key, delta in events if delta]
-    return [
-        sorted(group) if freeing else list(group)
-        for freeing, group in groupby(sizes, key=lambda delta: delta < 0)
-    ]
+from tests.memory._cuda_trace import cuda_trace, runs
 
 
 def _traced(config: Any, options: dict[str, Any], whole: bool) -> Any:
-    model, gpu = resolve_model(str(config)), get_gpu("a100-40gb")
-    setup = resolve_setup(model, TrainingSetup(**options), "cuda", gpu)
-    return trace_once(
-        model,
-        setup,
-        micro=2,
-        seq=32,
-        device="cuda",
-        workspace=gpu_extras(gpu, setup).workspace,
-        depth=None,
-        grad_accum_steps=2,
-        whole_first_step=whole,
-    )
+    return cuda_trace(str(config), options, whole_first_step=whole)
 
 
 @pytest.fixture
@@ -69,7 +41,7 @@ def test_the_rebuilt_first_step_allocates_as_the_whole_one(
     tiny_llama: Any, options: dict[str, Any]
 ) -> None:
     whole, rebuilt = (_traced(tiny_llama, options, whole) for whole in (True, False))
-    assert _runs(rebuilt.events) == _runs(whole.events)
+    assert runs(rebuilt.events) == runs(whole.events)
     assert rebuilt.reserved_bytes == whole.reserved_bytes
     assert rebuilt.reserved_bytes == simulate(whole.events).reserved_bytes
     assert rebuilt.peak.total == whole.peak.total

@@ -7,23 +7,21 @@ replay (the same reserve), then that the estimate at depth agrees with the whole
 """
 
 import json
-from itertools import groupby
 from typing import Any
 
 import pytest
 
 from batchfit.hardware import get_gpu
 from batchfit.memory.device.allocator import simulate
-from batchfit.memory.device.totals import gpu_extras
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.trace import estimate as trace_estimate
-from batchfit.memory.trace.hf import trace_once
 from batchfit.memory.trace.result import LayerLog
 from batchfit.memory.trace.unroll import unroll
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
 from tests._tiny import TINY_GPT2, TINY_LLAMA_JSON
+from tests.memory._cuda_trace import cuda_trace, runs
 
 DEPTH = 5
 LLAMA = {**json.loads(TINY_LLAMA_JSON), "num_hidden_layers": DEPTH}
@@ -53,16 +51,6 @@ T5 = {
 }
 
 
-def _runs(events: Any) -> list[Any]:
-    """The sizes in order, each run of consecutive frees sorted (what the collector frees at
-    once it frees in an order of its own, which changes neither peak nor reserve)."""
-    sizes = [delta for _key, delta in events if delta]
-    return [
-        sorted(group) if freeing else list(group)
-        for freeing, group in groupby(sizes, key=lambda delta: delta < 0)
-    ]
-
-
 def _config(tmp_path: Any, config: dict[str, Any]) -> str:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -70,19 +58,7 @@ def _config(tmp_path: Any, config: dict[str, Any]) -> str:
 
 
 def _traced(path: str, options: dict[str, Any], depth: int | None) -> Any:
-    model, gpu = resolve_model(path), get_gpu("a100-40gb")
-    setup = resolve_setup(model, TrainingSetup(**options), "cuda", gpu)
-    return trace_once(
-        model,
-        setup,
-        micro=2,
-        seq=32,
-        device="cuda",
-        workspace=gpu_extras(gpu, setup).workspace,
-        depth=depth,
-        grad_accum_steps=2,
-        reserve=False,
-    )
+    return cuda_trace(path, options, depth=depth, reserve=False)
 
 
 CASES = [
@@ -111,7 +87,7 @@ def test_a_shallow_dry_run_unrolled_allocates_as_the_whole_model(
     full = tuple(DEPTH if d == traced else d for d in shallow.layers.stack_depths)
     events = unroll(shallow.events, shallow.layers, full)
     assert events is not None
-    assert _runs(events) == _runs(whole.events)
+    assert runs(events) == runs(whole.events)
     assert simulate(events).reserved_bytes == simulate(whole.events).reserved_bytes
 
 
