@@ -65,6 +65,7 @@ CASES = [
     (LLAMA, {}, 2),
     (LLAMA, {"method": "lora", "grad_ckpt": True}, 2),
     (LLAMA, {"optimizer": "adamw-8bit", "loss": "chunked"}, 2),
+    (LLAMA, {"sharding": "fsdp", "num_gpus": 2}, 4),
     (GPT2, {"grad_ckpt": True}, 2),
     (GPT2, {"loop": "keep-outputs"}, 2),
     (BERT, {}, 2),
@@ -74,7 +75,7 @@ CASES = [
 @pytest.mark.parametrize(
     ("config", "options", "traced"),
     CASES,
-    ids=["llama", "llama-lora-ckpt", "llama-8bit-chunked", "gpt2-ckpt",
+    ids=["llama", "llama-lora-ckpt", "llama-8bit-chunked", "llama-fsdp2", "gpt2-ckpt",
          "gpt2-keep-outputs", "bert"],
 )  # fmt: skip
 def test_a_shallow_dry_run_unrolled_allocates_as_the_whole_model(

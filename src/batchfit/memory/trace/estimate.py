@@ -276,7 +276,9 @@ def _reserve(
     expandable = setup.expandable_segments
     deep = traced[1]
     low, high = depths
-    if deep.layers is not None and high - low == 1:  # a period of one layer
+    # a period of one layer; not FSDP1, whose flat parameters the unroll does not fit yet
+    fsdp1 = is_fsdp(setup) and setup.fsdp_version == 1
+    if deep.layers is not None and high - low == 1 and not fsdp1:
         depth = model.arch.num_layers
         full = tuple(depth if d == high else d for d in deep.layers.stack_depths)
         events = unroll(deep.events, deep.layers, full)

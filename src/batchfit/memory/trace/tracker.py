@@ -251,7 +251,13 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
                 self.timeline.key_layers[key] = layer
 
     def layer_of(self, tensor: torch.Tensor) -> Layer | None:
-        """The layer ``tensor``'s storage belongs to, if it is tracked and has one."""
+        """The layer ``tensor``'s storage belongs to, if it is tracked and has one (a wrapper
+        subclass's, FSDP2's DTensor: its local tensor's)."""
+        if is_traceable_wrapper_subclass(tensor):
+            inner_names, _ = tensor.__tensor_flatten__()
+            inner = (getattr(tensor, name) for name in inner_names)
+            layers = (self.layer_of(t) for t in inner if isinstance(t, torch.Tensor))
+            return next((layer for layer in layers if layer is not None), None)
         try:
             key = self._key_of.get(id(tensor.untyped_storage()))
         except (NotImplementedError, RuntimeError):

@@ -122,10 +122,12 @@ class _Unroller:
         self.follows = self._successor_roles()
 
     def _successor_roles(self) -> set[tuple[int, _Role]]:
-        """In a 2-layer trace the middle layers are copies of the top, which has no layer
-        after it: the roles whose tensor the next layer frees (the bottom's is freed by the
-        top) where the top's is freed outside the stack (by the head). A middle layer's
-        tensor of such a role dies as the bottom's does."""
+        """The middle layer that stands for the layers between is followed in the trace by
+        its own successors only (in a 2-layer trace by none: it is the top). The roles whose
+        tensor the next layer frees in the layer below it (the one below the middle) where the
+        middle's is freed elsewhere (by the head, as the top's output; under FSDP, the
+        parameters it gathers ahead for the top): every copy but the last dies as the layer
+        below the middle's does."""
         died: dict[int, tuple[object, ...]] = {}
         for g, group in enumerate(self.groups):
             for run in group:
@@ -139,11 +141,11 @@ class _Unroller:
             stack, index = self.log.key_layers[key]
             keys[(stack, index, role)] = key
         successor = set()
-        for (stack, index, role), bottom in keys.items():
-            top = keys.get((stack, 1, role))
-            if index != 0 or self.traced[stack] != 2 or top is None:
+        for (stack, index, role), lower in keys.items():
+            middle = keys.get((stack, index + 1, role))
+            if index + 1 != self.traced[stack] // 2 or middle is None:
                 continue
-            below, above = died.get(bottom), died.get(top)
+            below, above = died.get(lower), died.get(middle)
             if below != above and below is not None and isinstance(below[1], int) and below[1] > 0:
                 successor.add((stack, role))
         return successor
@@ -151,9 +153,14 @@ class _Unroller:
     def _dies_here(self, stack: int, layer: int, role: _Role, source: int) -> bool:
         """Whether full-depth ``layer``'s tensor of ``role`` dies where traced layer
         ``source``'s does (see :meth:`_successor_roles`)."""
-        if self.traced[stack] != 2 or layer in (0, self.full[stack] - 1):
+        traced, full = self.traced[stack], self.full[stack]
+        middle = traced // 2
+        last = full - (traced - middle - 1) - 1  # the middle's last copy, followed as it is
+        if not middle <= layer < last:
             return True
-        return source == (0 if (stack, role) in self.follows else 1)
+        # where the two die alike, the layer below the middle's frees come from the middle's
+        # runs (for every copy but the last) and the middle's from its successor's (the last)
+        return (stack, role) not in self.follows or source == middle - 1
 
     def copies(self, layer: Layer) -> range:
         stack, index = layer
@@ -161,6 +168,8 @@ class _Unroller:
 
     def emit(self, key: int, delta: int, stack: int, layer: int) -> None:
         """The event of ``key`` as full-depth layer ``layer`` of ``stack`` makes it."""
+        if delta == 0:  # an empty storage (FSDP1's parameters once flattened)
+            return
         role = self.roles.get(key)
         if role is None or not 0 <= layer < self.full[stack]:
             raise _Mismatch
