@@ -60,7 +60,7 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass
+@dataclass(eq=False)  # blocks are compared by identity (list.index and remove)
 class _Block:
     segment: int
     offset: int
