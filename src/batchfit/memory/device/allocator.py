@@ -60,12 +60,14 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)  # blocks are compared by identity (list.index and remove)
+@dataclass(eq=False)  # blocks are compared by identity
 class _Block:
     segment: int
     offset: int
     size: int
     free: bool
+    prev: _Block | None = None  # the neighbours in its segment, by address
+    next: _Block | None = None
 
 
 @dataclass(frozen=True)
@@ -78,19 +80,32 @@ class AllocatorStats:
 
 
 class CachingAllocator:
-    """Replays malloc/free requests; tracks allocated and reserved bytes like PyTorch's."""
+    """Replays malloc/free requests; tracks allocated and reserved bytes like PyTorch's.
+
+    Each pool's free blocks are kept sorted by (size, segment, address) for the best fit;
+    blocks link to their neighbours in the segment, so a split or a merge costs no search.
+    """
 
     def __init__(self, expandable_segments: bool = False) -> None:
         self.expandable = expandable_segments
-        self._segments: list[list[_Block]] = []
         self._pool_of_segment: list[bool] = []  # True: small pool
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._free_at: dict[tuple[int, int], _Block] = {}  # free blocks by (segment, offset)
         self._where: dict[int, _Block] = {}
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
         self._expandable_seg: int | None = None
+        self._expandable_tail: _Block | None = None  # its last block
+
+    def _add_free(self, block: _Block, pool: list[tuple[int, int, int]]) -> None:
+        bisect.insort(pool, (block.size, block.segment, block.offset))
+        self._free_at[(block.segment, block.offset)] = block
+
+    def _take_free(self, block: _Block, pool: list[tuple[int, int, int]]) -> None:
+        pool.remove((block.size, block.segment, block.offset))
+        del self._free_at[(block.segment, block.offset)]
 
     def malloc(self, handle: int, size: int) -> None:
         rounded = round_size(size)
@@ -99,24 +114,26 @@ class CachingAllocator:
         i = bisect.bisect_left(pool, (rounded, -1, -1))
         if i < len(pool):
             _, seg, off = pool.pop(i)
-            block = next(b for b in self._segments[seg] if b.offset == off)
+            block = self._free_at.pop((seg, off))
         elif self.expandable and not small:
             block = self._grow(rounded)
         else:
-            seg = len(self._segments)
+            seg = len(self._pool_of_segment)
             seg_size = segment_size(rounded)
             block = _Block(seg, 0, seg_size, True)
-            self._segments.append([block])
             self._pool_of_segment.append(small)
             self.reserved += seg_size
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - rounded
         split = remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE
         if split:
-            rest = _Block(block.segment, block.offset + rounded, remaining, True)
-            blocks = self._segments[block.segment]
-            blocks.insert(blocks.index(block) + 1, rest)
-            bisect.insort(pool, (rest.size, rest.segment, rest.offset))
+            rest = _Block(block.segment, block.offset + rounded, remaining, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            if block is self._expandable_tail:
+                self._expandable_tail = rest
+            self._add_free(rest, pool)
             block.size = rounded
         block.free = False
         self._where[handle] = block
@@ -129,23 +146,24 @@ class CachingAllocator:
         """Map pages at the end of the large pool's one expandable segment: a free block at
         its end grows by what is missing; else a new block is mapped after the last one."""
         if self._expandable_seg is None:
-            self._expandable_seg = len(self._segments)
-            self._segments.append([])
+            self._expandable_seg = len(self._pool_of_segment)
             self._pool_of_segment.append(False)
         seg = self._expandable_seg
-        blocks = self._segments[seg]
-        tail = blocks[-1] if blocks and blocks[-1].free else None
+        last = self._expandable_tail
+        tail = last if last is not None and last.free else None
         have = tail.size if tail is not None else 0
         mapped = -(-(rounded - have) // ROUND_LARGE) * ROUND_LARGE
         self.reserved += mapped
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         if tail is not None:
-            self._free[False].remove((tail.size, seg, tail.offset))
+            self._take_free(tail, self._free[False])
             tail.size += mapped
             return tail
-        offset = blocks[-1].offset + blocks[-1].size if blocks else 0
-        block = _Block(seg, offset, mapped, True)
-        blocks.append(block)
+        offset = last.offset + last.size if last is not None else 0
+        block = _Block(seg, offset, mapped, True, last)
+        if last is not None:
+            last.next = block
+        self._expandable_tail = block
         return block
 
     def free(self, handle: int) -> None:
@@ -153,23 +171,29 @@ class CachingAllocator:
         if block is None:
             return
         self.allocated -= block.size
-        small = self._pool_of_segment[block.segment]
-        pool = self._free[small]
-        blocks = self._segments[block.segment]
+        pool = self._free[self._pool_of_segment[block.segment]]
         block.free = True
-        i = blocks.index(block)
-        for j in (i + 1, i - 1):  # merge with free neighbours
-            if 0 <= j < len(blocks) and blocks[j].free and blocks[j] is not block:
-                other = blocks[j]
-                pool.remove((other.size, other.segment, other.offset))
-                block.offset = min(block.offset, other.offset)
-                block.size += other.size
-                blocks.remove(other)
-                i = blocks.index(block)
-        bisect.insort(pool, (block.size, block.segment, block.offset))
+        after = block.next
+        if after is not None and after.free:  # merge with free neighbours
+            self._take_free(after, pool)
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+            if after is self._expandable_tail:
+                self._expandable_tail = block
+        before = block.prev
+        if before is not None and before.free:
+            self._take_free(before, pool)
+            block.offset = before.offset
+            block.size += before.size
+            block.prev = before.prev
+            if before.prev is not None:
+                before.prev.next = block
+        self._add_free(block, pool)
 
     def stats(self) -> AllocatorStats:
-        return AllocatorStats(self.peak_allocated, self.peak_reserved, len(self._segments))
+        return AllocatorStats(self.peak_allocated, self.peak_reserved, len(self._pool_of_segment))
 
 
 def simulate(
