@@ -69,6 +69,7 @@ CASES = [
     (GPT2, {"grad_ckpt": True}, 2),
     (GPT2, {"loop": "keep-outputs"}, 2),
     (BERT, {}, 2),
+    (LLAMA, {"optimizer_impl": "for-loop"}, 2),
 ]
 
 
@@ -76,7 +77,7 @@ CASES = [
     ("config", "options", "traced"),
     CASES,
     ids=["llama", "llama-lora-ckpt", "llama-8bit-chunked", "llama-fsdp2", "gpt2-ckpt",
-         "gpt2-keep-outputs", "bert"],
+         "gpt2-keep-outputs", "bert", "llama-for-loop"],
 )  # fmt: skip
 def test_a_shallow_dry_run_unrolled_allocates_as_the_whole_model(
     tmp_path: Any, config: dict[str, Any], options: dict[str, Any], traced: int
@@ -87,6 +88,8 @@ def test_a_shallow_dry_run_unrolled_allocates_as_the_whole_model(
     assert shallow.layers is not None
     full = tuple(DEPTH if d == traced else d for d in shallow.layers.stack_depths)
     events = unroll(shallow.events, shallow.layers, full)
+    if options.get("optimizer_impl") == "for-loop" and events is None:
+        return  # a loop over parameters may be refused; what is unrolled must be exact
     assert events is not None
     assert runs(events) == runs(whole.events)
     assert simulate(events).reserved_bytes == simulate(whole.events).reserved_bytes
@@ -104,7 +107,7 @@ def test_a_stack_whose_bottom_layer_differs_is_not_unrolled(tmp_path: Any) -> No
 
 def test_the_estimate_at_depth_reserves_what_the_whole_model_does(tmp_path: Any) -> None:
     """With checkpointing, the overhead the shallow dry runs showed beyond their peaks is not
-    the whole model's (carried over, it was 11% low on GPT-2 at 8 x 256)."""
+    the whole model's (carried over, it was 12.6% low on GPT-2 at 8 x 256 on a T4)."""
     model = resolve_model(_config(tmp_path, {**GPT2, "n_layer": 8}))
     gpu = get_gpu("t4")
     setup = resolve_setup(model, TrainingSetup(grad_ckpt=True), "cuda", gpu)
@@ -129,6 +132,20 @@ def test_each_layer_frees_what_the_one_below_it_left() -> None:
     assert unrolled is not None
     assert [delta for _key, delta in unrolled] == [100, 100, -100, 100, -100, 100, -100, -100]
     assert len({key for key, _delta in unrolled}) == 4
+
+
+def test_a_loop_over_parameters_holding_a_temporary_is_not_unrolled() -> None:
+    """An optimizer's loop over parameters p0 (bottom), p1 and p2 (top layer), then the
+    head's, each temporary freed once the next is made: copies of the top's, played block by
+    block, would all be alive at once."""
+    events = [(1, 100), (2, 100), (1, -100), (3, 100), (2, -100), (4, 100), (3, -100), (4, -100)]
+    tags = {1: (0, 0), 2: (0, 1), 3: (0, 1)}
+    assert unroll(events, _log([None] * 8, tags), (4,)) is None
+    # a foreach wave makes all, then frees all: unrolled, every copy's in the one wave
+    events = [(1, 100), (2, 100), (2, -100), (1, -100)]
+    unrolled = unroll(events, _log([None] * 4, {1: (0, 0), 2: (0, 1)}), (4,))
+    assert unrolled is not None
+    assert [delta for _key, delta in unrolled] == [100] * 4 + [-100] * 4
 
 
 def test_a_trace_off_the_per_layer_pattern_is_not_unrolled() -> None:

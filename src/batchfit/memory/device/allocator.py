@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -66,15 +66,15 @@ class _Block:
     offset: int
     size: int
     free: bool
-    prev: _Block | None = None  # the neighbours in its segment, by address
-    next: _Block | None = None
+    prev: _Block | None = field(default=None, repr=False)  # neighbours in its segment
+    next: _Block | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
 class AllocatorStats:
     """Peaks of a simulated run, in bytes."""
 
-    peak_allocated_bytes: int  # sum of rounded live requests (max_memory_allocated)
+    peak_allocated_bytes: int  # sum of the live blocks handed out (max_memory_allocated)
     reserved_bytes: int  # segments obtained from the driver (max_memory_reserved)
     segments: int
 
@@ -82,8 +82,9 @@ class AllocatorStats:
 class CachingAllocator:
     """Replays malloc/free requests; tracks allocated and reserved bytes like PyTorch's.
 
-    Each pool's free blocks are kept sorted by (size, segment, address) for the best fit;
-    blocks link to their neighbours in the segment, so a split or a merge costs no search.
+    Each pool's free blocks are kept sorted by (size, segment, address) for the best fit, and
+    found by address; blocks link to their neighbours in the segment, so a split or a merge
+    walks no segment.
     """
 
     def __init__(self, expandable_segments: bool = False) -> None:
@@ -104,7 +105,7 @@ class CachingAllocator:
         self._free_at[(block.segment, block.offset)] = block
 
     def _take_free(self, block: _Block, pool: list[tuple[int, int, int]]) -> None:
-        pool.remove((block.size, block.segment, block.offset))
+        del pool[bisect.bisect_left(pool, (block.size, block.segment, block.offset))]
         del self._free_at[(block.segment, block.offset)]
 
     def malloc(self, handle: int, size: int) -> None:

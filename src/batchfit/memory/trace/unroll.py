@@ -146,7 +146,7 @@ class _Unroller:
             if index + 1 != self.traced[stack] // 2 or middle is None:
                 continue
             below, above = died.get(lower), died.get(middle)
-            if below != above and below is not None and isinstance(below[1], int) and below[1] > 0:
+            if below != above and below is not None and below[1] == 1:
                 successor.add((stack, role))
         return successor
 
@@ -177,6 +177,8 @@ class _Unroller:
             return
         name = (stack, layer, role)
         if delta > 0:
+            if name in self.live:
+                raise _Mismatch
             self.live[name] = (self.next_id, delta)
             self.out.append((self.next_id, delta))
             self.next_id += 1
@@ -192,6 +194,7 @@ class _Unroller:
         parameter (a foreach optimizer's) makes, or frees, all its tensors in one wave across
         the layers: each layer's part of a wave is a block of its own."""
         blocks = self._blocks(run)
+        self._check_lifetimes(run, blocks)
         for begin, end in blocks:
             key = self.events[begin][0]
             tag = self.log.key_layers.get(key)
@@ -202,26 +205,54 @@ class _Unroller:
                 for key, delta in self.events[begin:end]:
                     self.emit(key, delta, tag[0], layer)
 
+    def _check_lifetimes(self, run: _Run, blocks: list[tuple[int, int]]) -> None:
+        """Refuse a layer's tensor made in one block and freed in a later one unless both are
+        parts of waves across the layers (a foreach op makes all, then frees all): a loop over
+        the parameters that holds one parameter's temporary until the next one's is made
+        would, played block by block, keep every copy's temporaries alive at once."""
+        events, tags = self.events, self.log.key_layers
+        waves = self._crossing(run)
+        born_in: dict[int, int] = {}
+        for b, (begin, end) in enumerate(blocks):
+            for n in range(begin, end):
+                key, delta = events[n]
+                tag = tags.get(key)
+                if delta > 0:
+                    born_in[key] = b
+                elif (
+                    delta < 0
+                    and tag is not None
+                    and born_in.get(key, b) != b
+                    and len(self.copies(tag)) > 1
+                    and not (waves[blocks[born_in[key]][0]] and waves[n])
+                ):
+                    raise _Mismatch
+
+    def _crossing(self, run: _Run) -> dict[int, bool]:
+        """For each event of ``run``: whether its wave (consecutive allocations, or frees)
+        crosses layers."""
+        events, tags = self.events, self.log.key_layers
+        out: dict[int, bool] = {}
+        begin = run.begin
+        for n in range(run.begin, run.end + 1):
+            if n == run.end or (n > begin and (events[n][1] > 0) != (events[n - 1][1] > 0)):
+                crossing = len({tags.get(events[m][0]) for m in range(begin, n)}) > 1
+                out.update(dict.fromkeys(range(begin, n), crossing))
+                begin = n
+        return out
+
     def _blocks(self, run: _Run) -> list[tuple[int, int]]:
         """``run`` cut where the layer changes, and at the ends of waves (consecutive
         allocations, or frees) that cross layers."""
         events, tags = self.events, self.log.key_layers
-        wave_of: list[int] = []
-        crossing: dict[int, bool] = {}
-        seen: set[object] = set()
-        wave = -1
-        for n in range(run.begin, run.end):
-            if n == run.begin or (events[n][1] > 0) != (events[n - 1][1] > 0):
-                wave += 1
-                seen = set()
-            seen.add(tags.get(events[n][0]))
-            crossing[wave] = len(seen) > 1
-            wave_of.append(wave)
+        crossing = self._crossing(run)
         blocks: list[tuple[int, int]] = []
         last: object = None
+        wave = 0
         for n in range(run.begin, run.end):
-            w = wave_of[n - run.begin]
-            mark = (tags.get(events[n][0]), w if crossing[w] else None)
+            if n > run.begin and (events[n][1] > 0) != (events[n - 1][1] > 0):
+                wave += 1
+            mark = (tags.get(events[n][0]), wave if crossing[n] else None)
             if blocks and mark == last:
                 blocks[-1] = (blocks[-1][0], n + 1)
             else:
@@ -236,6 +267,8 @@ class _Unroller:
         down = len(indices) > 1 and indices[1] < indices[0]
         if any((b < a) != down or a == b for a, b in itertools.pairwise(indices)):
             raise _Mismatch  # a pass that is neither up nor down the stack
+        if sorted(indices) != list(range(self.traced[self._stack(group)])):
+            raise _Mismatch  # a pass that skips a layer (a module outside the stack ran in it)
         for run in group:
             assert run.layer is not None
             stack, index = run.layer
@@ -307,12 +340,32 @@ class _Unroller:
             raise _Mismatch
         return found[0]
 
+    @staticmethod
+    def _stack(group: list[_Run]) -> int:
+        layer = group[0].layer
+        assert layer is not None
+        return layer[0]
+
     def run(self) -> list[tuple[int, int]]:
         for group in self.groups:
             if group[0].layer is None:
                 self.outside(group[0])
             else:
                 self.stack(group)
+        # what the trace leaves alive, every copy of it alive: nothing lost on the way
+        alive: dict[int, int] = {}
+        for key, delta in self.events:
+            if delta > 0:
+                alive[key] = delta
+            elif delta < 0:
+                alive.pop(key, None)
+        expected = sum(
+            len(self.copies(self.log.key_layers[key]))
+            for key in alive
+            if key in self.log.key_layers and key in self.roles
+        )
+        if expected != len(self.live):
+            raise _Mismatch
         return self.out
 
 
@@ -320,12 +373,15 @@ def unroll(
     events: Sequence[tuple[int, int]], log: LayerLog, depths: Sequence[int]
 ) -> list[tuple[int, int]] | None:
     """The allocation history of the traced step with each stack ``depths[k]`` layers deep,
-    or None where the trace does not fit the per-layer pattern (see the module docstring).
+    or None where the trace does not fit the per-layer pattern (see the module docstring) or
+    no stack is deeper than traced.
 
     ``events`` and ``log`` are a dry run's (``TraceResult.events`` and ``.layers``); a stack
     traced at fewer than 2 layers has no top distinct from its bottom and is not unrolled.
     """
     if len(depths) != len(log.stack_depths) or len(events) != len(log.event_layers):
+        return None
+    if tuple(depths) == tuple(log.stack_depths):  # no stack to unroll (or none found)
         return None
     if any(d < 2 or full < d for d, full in zip(log.stack_depths, depths, strict=True)):
         return None
