@@ -282,12 +282,10 @@ def _reserve(
     if shallow.layers and deep.layers and high - low == 1 and not fsdp1:
         # the stacks cut to the traced depth are those whose depth differs between the two
         # dry runs; a model whose stacks were not found (none cut) is not unrolled
-        pairs = zip(shallow.layers.stack_depths, deep.layers.stack_depths, strict=False)
-        cut = [a != b for a, b in pairs]
-        if len(cut) == len(deep.layers.stack_depths) and any(cut):
+        below, above = shallow.layers.stack_depths, deep.layers.stack_depths
+        if len(below) == len(above) and below != above:
             full = tuple(
-                model.arch.num_layers if was_cut else d
-                for was_cut, d in zip(cut, deep.layers.stack_depths, strict=True)
+                model.arch.num_layers if a != b else b for a, b in zip(below, above, strict=True)
             )
             events = unroll(deep.events, deep.layers, full)
             if events is not None:

@@ -6,7 +6,7 @@ need neither torch nor transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "other")
@@ -128,15 +128,9 @@ def extrapolate(
                 low.moment,
             )
         )
-    # The allocator's overhead (reserved beyond the peak) comes from how a few large blocks
-    # fit into segments, not from a per-layer term: extrapolating it amplifies noise, so the
-    # larger of the two traced overheads is carried over.
-    over_low = shallow.reserved_bytes - shallow.peak.total
-    over_high = deep.reserved_bytes - deep.peak.total
-    result = TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
-    if shallow.reserved_bytes or deep.reserved_bytes:
-        result = replace(result, reserved_bytes=result.peak.total + max(0, over_low, over_high))
-    return result
+    # The allocator's reserve is not a line in the depth: the caller replays it
+    # (``estimate._reserve``).
+    return TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
 
 
 def result_to_json(result: TraceResult) -> dict[str, Any]:

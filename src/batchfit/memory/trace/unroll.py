@@ -193,8 +193,9 @@ class _Unroller:
         gradients) are made and freed in blocks, one per full-depth layer. A list op over every
         parameter (a foreach optimizer's) makes, or frees, all its tensors in one wave across
         the layers: each layer's part of a wave is a block of its own."""
-        blocks = self._blocks(run)
-        self._check_lifetimes(run, blocks)
+        crossing = self._crossing(run)
+        blocks = self._blocks(run, crossing)
+        self._check_lifetimes(blocks, crossing)
         for begin, end in blocks:
             key = self.events[begin][0]
             tag = self.log.key_layers.get(key)
@@ -205,13 +206,12 @@ class _Unroller:
                 for key, delta in self.events[begin:end]:
                     self.emit(key, delta, tag[0], layer)
 
-    def _check_lifetimes(self, run: _Run, blocks: list[tuple[int, int]]) -> None:
+    def _check_lifetimes(self, blocks: list[tuple[int, int]], waves: dict[int, bool]) -> None:
         """Refuse a layer's tensor made in one block and freed in a later one unless both are
         parts of waves across the layers (a foreach op makes all, then frees all): a loop over
         the parameters that holds one parameter's temporary until the next one's is made
         would, played block by block, keep every copy's temporaries alive at once."""
         events, tags = self.events, self.log.key_layers
-        waves = self._crossing(run)
         born_in: dict[int, int] = {}
         for b, (begin, end) in enumerate(blocks):
             for n in range(begin, end):
@@ -241,11 +241,10 @@ class _Unroller:
                 begin = n
         return out
 
-    def _blocks(self, run: _Run) -> list[tuple[int, int]]:
+    def _blocks(self, run: _Run, crossing: dict[int, bool]) -> list[tuple[int, int]]:
         """``run`` cut where the layer changes, and at the ends of waves (consecutive
-        allocations, or frees) that cross layers."""
+        allocations, or frees) that cross layers (``crossing``, by event)."""
         events, tags = self.events, self.log.key_layers
-        crossing = self._crossing(run)
         blocks: list[tuple[int, int]] = []
         last: object = None
         wave = 0
@@ -267,7 +266,9 @@ class _Unroller:
         down = len(indices) > 1 and indices[1] < indices[0]
         if any((b < a) != down or a == b for a, b in itertools.pairwise(indices)):
             raise _Mismatch  # a pass that is neither up nor down the stack
-        if sorted(indices) != list(range(self.traced[self._stack(group)])):
+        first = group[0].layer
+        assert first is not None
+        if sorted(indices) != list(range(self.traced[first[0]])):
             raise _Mismatch  # a pass that skips a layer (a module outside the stack ran in it)
         for run in group:
             assert run.layer is not None
@@ -339,12 +340,6 @@ class _Unroller:
         if found is None:
             raise _Mismatch
         return found[0]
-
-    @staticmethod
-    def _stack(group: list[_Run]) -> int:
-        layer = group[0].layer
-        assert layer is not None
-        return layer[0]
 
     def run(self) -> list[tuple[int, int]]:
         for group in self.groups:
