@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory.trace.result import CATEGORIES
 
 _aten = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
 Layer = tuple[int, int]  # (stack, index in the stack)
 # phases whose tensors outside a layer belong to a layer's parameters (the optimizer's state
 # and temporaries, the priming gradients): they take the layer of the op's inputs
@@ -360,6 +363,12 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
     # --- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self._settle()
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            # a query that allocates nothing, asked of every tensor autograd's engine and the
+            # optimizer's grouping touch (two thirds of a dry run's dispatches): answered as
+            # FakeTensorMode answers it, without a trip through it
+            fake = args[0]
+            return _META if fake.fake_mode.in_kernel_invocation else fake.fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._accumulating_add(func, args, kwargs):
