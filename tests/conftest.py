@@ -9,6 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # under test draw as into a pipe (160 columns) unless a test sets a width itself
 os.environ.pop("COLUMNS", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# pytest-xdist already runs a test file on each core: a dry run pair stays in its process
+# (tests/memory/test_pair.py switches the second-core worker on for itself)
+os.environ.setdefault("BATCHFIT_TRACE_WORKERS", "0")
 
 # Dry-run results are cached on disk: one fresh cache per test run, never the user's.
 if "BATCHFIT_CACHE_DIR" not in os.environ:
@@ -45,3 +48,20 @@ def cuda_timeline(timeline_config: str) -> Any:
     return step_timeline(
         model, setup, micro_batch_size=2, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2
     )
+
+
+# --- out-of-memory recovery in this process ---
+
+
+@pytest.fixture(scope="module")
+def frozen_gc() -> Any:
+    """The objects alive before a module's tests (the imported libraries: torch, transformers)
+    moved out of the collector's reach for the module: each caught out-of-memory error's full
+    ``gc.collect()`` (``release_memory``) then scans only the objects the tests made, the
+    failed steps' among them."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
