@@ -25,6 +25,8 @@ from torch import nn
 from batchfit.train import Accumulator, MicroBatcher, StepResult
 from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
+pytestmark = pytest.mark.usefixtures("frozen_gc")
+
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_MIB = 64
 

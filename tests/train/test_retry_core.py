@@ -18,6 +18,8 @@ from batchfit.integrations.deepspeed import DeepSpeedMicroBatcher
 from batchfit.train import Accumulator, MicroBatcher
 from batchfit.train.retry import micro_batch_at_most, smaller_micro_batch
 
+pytestmark = pytest.mark.usefixtures("frozen_gc")
+
 # (samples per rank, first micro-batch, largest size that fits)
 CASES = [(32, 16, 8), (45, 45, 8), (36, 36, 4), (24, 24, 2), (30, 10, 4), (12, 12, 1)]
 
