@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from batchfit import calibration, monitor
 from tests._cli import run_cli
+from tests._tiny import TINY_GPT2
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="monitor reads /proc")
 MIB = 2**20
@@ -75,9 +75,10 @@ def test_pages_a_forked_worker_shares_count_once() -> None:
 
 
 def _cpu_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
-    # the step examples/train_tiny_gpt2.py runs: its config, micro-batch 16 of 32 tokens
+    # the step examples/train_tiny_gpt2.py runs: its config (TINY_GPT2, the example's CONFIG,
+    # as its --write-config writes it), micro-batch 16 of 32 tokens
     config = tmp_path / "config.json"
-    subprocess.run([sys.executable, str(EXAMPLE), "--write-config", str(config)], check=True)
+    config.write_text(json.dumps(TINY_GPT2, indent=2) + "\n")
     code, out, err = run_cli(
         ["estimate", str(config), "--device", "cpu", "-b", "16", "-s", "32", "--json"], capsys
     )
