@@ -94,13 +94,27 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+# The probe the tests below stop, kill or orphan: PROBE_GPT2 at 64 tokens in 600 MiB, sizes up
+# to 16 (every size fits: the search times the halved sizes after the first, so the child
+# outlives the first trial)
+PROBE_CHILD = ["-s", "64", "--device", "cpu", "--memory-budget", "600MiB", "--max-micro-batch"]
+PROBE_HIGH = 16
+
+
+@pytest.fixture(scope="module")
+def probe_config(tmp_path_factory):
+    """One model folder for those probes: a dry run is cached under the model's path, so the
+    children after the first start from its predictions."""
+    return _config(tmp_path_factory.mktemp("probe") / "tiny")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_sigterm_stops_the_bar_ends_the_child_and_exits_143(tmp_path):
-    cfg = _config(tmp_path / "tiny")
-    args = ["probe", str(cfg), "-s", "64", "--device", "cpu", "--memory-budget", "600MiB"]
+def test_sigterm_stops_the_bar_ends_the_child_and_exits_143(probe_config):
+    cfg = probe_config
+    args = ["probe", str(cfg), *PROBE_CHILD, str(PROBE_HIGH)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchfit", *args, "--max-micro-batch", "64"],
+        [sys.executable, "-m", "batchfit", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**ENV, "TTY_COMPATIBLE": "1", "COLUMNS": "100"},
@@ -124,20 +138,22 @@ def test_sigterm_stops_the_bar_ends_the_child_and_exits_143(tmp_path):
 
 
 def _probe_spec(cfg: Path) -> dict:
+    """The spec ``batchfit probe CFG PROBE_CHILD`` gives its child (choosing the largest size,
+    two steps a trial): of ``probe_config``, the same predictions (dry runs, cached)."""
     from batchfit.search import probe as _probe
     from batchfit.spec import TrainingSetup
 
     setup = TrainingSetup(task="causal-lm")
-    return _probe.make_spec(str(cfg), setup, "cpu", 64, 600 << 20, "max", 64, 2)
+    return _probe.make_spec(str(cfg), setup, "cpu", 64, 600 << 20, "max", PROBE_HIGH, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_child_killed_by_the_kernel_is_one_line(tmp_path):
+def test_child_killed_by_the_kernel_is_one_line(probe_config):
     from batchfit.errors import UsageError
     from batchfit.search import probe as _probe
 
-    spec = _probe_spec(_config(tmp_path / "tiny"))
+    spec = _probe_spec(probe_config)
 
     def kill_child(_message):
         for child in _children(os.getpid()):
@@ -149,10 +165,10 @@ def test_child_killed_by_the_kernel_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="prctl and /proc")
-def test_child_dies_with_its_parent(tmp_path):
+def test_child_dies_with_its_parent(probe_config):
     # A subreaper adopts the orphan, so its end can be waited for: SIGKILL from the kernel
     # (PR_SET_PDEATHSIG) when the parent is killed, not the end of its trials.
-    spec = _probe_spec(_config(tmp_path / "tiny"))
+    spec = _probe_spec(probe_config)
     parent = textwrap.dedent(
         f"""
         import json, os, signal, sys
