@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from batchfit.errors import RankFailure, UsageError
 from batchfit.search import _ranks
 from batchfit.search import probe as _probe
 from batchfit.spec import TrainingSetup
+from tests._cli import run_cli
 
 TINY = {
     "model_type": "gpt2",
@@ -31,12 +30,13 @@ TINY = {
     "eos_token_id": 0,
 }
 MIB = 2**20
-ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def tiny(tmp_path: Path) -> str:
-    path = tmp_path / "config.json"
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One config path for the file's probes: a dry run is cached under the model's path, so
+    the ranks' predictions at sizes an earlier probe predicted are read back."""
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
     path.write_text(json.dumps(TINY))
     return str(path)
 
@@ -102,12 +102,9 @@ def test_a_dead_rank_ends_the_probe_naming_it(tiny: str) -> None:
 
 
 @pytest.mark.slow
-def test_cli_probe_with_two_ranks(tiny: str) -> None:
-    out = subprocess.run(
+def test_cli_probe_with_two_ranks(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
         [
-            sys.executable,
-            "-m",
-            "batchfit",
             "probe",
             tiny,
             "--device",
@@ -124,14 +121,10 @@ def test_cli_probe_with_two_ranks(tiny: str) -> None:
             "16",
             "--json",
         ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capsys,
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out.stdout)
+    assert code == 0, err[-2000:]
+    data = json.loads(out)
     assert 1 <= data["micro_batch_size"] <= 16
     assert any("FSDP2" in note for note in data["notes"])
 
