@@ -9,9 +9,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # under test draw as into a pipe (160 columns) unless a test sets a width itself
 os.environ.pop("COLUMNS", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# pytest-xdist already runs a test file on each core: a dry run pair stays in its process
-# (tests/memory/test_pair.py switches the second-core worker on for itself)
-os.environ.setdefault("BATCHFIT_TRACE_WORKERS", "0")
 
 # Dry-run results are cached on disk: one fresh cache per test run, never the user's.
 if "BATCHFIT_CACHE_DIR" not in os.environ:

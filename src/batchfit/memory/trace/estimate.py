@@ -25,7 +25,6 @@ from batchfit.memory.device.totals import (
 )
 from batchfit.memory.formulas import analytic
 from batchfit.memory.formulas.qlora import qlora_notes
-from batchfit.memory.trace import pair
 from batchfit.memory.trace.fsdp import is_fsdp
 from batchfit.memory.trace.result import (
     TraceResult,
@@ -252,16 +251,9 @@ def _dry_runs(
         return trace_once(model, setup, depth=None, **kw)
     low, high = depths
     _announce(model, sizes.micro, sizes.seq, low)
+    shallow = trace_once(model, setup, depth=low, reserve=False, **kw)
     _announce(model, sizes.micro, sizes.seq, high)
-    # the shallow dry run on a second core where there is one (``pair``), the deep one here
-    shallow_kw = {**kw, "depth": low, "reserve": False}
-    started = pair.submit(model, setup, shallow_kw)
-    try:
-        deep = trace_once(model, setup, depth=high, reserve=False, **kw)
-    except BaseException:
-        pair.abandon(started)
-        raise
-    shallow = pair.collect(started, lambda: trace_once(model, setup, **shallow_kw))
+    deep = trace_once(model, setup, depth=high, reserve=False, **kw)
     result = extrapolate(shallow, deep, low, high, model.arch.num_layers)
     if sizes.device == "cuda":
         reserved = _reserve(model, setup, (shallow, deep), depths, result)
