@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchfit import monitor
+from tests._cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -27,15 +28,28 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "data"
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PY, "-m", "batchfit", "monitor", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        check=False,
-    )
+class _Timeout(BaseException):
+    """Raised in a command that ran past its time (not an ``Exception``: the CLI's own error
+    handling must not turn it into an exit code)."""
+
+
+def _monitor(
+    capfd: pytest.CaptureFixture[str], *args: str, timeout: int = 60
+) -> tuple[int, str, str]:
+    """``batchfit monitor ARGS`` in this process: (exit code, stdout, stderr), the command's
+    own output included (it writes to the file descriptors, not to ``sys.stdout``); a run
+    past ``timeout`` seconds (an output that blocks, as a FIFO's open does) fails."""
+
+    def expire(_signum: int, _frame: object) -> None:
+        raise _Timeout(f"batchfit monitor {' '.join(args)} ran past {timeout} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(timeout)
+    try:
+        return run_cli(["monitor", *args], capfd)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_run_samples_the_childs_memory_and_keeps_its_exit_code() -> None:
@@ -69,10 +83,11 @@ def test_grandchildren_are_counted() -> None:
     assert result.peak_bytes >= 120 * 2**20
 
 
-def test_cli_writes_log_plot_and_json(tmp_path: Path) -> None:
+def test_cli_writes_log_plot_and_json(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     log, png = tmp_path / "m.jsonl", tmp_path / "m.png"
-    proc = _cli(
+    code, out, err = _monitor(
+        capfd,
         "--interval",
         "0.05",
         "--log",
@@ -85,8 +100,8 @@ def test_cli_writes_log_plot_and_json(tmp_path: Path) -> None:
         "-c",
         HOLD.format(0.5),
     )
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    assert code == 0, err
+    data = json.loads(out)
     assert data["exit_code"] == 0 and data["peak_bytes"] >= 120 * 2**20
     lines = log.read_text().splitlines()
     assert len(lines) == data["samples"]
@@ -94,20 +109,28 @@ def test_cli_writes_log_plot_and_json(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_failing_command_still_leaves_log_and_plot(tmp_path: Path) -> None:
+def test_a_failing_command_still_leaves_log_and_plot(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib")
     log, png = tmp_path / "m.jsonl", tmp_path / "m.png"
-    proc = _cli("--log", str(log), "--plot", str(png), "--", "no-such-command-batchfit")
-    assert proc.returncode == 127
-    assert "command not found" in proc.stderr
+    code, _, err = _monitor(
+        capfd, "--log", str(log), "--plot", str(png), "--", "no-such-command-batchfit"
+    )
+    assert code == 127
+    assert "command not found" in err
     assert log.exists() and png.exists()
-    proc = _cli("--interval", "0.05", "--log", str(log), "--", PY, "-c", "import sys; sys.exit(5)")
-    assert proc.returncode == 5 and log.read_text()
+    exit_5 = ("--", PY, "-c", "import sys; sys.exit(5)")
+    code, _, _ = _monitor(capfd, "--interval", "0.05", "--log", str(log), *exit_5)
+    assert code == 5 and log.read_text()
 
 
-def test_unwritable_output_is_refused_before_the_command_runs(tmp_path: Path) -> None:
+def test_unwritable_output_is_refused_before_the_command_runs(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "ran"
-    proc = _cli(
+    code, _, err = _monitor(
+        capfd,
         "--log",
         str(tmp_path / "missing" / "m.jsonl"),
         "--",
@@ -115,44 +138,44 @@ def test_unwritable_output_is_refused_before_the_command_runs(tmp_path: Path) ->
         "-c",
         f"open({str(marker)!r}, 'w')",
     )
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "--log" in proc.stderr
-    assert "does not exist" in proc.stderr
+    assert code == 2
+    assert err.count("\n") == 1 and "--log" in err
+    assert "does not exist" in err
     assert not marker.exists()
     # a file where a folder should be is named as such, not as a missing folder
     (tmp_path / "plan.json").write_text("{}")
     for plot in ("plan.json/x.png", "plan.json/deeper/x.png"):
-        proc = _cli("--plot", str(tmp_path / plot), "--", PY, "-c", "pass")
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-        assert "plan.json is a file, not a folder" in proc.stderr
+        code, _, err = _monitor(capfd, "--plot", str(tmp_path / plot), "--", PY, "-c", "pass")
+        assert code == 2 and err.count("\n") == 1
+        assert "plan.json is a file, not a folder" in err
 
 
-def test_plan_drift_warns_once(tmp_path: Path) -> None:
+def test_plan_drift_warns_once(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     plan = tmp_path / "plan.json"
     # a GPU plan of 10 MiB with 10 MiB headroom: the 120 MiB child passes it
     figures = {"model": "gpt2", "peak_bytes": 10 * 2**20, "headroom_wanted_bytes": 10 * 2**20}
     plan.write_text(json.dumps({**figures, "gpu": "t4"}))
-    proc = _cli(
-        "--interval", "0.05", "--plan", str(plan), "--json", "--", PY, "-c", HOLD.format(0.5)
-    )
-    assert proc.returncode == 0
-    assert proc.stderr.count("above the plan for gpt2") == 1
-    assert json.loads(proc.stdout)["drifted_at_seconds"] is not None
+    hold = ("--", PY, "-c", HOLD.format(0.5))
+    code, out, err = _monitor(capfd, "--interval", "0.05", "--plan", str(plan), "--json", *hold)
+    assert code == 0
+    assert err.count("above the plan for gpt2") == 1
+    assert json.loads(out)["drifted_at_seconds"] is not None
     # a CPU estimate counts tensors only: its line starts from what a Python with torch
     # holds (~300 MiB), so the same child stays below it
     plan.write_text(json.dumps(figures))
-    proc = _cli("--interval", "0.05", "--plan", str(plan), "--", PY, "-c", HOLD.format(0.5))
-    assert proc.returncode == 0
-    assert "above the plan" not in proc.stderr
-    assert "of runtime: interpreter, torch" in proc.stderr
-    assert "recorded for `batchfit calibration`" in proc.stderr
+    code, _, err = _monitor(capfd, "--interval", "0.05", "--plan", str(plan), *hold)
+    assert code == 0
+    assert "above the plan" not in err
+    assert "of runtime: interpreter, torch" in err
+    assert "recorded for `batchfit calibration`" in err
     # a test run kept out of the calibration file
-    proc = _cli("--no-record", "--plan", str(plan), "--", PY, "-c", HOLD.format(0.2))
-    assert proc.returncode == 0 and "recorded" not in proc.stderr
+    no_record = ("--no-record", "--plan", str(plan))
+    code, _, err = _monitor(capfd, *no_record, "--", PY, "-c", HOLD.format(0.2))
+    assert code == 0 and "recorded" not in err
 
 
 def test_the_command_s_code_survives_a_closed_pipe_and_a_start_failure_says_why(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     shell = f"{PY} -m batchfit monitor --json -- {PY} -c 'import sys; sys.exit(3)' | head -c 1"
     proc = subprocess.run(
@@ -162,12 +185,12 @@ def test_the_command_s_code_survives_a_closed_pipe_and_a_start_failure_says_why(
         timeout=60,
     )
     assert proc.returncode == 3  # not 0: the reader leaving does not hide the failure
-    proc = _cli("--", str(tmp_path))  # a folder: exit 126 and the reason
-    assert proc.returncode == 126 and "cannot run it" in proc.stderr
+    code, _, err = _monitor(capfd, "--", str(tmp_path))  # a folder: exit 126 and the reason
+    assert code == 126 and "cannot run it" in err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    proc = _cli("--plan", str(bad), "--", PY, "-c", "pass")
-    assert proc.returncode == 2 and "not JSON" in proc.stderr
+    code, _, err = _monitor(capfd, "--plan", str(bad), "--", PY, "-c", "pass")
+    assert code == 2 and "not JSON" in err
 
 
 def test_sigint_reaches_the_command_and_leaves_no_orphan(tmp_path: Path) -> None:
@@ -290,16 +313,19 @@ def test_what_the_command_leaves_running_is_ended_even_if_it_ignores_sigterm(
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
-def test_json_stdout_is_the_object_alone(tmp_path: Path) -> None:
-    code = "print('step 1 loss 2.5', flush=True)"
-    proc = _cli("--interval", "0.05", "--json", "--", PY, "-c", code)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["exit_code"] == 0
-    assert "step 1 loss 2.5" in proc.stderr
+def test_json_stdout_is_the_object_alone(capfd: pytest.CaptureFixture[str]) -> None:
+    # the command's own stdout (its file descriptor 1) goes to stderr: stdout is the JSON alone
+    step = "print('step 1 loss 2.5', flush=True)"
+    code, out, err = _monitor(capfd, "--interval", "0.05", "--json", "--", PY, "-c", step)
+    assert code == 0, err
+    assert json.loads(out)["exit_code"] == 0
+    assert "step 1 loss 2.5" in err
 
 
 @pytest.mark.parametrize("option", ["--log", "--plot"])
-def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path: Path, option: str) -> None:
+def test_an_output_that_is_not_a_regular_file_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], option: str
+) -> None:
     marker = tmp_path / "ran"
     fifo = tmp_path / "fifo.png"
     os.mkfifo(fifo)
@@ -308,30 +334,35 @@ def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path: Path, option:
     if Path("/sys").is_dir():  # sysfs takes no new file, not even from root
         targets.append("/sys/batchfit-monitor.png")
     for target in targets:
-        proc = _cli(option, target, *run_marker, timeout=30)
-        assert proc.returncode == 2, (target, proc.stderr)
-        assert proc.stderr.count("\n") == 1 and option in proc.stderr, proc.stderr
+        code, _, err = _monitor(capfd, option, target, *run_marker, timeout=30)
+        assert code == 2, (target, err)
+        assert err.count("\n") == 1 and option in err, err
         assert not marker.exists(), target
 
 
-def test_a_symlinked_output_is_written_through(tmp_path: Path) -> None:
+def test_a_symlinked_output_is_written_through(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib")
     (tmp_path / "real").mkdir()
     png, log = tmp_path / "run.png", tmp_path / "run.jsonl"
     png.symlink_to(tmp_path / "real" / "run.png")
     log.symlink_to(tmp_path / "real" / "run.jsonl")
-    proc = _cli("--interval", "0.05", "--plot", str(png), "--log", str(log), "--", PY, "-c", "")
-    assert proc.returncode == 0, proc.stderr
+    outputs = ("--plot", str(png), "--log", str(log))
+    # a command that lives past the first sample (one that exits at once may end unsampled)
+    brief = ("--", PY, "-c", "import time; time.sleep(0.2)")
+    code, _, err = _monitor(capfd, "--interval", "0.05", *outputs, *brief)
+    assert code == 0, err
     assert png.is_symlink() and log.is_symlink()
     assert (tmp_path / "real" / "run.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "real" / "run.jsonl").read_text()
 
 
-def test_no_command_and_a_zero_interval_say_what_to_do() -> None:
-    proc = _cli()
-    assert proc.returncode == 2 and "give the command after --" in proc.stderr
-    proc = _cli("--interval", "0", "--", PY, "-c", "")
-    assert proc.returncode == 2 and "must be greater than 0" in proc.stderr
+def test_no_command_and_a_zero_interval_say_what_to_do(capfd: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _monitor(capfd)
+    assert code == 2 and "give the command after --" in err
+    code, _, err = _monitor(capfd, "--interval", "0", "--", PY, "-c", "")
+    assert code == 2 and "must be greater than 0" in err
 
 
 def _baseline_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
