@@ -22,6 +22,7 @@ from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace._lm_loss import Fp32Outputs, HeadLoss
 from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears, upcast_unquantised
 from batchfit.memory.trace.dry_run import layer_stacks
+from batchfit.memory.trace.estimate import cuttable_vision
 from batchfit.memory.trace.fsdp import fake_world, is_fsdp, shard
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import LAYER_KEYS, ModelInfo, auto_class, build_torchvision, make_config
@@ -62,7 +63,7 @@ def _config(model: ModelInfo, depth: int | None, image_size: int | None = None) 
         for part in (cfg, getattr(cfg, "vision_config", None)):
             if part is not None and hasattr(part, "image_size"):
                 part.image_size = image_size
-    if depth is not None and model.arch.family != "vision":  # image models: traced whole
+    if depth is not None and (model.arch.family != "vision" or cuttable_vision(model)):
         if model.arch.family == "encoder-decoder":
             # Both stacks, under the config's own names: T5 num_layers / num_decoder_layers,
             # BART encoder_layers / decoder_layers.
