@@ -19,6 +19,7 @@ from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup, parse_loss
 from tests._cli import run_cli
+from tests._tiny import TINY_VIT
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
@@ -37,9 +38,11 @@ WIDE_VOCAB_LLAMA = {
 }
 
 
-@pytest.fixture
-def wide(tmp_path):
-    path = tmp_path / "config.json"
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The model of the file's tests, at one path: a dry run is cached under the model's path,
+    so an estimate the tests repeat (the full loss's peak, compared with each) is traced once."""
+    path = tmp_path_factory.mktemp("wide") / "config.json"
     path.write_text(json.dumps(WIDE_VOCAB_LLAMA))
     return resolve_model(str(path))
 
@@ -65,11 +68,18 @@ def _loss_and_grads(info, setup):
     return loss.detach(), grads
 
 
+@pytest.fixture(scope="module")
+def full(wide):
+    """The full loss of ``wide`` and its gradients (fp32, the same seeded step): what each
+    other loss must compute."""
+    return _loss_and_grads(wide, TrainingSetup(precision="fp32"))
+
+
 @pytest.mark.parametrize("loss", ["chunked", "chunked:3", "chunked:20t", "fused"])
 @pytest.mark.parametrize("loop", ["trainer", "keep-outputs"])
-def test_the_loss_and_its_gradients_equal_the_full_loss(wide, loss, loop):
+def test_the_loss_and_its_gradients_equal_the_full_loss(wide, full, loss, loop):
     kind, chunks, tokens = parse_loss(loss)
-    full_loss, full_grads = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
+    full_loss, full_grads = full
     setup = TrainingSetup(
         precision="fp32", loss=kind, loss_chunks=chunks, loss_chunk_tokens=tokens, loop=loop
     )
@@ -327,7 +337,7 @@ def test_cast_outputs_are_held_in_fp32_by_a_keep_outputs_loop(wide, engine):
     assert cast - plain == pytest.approx(2 * logits, rel=0.15)
 
 
-def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide):
+def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide, full):
     setup = TrainingSetup(
         precision="bf16",
         framework="litgpt",
@@ -337,8 +347,7 @@ def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide):
     )
     assert_dry_run_matches_real(wide, setup, micro=2, seq=64)
     loss, _ = _loss_and_grads(wide, replace(setup, precision="fp32"))
-    full, _ = _loss_and_grads(wide, TrainingSetup(precision="fp32"))
-    torch.testing.assert_close(loss, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, full[0], rtol=1e-5, atol=1e-5)
 
 
 def test_one_chunk_is_the_full_loss_and_token_chunks_count_as_the_loop_splits(capsys):
@@ -373,8 +382,10 @@ def test_qlora_on_the_cpu_computes_in_bf16_by_default():
     assert setup.precision == "amp-bf16"
 
 
-def test_a_language_framework_preset_keeps_a_classifier_loss_full(capsys):
-    args = ["estimate", "vit-base-patch16-224", "-b", "2", "--gpu", "a100-40gb"]
+def test_a_language_framework_preset_keeps_a_classifier_loss_full(tmp_path, capsys):
+    # an image classifier (TINY_VIT: ViT-Base's kind, 2 layers of width 64), traced whole
+    (tmp_path / "config.json").write_text(json.dumps(TINY_VIT))
+    args = ["estimate", str(tmp_path / "config.json"), "-b", "2", "--gpu", "a100-40gb"]
     args += ["--framework", "litgpt", "--engine", "trace", "--json"]
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
