@@ -11,13 +11,12 @@ Llama with a large vocabulary and 32 layers reproduces it in seconds.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from batchfit.hardware import get_gpu
 from batchfit.memory.trace.estimate import estimate_trace
-from batchfit.models import resolve_model
+from batchfit.models import ModelInfo, resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
 
@@ -40,11 +39,15 @@ def _no_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
 
 
-@pytest.mark.parametrize("grad_ckpt", [False, True])
-def test_fsdp_peak_is_non_decreasing_in_the_micro_batch(tmp_path: Path, grad_ckpt: bool) -> None:
-    path = tmp_path / "config.json"
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelInfo:
+    path = tmp_path_factory.mktemp("llama") / "config.json"
     path.write_text(json.dumps(TINY_LLAMA))
-    model = resolve_model(str(path))
+    return resolve_model(str(path))
+
+
+@pytest.mark.parametrize("grad_ckpt", [False, True])
+def test_fsdp_peak_is_non_decreasing_in_the_micro_batch(model: ModelInfo, grad_ckpt: bool) -> None:
     setup = TrainingSetup(num_gpus=8, sharding="fsdp", loss="fused", grad_ckpt=grad_ckpt)
     estimates = [
         estimate_trace(

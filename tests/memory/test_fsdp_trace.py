@@ -40,6 +40,17 @@ def tiny(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """``_trace`` of ``TINY_GPT2`` in fp32 on one GPU (no DDP, no sharding), traced afresh
+    once for the tests that compare with it."""
+    path = tmp_path_factory.mktemp("one_gpu") / "config.json"
+    path.write_text(json.dumps(TINY_GPT2))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHFIT_NO_CACHE", "1")
+        return _trace(path, precision="fp32")
+
+
 def _trace(path: Path, *, full_depth: bool = False, **setup: object) -> object:
     return estimate_trace(
         resolve_model(str(path)),
@@ -49,8 +60,10 @@ def _trace(path: Path, *, full_depth: bool = False, **setup: object) -> object:
     )
 
 
-def test_fsdp_divides_the_model_states_and_keeps_the_activations(tiny: Path) -> None:
-    one = _trace(tiny, precision="fp32")
+def test_fsdp_divides_the_model_states_and_keeps_the_activations(
+    tiny: Path, one_gpu: object
+) -> None:
+    one = one_gpu
     four = _trace(tiny, precision="fp32", num_gpus=4, sharding="fsdp")
     assert four.engine == "trace"  # type: ignore[attr-defined]
     assert not any("analytic engine answered" in w for w in four.warnings)  # type: ignore[attr-defined]
@@ -97,8 +110,8 @@ def test_fsdp_extrapolation_matches_the_whole_stack(tiny: Path, grad_ckpt: bool)
         assert short.extras["moments"][key] == pytest.approx(value, rel=0.01), key  # type: ignore[attr-defined]
 
 
-def test_ddp_adds_a_bucket_copy_of_the_gradients(tiny: Path) -> None:
-    one = _trace(tiny, precision="fp32")
+def test_ddp_adds_a_bucket_copy_of_the_gradients(tiny: Path, one_gpu: object) -> None:
+    one = one_gpu
     ddp = _trace(tiny, precision="fp32", num_gpus=2)  # several GPUs, no sharding: DDP
     assert ddp.engine == "trace"  # type: ignore[attr-defined]
     params = resolve_model(str(tiny)).total_params
