@@ -9,6 +9,7 @@ import pytest
 from batchfit.hardware import get_gpu
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.trace import estimate as trace_estimate
+from batchfit.memory.trace.stacks import cuttable_vision
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
@@ -76,4 +77,4 @@ def test_the_line_through_1_and_2_layers_would_overcount_lora(tmp_path, monkeypa
 )
 def test_which_image_models_are_cut(tmp_path, changes, whole):
     model = _model(tmp_path, {**DEEP_VIT, **changes})
-    assert trace_estimate.cuttable_vision(model) is not whole
+    assert cuttable_vision(model) is not whole

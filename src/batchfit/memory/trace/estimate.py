@@ -32,6 +32,7 @@ from batchfit.memory.trace.result import (
     result_from_json,
     result_to_json,
 )
+from batchfit.memory.trace.stacks import cuttable_vision
 from batchfit.memory.trace.unroll import unroll
 from batchfit.memory.types import Line, MemoryEstimate
 from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo, make_config
@@ -451,16 +452,3 @@ def _trainable(model: ModelInfo, setup: TrainingSetup) -> int:
     if setup.is_lora:
         return model.lora_params(setup.lora_rank, setup.lora_targets)
     return model.total_params
-
-
-def cuttable_vision(model: ModelInfo) -> bool:
-    """Whether an image model is one stack of like layers (ViT, DeiT, DINOv2), cut to the
-    traced depths as a decoder is. Traced whole: stages of other widths (ConvNeXt, Swin,
-    ResNet), towers (CLIP), and stochastic depth (BEiT's ``drop_path_rate``: each layer drops
-    its branch at a rate that grows with its index, and the first drops none, so its layers
-    differ)."""
-    config = model.config
-    staged = ("depths", "hidden_sizes", "vision_config", "stage_names")
-    if "num_hidden_layers" not in config or any(key in config for key in staged):
-        return False
-    return not config.get("drop_path_rate")

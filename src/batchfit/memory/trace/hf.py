@@ -22,8 +22,8 @@ from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace._lm_loss import Fp32Outputs, HeadLoss
 from batchfit.memory.trace._nf4 import mark_lora_wrapped, quantize_linears, upcast_unquantised
 from batchfit.memory.trace.dry_run import layer_stacks
-from batchfit.memory.trace.estimate import cuttable_vision
 from batchfit.memory.trace.fsdp import fake_world, is_fsdp, shard
+from batchfit.memory.trace.stacks import cuttable_vision
 from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import LAYER_KEYS, ModelInfo, auto_class, build_torchvision, make_config
 from batchfit.optimizers import make_optimizer
