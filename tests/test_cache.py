@@ -176,3 +176,25 @@ def test_a_trace_leaves_the_config_as_it_was_so_the_cache_hits(tmp_path, monkeyp
 def test_any_no_cache_value_but_a_false_one_switches_the_cache_off(monkeypatch, value, off):
     monkeypatch.setenv("BATCHFIT_NO_CACHE", value)
     assert _cache.enabled() is not off
+
+
+@pytest.mark.slow
+def test_a_config_file_described_once_is_read_back_without_torch(cache_dir, tiny_config):
+    """Its parameter table and whole config are cached: another question about the file (not
+    the same one replayed) resolves it in a fresh process without torch or transformers."""
+    here = resolve_model(tiny_config)
+    code = (
+        "import sys\n"
+        "from batchfit.models import resolve_model\n"
+        "info = resolve_model(sys.argv[1])\n"
+        "print(info.total_params, info.arch.num_layers, 'torch' in sys.modules, "
+        "'transformers' in sys.modules)\n"
+    )
+    env = {**os.environ, "BATCHFIT_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, tiny_config], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    total, layers, torch_loaded, hf_loaded = done.stdout.split()
+    assert (int(total), int(layers)) == (here.total_params, here.arch.num_layers)
+    assert (torch_loaded, hf_loaded) == ("False", "False")

@@ -411,10 +411,7 @@ def _groups(rows: Iterable[list[Any]]) -> tuple[ParamGroup, ...]:
 def _from_config_file(path: Path, task: str | None, hub_id: str | None = None) -> ModelInfo:
     raw = read_config_file(path)
     chosen = _check_task(task, raw)
-    rows = _meta.count_params(raw, chosen)
-    full = {
-        k: v for k, v in _meta.make_config(raw, chosen).to_dict().items() if not k.startswith("_")
-    }
+    rows, full = _meta.describe(raw, chosen)
     full["model_type"] = raw["model_type"]
     try:
         arch = arch_from_config(full)

@@ -7,10 +7,12 @@ Imports torch and transformers: used for configs outside the catalog and by
 from __future__ import annotations
 
 import copy
+import json
 import re
 import warnings
 from typing import Any
 
+from batchfit import _cache
 from batchfit.errors import UsageError
 from batchfit.models._config import LAYER_KEYS
 
@@ -227,3 +229,25 @@ def _extrapolate(
         row = base.get(key) or next(s[key] for s in (*steps.values(), check) if key in s)
         out[key] = [row[0], row[1], count, row[3]]
     return [row for row in out.values() if row[2]]
+
+
+def describe(raw: dict[str, Any], task: str) -> tuple[list[list[Any]], dict[str, Any]]:
+    """A config file's parameter table (``count_params``) and its whole config, transformers'
+    defaults filled in; from the cache when the same config and task were described before
+    (keyed with the versions): a later question about the file, not only the same one
+    replayed, then needs neither torch nor transformers."""
+    key = {"config": raw, "task": task}
+    record = _cache.load("config-file", key)
+    if record is not None:
+        try:
+            return [list(row) for row in record["rows"]], dict(record["full"])
+        except (KeyError, TypeError, ValueError):
+            pass  # a record of another shape: describe it again
+    rows = count_params(raw, task)
+    full = {k: v for k, v in make_config(raw, task).to_dict().items() if not k.startswith("_")}
+    try:  # as a cached record reads back (JSON: string keys, lists), so cold and warm agree
+        rows, full = json.loads(json.dumps([rows, full]))
+    except (TypeError, ValueError):
+        return rows, full  # not JSON: not cached
+    _cache.store("config-file", key, {"rows": rows, "full": full})
+    return rows, full
