@@ -4,6 +4,8 @@ model's dry run. Staged models and stochastic depth (BEiT) are traced whole."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from batchfit.hardware import get_gpu
@@ -72,9 +74,34 @@ def test_the_line_through_1_and_2_layers_would_overcount_lora(tmp_path, monkeypa
         ({}, False),
         ({"drop_path_rate": 0.1}, True),  # BEiT's stochastic depth: layers differ
         ({"drop_path_rate": 0.0}, False),
-        ({"depths": [2, 2], "hidden_sizes": [32, 64]}, True),  # stages
+        ({"model_type": "deit"}, False),
+        ({"model_type": "efficientnet"}, True),  # num_hidden_layers its blocks never read
+        ({"model_type": "convnext", "depths": [2, 2]}, True),  # stages
     ],
 )
 def test_which_image_models_are_cut(tmp_path, changes, whole):
-    model = _model(tmp_path, {**DEEP_VIT, **changes})
+    model = _model(tmp_path, DEEP_VIT)
+    model = replace(model, config={**model.config, **changes})
     assert cuttable_vision(model) is not whole
+
+
+def test_on_the_cpu_the_cut_equals_the_whole_dry_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
+    model = _model(tmp_path, DEEP_VIT)
+    setup = resolve_setup(model, TrainingSetup(method="lora"), "cpu", None)
+    work = Workload(micro_batch_size=8, seq_len=64, device="cpu", grad_accum_steps=2)
+    cut, notes = trace_estimate.traced_result(model, setup, work, full_depth=False)
+    whole, _ = trace_estimate.traced_result(model, setup, work, full_depth=True)
+    assert "traced 2 and 3 layers, extrapolated to 6" in notes
+    assert (cut.peak.key, cut.peak.total) == (whole.peak.key, whole.peak.total)
+
+
+def test_a_setup_whose_history_does_not_unroll_is_traced_whole(tmp_path, monkeypatch):
+    """Every 2nd layer checkpointed: a period of two layers (traced at 4 and 6), which the
+    reserve's unroll does not take."""
+    monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
+    model, gpu = _model(tmp_path, DEEP_VIT), get_gpu("t4")
+    setup = resolve_setup(model, TrainingSetup(grad_ckpt_every=2), "cuda", gpu)
+    work = Workload(micro_batch_size=4, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2)
+    _, notes = trace_estimate.traced_result(model, setup, work, full_depth=False)
+    assert not any("extrapolated" in note for note in notes)

@@ -136,7 +136,11 @@ def traced_result(
     workspace = gpu_extras(workload.gpu, setup).workspace if device == "cuda" else 0
     depth = model.arch.num_layers
     low, high = trace_depths(model, setup)
-    extrapolated = not (full_depth or depth <= high or _traced_whole(model))
+    # an image model is cut only where its history unrolls (a period of one layer, not
+    # FSDP1); elsewhere it is traced whole, as its reserve would be
+    fsdp1 = is_fsdp(setup) and setup.fsdp_version == 1
+    whole = _traced_whole(model) or (model.arch.family == "vision" and (high - low > 1 or fsdp1))
+    extrapolated = not (full_depth or depth <= high or whole)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
     notes += _setup_notes(model, setup, device)
     if not is_fsdp(setup):

@@ -142,12 +142,6 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
       known whether the first buffer died with the add (in place: no extra bytes) or not.
     """
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # PyTorch wraps a mode's dispatch so that torch.compile never traces into it, a
-        # context switch per operator; a dry run is never compiled
-        return False
-
     def __init__(self, gemm_scratch: bool = False, gloo_scratch: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.gemm_scratch = gemm_scratch
