@@ -350,8 +350,8 @@ def test_a_symlinked_output_is_written_through(
     log.symlink_to(tmp_path / "real" / "run.jsonl")
     outputs = ("--plot", str(png), "--log", str(log))
     # a command that lives past the first sample (one that exits at once may end unsampled)
-    brief = ("--", PY, "-c", "import time; time.sleep(0.2)")
-    code, _, err = _monitor(capfd, "--interval", "0.05", *outputs, *brief)
+    short_run = ("--", PY, "-c", "import time; time.sleep(0.2)")
+    code, _, err = _monitor(capfd, "--interval", "0.05", *outputs, *short_run)
     assert code == 0, err
     assert png.is_symlink() and log.is_symlink()
     assert (tmp_path / "real" / "run.png").read_bytes()[:4] == b"\x89PNG"

@@ -136,10 +136,10 @@ def traced_result(
     workspace = gpu_extras(workload.gpu, setup).workspace if device == "cuda" else 0
     depth = model.arch.num_layers
     low, high = trace_depths(model, setup)
-    # an image model is cut only where its history unrolls (a period of one layer, not
-    # FSDP1); elsewhere it is traced whole, as its reserve would be
-    fsdp1 = is_fsdp(setup) and setup.fsdp_version == 1
-    whole = _traced_whole(model) or (model.arch.family == "vision" and (high - low > 1 or fsdp1))
+    # an image model is cut only where its history unrolls; elsewhere it is traced whole,
+    # as its reserve would be
+    unrolls = _unrolls(setup, (low, high))
+    whole = _traced_whole(model) or (model.arch.family == "vision" and not unrolls)
     extrapolated = not (full_depth or depth <= high or whole)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
     notes += _setup_notes(model, setup, device)
@@ -275,6 +275,12 @@ def _dry_runs(
     return result
 
 
+def _unrolls(setup: TrainingSetup, depths: tuple[int, int]) -> bool:
+    """Whether a dry run at ``depths`` can be unrolled to the full depth: a period of one
+    layer, and not FSDP1, whose flat parameters the unroll does not fit yet."""
+    return depths[1] - depths[0] == 1 and not (is_fsdp(setup) and setup.fsdp_version == 1)
+
+
 def _reserve(
     model: ModelInfo,
     setup: TrainingSetup,
@@ -291,10 +297,7 @@ def _reserve(
     (BEiT: 3.6-4.6% low carried over): its caller traces it whole."""
     expandable = setup.expandable_segments
     shallow, deep = traced
-    low, high = depths
-    # a period of one layer; not FSDP1, whose flat parameters the unroll does not fit yet
-    fsdp1 = is_fsdp(setup) and setup.fsdp_version == 1
-    if shallow.layers and deep.layers and high - low == 1 and not fsdp1:
+    if shallow.layers and deep.layers and _unrolls(setup, depths):
         # the stacks cut to the traced depth are those whose depth differs between the two
         # dry runs; a model whose stacks were not found (none cut) is not unrolled
         below, above = shallow.layers.stack_depths, deep.layers.stack_depths
