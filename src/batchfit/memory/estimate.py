@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import Any, Literal, get_args
 
@@ -11,6 +12,7 @@ from batchfit._batchnorm import batchnorm_warning
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec, host_cpu
 from batchfit.memory.formulas.analytic import estimate_analytic
+from batchfit.memory.trace import sized
 from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -33,6 +35,18 @@ def usable_engine(engine: str) -> tuple[str, str | None]:
             "for the trace engine, a dry run of the real step"
         )
     return engine, None
+
+
+@contextmanager
+def interpolated_sizes() -> Iterator[None]:
+    """Within it, the trace engine may answer a micro-batch size from the allocation
+    histories of two other sizes of the same setup traced in this process, where they line up
+    event for event (``batchfit.memory.trace.sized``), instead of a dry run at that size."""
+    token = sized.enabled.set(True)
+    try:
+        yield
+    finally:
+        sized.enabled.reset(token)
 
 
 # 2**40 tokens in one micro-batch: petabytes of activations, far past any device, and below

@@ -7,7 +7,7 @@ from typing import Any
 
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
-from batchfit.memory.estimate import usable_engine
+from batchfit.memory.estimate import interpolated_sizes, usable_engine
 from batchfit.memory.fit import fitting_guess, predict
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
@@ -87,12 +87,15 @@ def fit_table(
     engine = usable_engine(engine)[0]
     rows: list[FitRow] = []
     errors: list[UsageError] = []
-    for gpu in gpus:
-        try:
-            rows.append(_row(model, setup, gpu, seq_len, headroom_bytes, engine))
-        except UsageError as exc:  # this GPU cannot run the setup (torchtune QLoRA without bf16)
-            errors.append(exc)
-            rows.append(FitRow(gpu, "-", 0, 0, (), engine, str(exc).split(":")[0]))
+    # a row's size comes from the histories of sizes 1 and 2 where they line up: one setup's
+    # two dry runs serve every GPU with its cuBLAS workspace and precision
+    with interpolated_sizes():
+        for gpu in gpus:
+            try:
+                rows.append(_row(model, setup, gpu, seq_len, headroom_bytes, engine))
+            except UsageError as exc:  # this GPU cannot run the setup (torchtune QLoRA, no bf16)
+                errors.append(exc)
+                rows.append(FitRow(gpu, "-", 0, 0, (), engine, str(exc).split(":")[0]))
     if errors and len(errors) == len(rows):
         raise errors[0]  # the setup itself is wrong, not one GPU
     return rows

@@ -19,7 +19,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.memory.trace.moments import Moments, tag_layers
-from batchfit.memory.trace.result import PHASES, LayerLog, PhaseResult, TraceResult, extrapolate
+from batchfit.memory.trace.result import (
+    PHASES,
+    LayerLog,
+    MomentLog,
+    PhaseResult,
+    TraceResult,
+    extrapolate,
+    moments_of,
+)
 from batchfit.memory.trace.tracker import AllocationTracker, Layer, Timeline
 from batchfit.spec import Loop
 
@@ -334,36 +342,16 @@ def _label_step_tensors(
 
 
 def _result(timeline: Timeline, seconds: float) -> TraceResult:
-    phases = []
-    wanted = sorted(
-        (peak.event_index, name)
-        for name, peak in timeline.phase_peaks.items()
-        if name.partition("|")[0] in PHASES and peak.total >= 0
+    events = tuple(timeline.events)
+    log = MomentLog(
+        events,
+        tuple(timeline.moment_marks),
+        {key: timeline.category(key) for key in timeline.sizes},
+        dict(timeline.module_of),
     )
-    # One replay of the log serves every moment (they are visited in event order).
-    live: set[int] = set()
-    done = 0
-    for index, name in wanted:
-        for key, delta in timeline.events[done:index]:
-            if delta > 0:
-                live.add(key)
-            else:
-                live.discard(key)
-        done = index
-        phase, _, moment = name.partition("|")
-        phases.append(PhaseResult(phase, timeline.components(live), moment))
-    best = max(phases, key=lambda p: p.total)
-    best_peak = timeline.phase_peaks[best.key]
-    by_module: dict[str, int] = {}
-    for key in timeline.live_at(best_peak.event_index):
-        if timeline.category(key) == "activations" and key in timeline.module_of:
-            name = timeline.module_of[key]
-            by_module[name] = by_module.get(name, 0) + timeline.sizes[key]
-    top = tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:10])
+    phases, top = moments_of(events, log)
     layers = LayerLog(tuple(timeline.event_layers), timeline.key_layers, timeline.stack_depths)
-    return TraceResult(
-        tuple(phases), seconds, top, tuple(timeline.events), timeline=timeline, layers=layers
-    )
+    return TraceResult(phases, seconds, top, events, timeline=timeline, layers=layers, moments=log)
 
 
 def quiet() -> contextlib.AbstractContextManager[Any]:

@@ -6,6 +6,7 @@ turned into a ``MemoryEstimate`` without importing torch or transformers.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -25,6 +26,7 @@ from batchfit.memory.device.totals import (
 )
 from batchfit.memory.formulas import analytic
 from batchfit.memory.formulas.qlora import qlora_notes
+from batchfit.memory.trace import sized
 from batchfit.memory.trace.fsdp import is_fsdp
 from batchfit.memory.trace.result import (
     TraceResult,
@@ -164,13 +166,31 @@ def traced_result(
         **asdict(sizes),
         "full_depth": full_depth,
     }
-    record = _cache.load(CACHE_NAMESPACE, key)
-    if record is not None:
-        try:
-            return result_from_json(record), notes
-        except (KeyError, TypeError, ValueError, AttributeError):
-            pass  # a record of another shape: trace again and overwrite it
-    result = _dry_runs(model, setup, sizes, (low, high) if extrapolated else None)
+    depths = (low, high) if extrapolated else None
+    interpolating = sized.enabled.get() and setup.loss == "full"
+    # an interpolated result is cached apart: ``estimate`` reads traced ones only
+    keys = [{**key, "sized": "interpolated"}] if interpolating else []
+    keys.insert(0, key)
+    for k in keys:
+        record = _cache.load(CACHE_NAMESPACE, k)
+        if record is not None:
+            try:
+                return result_from_json(record), notes
+            except (KeyError, TypeError, ValueError, AttributeError):
+                pass  # a record of another shape: trace again and overwrite it
+    setup_key = json.dumps({**key, "micro": None}, sort_keys=True, default=str)
+    runs = sized.runs_at(setup_key, sizes.micro) if interpolating else None
+    result = None if runs is None else _combine(model, setup, sizes, depths, runs)
+    if result is not None:
+        _cache.store(CACHE_NAMESPACE, keys[-1], result_to_json(result))
+        return result, notes
+    runs = _dry_runs(model, setup, sizes, depths)
+    sized.remember(setup_key, sizes.micro, runs)
+    result = _combine(model, setup, sizes, depths, runs)
+    if result is None:  # an image model whose history does not unroll: traced whole
+        runs = _dry_runs(model, setup, sizes, None)
+        result = _combine(model, setup, sizes, None, runs)
+    assert result is not None  # a whole dry run needs no unroll
     _cache.store(CACHE_NAMESPACE, key, result_to_json(result))
     return result, notes
 
@@ -250,28 +270,45 @@ def _qlora_notes(model: ModelInfo, setup: TrainingSetup) -> list[str]:
 
 def _dry_runs(
     model: ModelInfo, setup: TrainingSetup, sizes: _Sizes, depths: tuple[int, int] | None
-) -> TraceResult:
-    """One dry run of the whole model (``depths`` None), or two at ``depths`` extrapolated to
-    the model's depth."""
+) -> tuple[TraceResult, ...]:
+    """One dry run of the whole model (``depths`` None), or two at ``depths``; none of them
+    replays the allocator (``_combine`` does)."""
     # lazy: torch and transformers (~2 s), only when no cached result answers
     from batchfit.memory.trace.hf import trace_once
 
     kw: dict[str, Any] = asdict(sizes)
+    runs = []
+    for depth in depths or (None,):
+        _announce(model, sizes.micro, sizes.seq, depth)
+        runs.append(trace_once(model, setup, depth=depth, reserve=False, **kw))
+    return tuple(runs)
+
+
+def _combine(
+    model: ModelInfo,
+    setup: TrainingSetup,
+    sizes: _Sizes,
+    depths: tuple[int, int] | None,
+    runs: tuple[TraceResult, ...],
+) -> TraceResult | None:
+    """The result at the model's depth from ``runs`` (traced or interpolated): the whole run,
+    or the two at ``depths`` extrapolated; on CUDA with the allocator's replay. None where an
+    image model's history does not unroll (it is traced whole instead)."""
+    expandable = setup.expandable_segments
     if depths is None:
-        _announce(model, sizes.micro, sizes.seq, None)
-        return trace_once(model, setup, depth=None, **kw)
+        (result,) = runs
+        if sizes.device == "cuda":
+            reserved = simulate(result.events, expandable_segments=expandable).reserved_bytes
+            result = replace(result, reserved_bytes=reserved)
+        return result
     low, high = depths
-    _announce(model, sizes.micro, sizes.seq, low)
-    shallow = trace_once(model, setup, depth=low, reserve=False, **kw)
-    _announce(model, sizes.micro, sizes.seq, high)
-    deep = trace_once(model, setup, depth=high, reserve=False, **kw)
+    shallow, deep = runs
     result = extrapolate(shallow, deep, low, high, model.arch.num_layers)
     if sizes.device == "cuda":
-        reserved = _reserve(model, setup, (shallow, deep), depths, result)
-        if reserved is None:  # an image model whose history does not unroll: traced whole
-            _announce(model, sizes.micro, sizes.seq, None)
-            return trace_once(model, setup, depth=None, **kw)
-        result = replace(result, reserved_bytes=reserved)
+        replayed = _reserve(model, setup, (shallow, deep), depths, result)
+        if replayed is None:
+            return None
+        result = replace(result, reserved_bytes=replayed)
     return result
 
 

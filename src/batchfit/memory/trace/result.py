@@ -79,6 +79,114 @@ class LayerLog:
     stack_depths: tuple[int, ...]
 
 
+@dataclass
+class PhasePeak:
+    """The largest live total seen in one moment of a phase, and the event count then."""
+
+    total: int = -1
+    event_index: int = 0
+
+
+@dataclass(frozen=True)
+class MomentLog:
+    """What turns a dry run's allocation history into its moments' peaks.
+
+    ``events``: the history the moments are read from (the dry run's own, where the result's
+    ``events`` may be a rebuilt first step and the measured one); ``marks``: where the
+    moments changed, as (event count, the ``phase|moment`` keys then, whether their peak is
+    checked there: a phase entered keeps its old moments until they are set); ``categories``
+    and ``modules``: each storage's category and the module whose forward made it.
+    """
+
+    events: tuple[tuple[int, int], ...]
+    marks: tuple[tuple[int, tuple[str, ...], bool], ...]
+    categories: dict[int, str]
+    modules: dict[int, str]
+
+
+def moment_peaks(
+    events: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+    marks: tuple[tuple[int, tuple[str, ...], bool], ...] | list[tuple[int, tuple[str, ...], bool]],
+) -> dict[str, PhasePeak]:
+    """Each moment's largest live total and the event count then: checked after every
+    allocation, and where moments are set (a moment may peak as it begins).
+
+    Example:
+        >>> marks = [(0, ("forward|",), True), (2, ("backward|",), True)]
+        >>> peaks = moment_peaks([(0, 10), (1, 5), (0, -10), (2, 1)], marks)
+        >>> {k: (p.total, p.event_index) for k, p in peaks.items()}
+        {'forward|': (15, 2), 'backward|': (15, 2)}
+    """
+    peaks: dict[str, PhasePeak] = {}
+    keys: tuple[str, ...] = ()
+    live = 0
+    following = iter(marks)
+    mark = next(following, None)
+
+    def note(count: int) -> None:
+        for key in keys:
+            peak = peaks.setdefault(key, PhasePeak())
+            if live > peak.total:
+                peak.total, peak.event_index = live, count
+
+    for count in range(len(events) + 1):
+        while mark is not None and mark[0] <= count:
+            keys = mark[1]
+            if mark[2]:
+                note(count)
+            mark = next(following, None)
+        if count < len(events):
+            delta = events[count][1]
+            live += delta
+            if delta > 0:
+                note(count + 1)
+    return peaks
+
+
+def moments_of(
+    events: tuple[tuple[int, int], ...], log: MomentLog
+) -> tuple[tuple[PhaseResult, ...], tuple[tuple[str, int], ...]]:
+    """Each moment's components at its peak, in the order the peaks came, and the ten
+    modules whose activations are largest at the overall peak."""
+    peaks = moment_peaks(events, log.marks)
+    wanted = sorted(
+        (peak.event_index, name)
+        for name, peak in peaks.items()
+        if name.partition("|")[0] in PHASES and peak.total >= 0
+    )
+    phases = []
+    live: dict[int, int] = {}
+    done = 0
+    for index, name in wanted:  # one replay of the history serves every moment
+        for key, delta in events[done:index]:
+            if delta > 0:
+                live[key] = delta
+            else:
+                live.pop(key, None)
+        done = index
+        components = dict.fromkeys(CATEGORIES, 0)
+        for key, size in live.items():
+            components[log.categories.get(key, "other")] += size
+        phase, _, moment = name.partition("|")
+        phases.append(PhaseResult(phase, components, moment))
+    best = max(phases, key=lambda p: p.total)
+    alive: set[int] = set()
+    sizes: dict[int, int] = {}
+    for key, delta in events[: peaks[best.key].event_index]:
+        if delta > 0:
+            alive.add(key)
+            sizes[key] = delta
+        else:
+            alive.discard(key)
+    by_module: dict[str, int] = {}
+    for key in alive:
+        if log.categories.get(key) == "activations" and key in log.modules:
+            name = log.modules[key]
+            by_module[name] = by_module.get(name, 0) + sizes[key]
+    top = tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:10])
+    return tuple(phases), top
+
+
 @dataclass(frozen=True)
 class TraceResult:
     """What a traced step allocated: each moment's peak, and the overall peak."""
@@ -93,6 +201,9 @@ class TraceResult:
     timeline: Any = field(default=None, repr=False, compare=False)
     # which layer made each event, for the unrolled replay (fresh results only, like events)
     layers: LayerLog | None = field(default=None, repr=False, compare=False)
+    # what the moments were read from, for a result at another micro-batch size (``sized``;
+    # fresh results only, like events)
+    moments: MomentLog | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak(self) -> PhaseResult:

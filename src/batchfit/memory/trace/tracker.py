@@ -9,7 +9,6 @@ how tests check the dry run against a real step.
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from batchfit.memory.trace.result import CATEGORIES
+from batchfit.memory.trace.result import CATEGORIES, PhasePeak, moment_peaks
 
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
@@ -67,14 +66,6 @@ def _fp32_scratch(func: Any, args: Any, out: Any) -> int:
 
 
 @dataclass
-class PhasePeak:
-    """The largest live total seen in one moment of a phase, and the event count then."""
-
-    total: int = -1
-    event_index: int = 0
-
-
-@dataclass
 class Timeline:
     """Allocation history: sizes by key, labels, phases, and each moment's peak.
 
@@ -87,8 +78,10 @@ class Timeline:
     labels: dict[int, str] = field(default_factory=dict)
     born_in: dict[int, str] = field(default_factory=dict)
     module_of: dict[int, str] = field(default_factory=dict)
-    phase_peaks: dict[str, PhasePeak] = field(default_factory=lambda: defaultdict(PhasePeak))
     events: list[tuple[int, int]] = field(default_factory=list)  # (key, +bytes / -bytes)
+    # where the moments changed: (event count, the "phase|moment" keys, whether their peak is
+    # checked there); each moment's peak is read from the history (``phase_peaks``)
+    moment_marks: list[tuple[int, tuple[str, ...], bool]] = field(default_factory=list)
     # where each phase began: (number of events before it, phase); for the timeline picture
     phase_marks: list[tuple[int, str]] = field(default_factory=list)
     # which layer of which stack ran each event ((stack, index); None outside the stacks) and
@@ -97,6 +90,11 @@ class Timeline:
     event_layers: list[Layer | None] = field(default_factory=list)
     key_layers: dict[int, Layer] = field(default_factory=dict)
     stack_depths: tuple[int, ...] = ()  # layers in each stack, in forward order
+
+    @property
+    def phase_peaks(self) -> dict[str, PhasePeak]:
+        """Each moment's largest live total and the event count then (``moment_peaks``)."""
+        return moment_peaks(self.events, self.moment_marks)
 
     def category(self, key: int) -> str:
         label = self.labels.get(key)
@@ -150,6 +148,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self.timeline = Timeline()
         self.phase = "setup"
         self.moments: tuple[str, ...] = ("",)
+        self._mark(checked=False)
         self.module = ""
         self.layer: Layer | None = None  # the layer running (set by the dry run's hooks)
         self._hint: Layer | None = None  # the layer of the output being tracked, from inputs
@@ -295,12 +294,12 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         return None
 
     def _note_peak(self) -> None:
-        for moment in self.moments:
-            peak = self.timeline.phase_peaks[f"{self.phase}|{moment}"]
-            if self._live_bytes > peak.total:
-                peak.total = self._live_bytes
-                peak.event_index = len(self.timeline.events)
         self.peak_total = max(self.peak_total, self._live_bytes)
+
+    def _mark(self, checked: bool) -> None:
+        """The moments change here; ``checked``: their peak counts what is alive now."""
+        keys = tuple(f"{self.phase}|{moment}" for moment in self.moments)
+        self.timeline.moment_marks.append((len(self.timeline.events), keys, checked))
 
     @property
     def live_bytes(self) -> int:
@@ -310,6 +309,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         """Enter ``phase`` at ``moments`` (one moment can stand for several, e.g. the one layer
         of a 1-layer stack is both its top and its bottom)."""
         self.phase = phase
+        self._mark(checked=False)
         self._settle()
         self.timeline.phase_marks.append((len(self.timeline.events), phase))
         self.set_moments(*moments)
@@ -317,6 +317,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
     def set_moments(self, *moments: str) -> None:
         self._settle()
         self.moments = moments or ("",)
+        self._mark(checked=True)
         self._note_peak()
 
     def transient(self, nbytes: int) -> None:

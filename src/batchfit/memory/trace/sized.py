@@ -1,0 +1,195 @@
+"""A dry run at a new micro-batch size, from dry runs of the same setup at two other sizes.
+
+Within one setup a dry run makes the same allocations and frees in the same order at every
+micro-batch size, and each allocation's bytes are affine in the size: weights, gradients and
+optimizer state are fixed, activations and their transients grow by a fixed number of bytes per
+sample. Where the histories at two sizes line up event for event (same storages, same order,
+the same layer running, every size on an integer line), the history at any other size is that
+line, event by event, and so are the moments' components and the module table; the caching
+allocator's replay (``estimate``) runs on the interpolated history as on a traced one.
+
+Where the histories do not line up (a loss cut into chunks whose count follows the size, code
+that branches on the batch), or a third traced size is off the line, nothing is interpolated
+and the size is traced. Torch-free: it only reads what dry runs recorded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextvars import ContextVar
+from dataclasses import replace
+
+from batchfit.memory.trace.result import MomentLog, TraceResult, moments_of
+
+# Whether a dry run at a new size may come from the histories of earlier ones in this process.
+# Off by default: ``estimate`` and the plan's confirmations trace every size they show; the
+# per-GPU table (``plan._fit_table``) turns it on for the rows it sizes.
+enabled: ContextVar[bool] = ContextVar("interpolate_sizes", default=False)
+
+# The dry runs of this process (with their histories), per setup (``traced_result``'s cache
+# key without the micro-batch): {micro-batch: the runs, shallow and deep or the one whole}
+_RUNS: OrderedDict[str, dict[int, tuple[TraceResult, ...]]] = OrderedDict()
+_KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recently used go
+
+
+def remember(setup_key: str, micro: int, runs: tuple[TraceResult, ...]) -> None:
+    """Keep ``runs`` (fresh dry runs at ``micro``, with their histories) for interpolation;
+    the timeline's bookkeeping is dropped."""
+    if any(r.layers is None and not r.events for r in runs):
+        return  # nothing recorded to interpolate
+    kept = tuple(replace(r, timeline=None) for r in runs)
+    _RUNS.setdefault(setup_key, {})[micro] = kept
+    _RUNS.move_to_end(setup_key)
+    while len(_RUNS) > _KEPT_SETUPS:
+        _RUNS.popitem(last=False)
+
+
+def forget() -> None:
+    """Drop every kept history."""
+    _RUNS.clear()
+
+
+def runs_at(setup_key: str, micro: int) -> tuple[TraceResult, ...] | None:
+    """The dry runs of ``setup_key`` at ``micro``, interpolated from the two smallest sizes
+    above 1 traced in this process; None where fewer than two were traced, where their
+    histories do not line up, or where another traced size is off their line."""
+    traced = _RUNS.get(setup_key, {})
+    # at one sample code may take another path (BERT: four fewer allocations, a view where a
+    # larger batch copies), so size 1 is neither a base nor interpolated
+    bases = sorted(m for m in traced if m > 1)
+    if len(bases) < 2 or micro < 2 or micro in traced:
+        return None
+    low, high, *others = bases
+    for other in others:  # every other traced size must lie on the line
+        if not _same(_runs_between(traced[low], traced[high], low, high, other), traced[other]):
+            return None
+    return _runs_between(traced[low], traced[high], low, high, micro)
+
+
+def _same(runs: tuple[TraceResult, ...] | None, traced: tuple[TraceResult, ...]) -> bool:
+    """Whether interpolated ``runs`` made the traced runs' allocations and moments."""
+    return runs is not None and all(
+        a.events == tuple(_in_order(b)) and a.phases == b.phases
+        for a, b in zip(runs, traced, strict=True)
+    )
+
+
+def _runs_between(
+    below: tuple[TraceResult, ...],
+    above: tuple[TraceResult, ...],
+    low: int,
+    high: int,
+    micro: int,
+) -> tuple[TraceResult, ...] | None:
+    if len(below) != len(above):
+        return None
+    out = []
+    for a, b in zip(below, above, strict=True):
+        run = interpolate(a, b, low, high, micro)
+        if run is None:
+            return None
+        out.append(run)
+    return tuple(out)
+
+
+def interpolate(
+    below: TraceResult, above: TraceResult, low: int, high: int, micro: int
+) -> TraceResult | None:
+    """The dry run at ``micro`` on the line through ``below`` (traced at ``low``) and
+    ``above`` (at ``high``): every event's bytes on its line, the moments read from the
+    interpolated history; None where the two do not line up."""
+    log, other = below.moments, above.moments
+    if log is None or other is None or below.layers != above.layers:
+        return None
+    if (log.marks, log.categories, log.modules) != (other.marks, other.categories, other.modules):
+        return None
+    shared = log.events is below.events and other.events is above.events
+    events = _line(_in_order(below), _in_order(above), low, high, micro)
+    # the moments' own history where the result's is a rebuilt first step and the measured one
+    history = (
+        events if shared else _line(_moment_order(log), _moment_order(other), low, high, micro)
+    )
+    if events is None or history is None:
+        return None
+    phases, top = moments_of(history, log)
+    return TraceResult(
+        phases,
+        0.0,  # no dry run ran
+        top,
+        events=events,
+        layers=below.layers,
+        moments=replace(log, events=history),
+    )
+
+
+def _line(
+    below: list[tuple[int, int]], above: list[tuple[int, int]], low: int, high: int, micro: int
+) -> tuple[tuple[int, int], ...] | None:
+    """The history at ``micro`` on the line through two histories at ``low`` and ``high``:
+    the same storages in the same order, each event's bytes an integer on its line and of
+    its sign (an allocation stays one); None where they do not line up.
+
+    Example (100 bytes plus 40 per sample, allocated then freed):
+        >>> at = lambda m: [(0, 100 + 40 * m), (0, -(100 + 40 * m))]
+        >>> _line(at(2), at(5), 2, 5, 9) == tuple(at(9))
+        True
+        >>> _line(at(2), at(5)[:1], 2, 5, 9) is None
+        True
+    """
+    if len(below) != len(above) or not below:
+        return None
+    out = []
+    for (key, a), (other, b) in zip(below, above, strict=True):
+        step, remainder = divmod((b - a) * (micro - low), high - low)
+        value = a + step
+        if key != other or remainder or (value > 0) != (a > 0) or (value < 0) != (a < 0):
+            return None
+        out.append((key, value))
+    return tuple(out)
+
+
+def _in_order(run: TraceResult) -> list[tuple[int, int]]:
+    """``run``'s events in the order ``_sorted_frees`` gives: cut where the layer changes and,
+    where the moments were read from the same history, where the moments change."""
+    log = run.moments
+    cuts = {m[0] for m in log.marks} if log is not None and log.events is run.events else set()
+    layers = run.layers.event_layers if run.layers is not None else None
+    return _sorted_frees(run.events, layers, cuts)
+
+
+def _moment_order(log: MomentLog) -> list[tuple[int, int]]:
+    return _sorted_frees(log.events, None, {m[0] for m in log.marks})
+
+
+def _sorted_frees(
+    events: tuple[tuple[int, int], ...],
+    layers: tuple[object, ...] | None,
+    cuts: set[int],
+) -> list[tuple[int, int]]:
+    """``events`` with each run of consecutive frees sorted by storage; a run ends where the
+    layer running changes (``layers``) and before an event in ``cuts`` (a change of moment).
+
+    Storages that die together (a graph's saved tensors released at once) are freed in an
+    order that follows no size: two sizes' histories differ there only. Neither the caching
+    allocator (free blocks merge with their free neighbours, nothing is allocated between)
+    nor a moment's peak (read after allocations and where moments change) depends on the
+    order of consecutive frees, so the sorted order stands for every order.
+
+    Example:
+        >>> _sorted_frees(((5, 8), (3, -4), (1, -2), (2, -1), (4, 6)), None, {3})
+        [(5, 8), (1, -2), (3, -4), (2, -1), (4, 6)]
+    """
+    out = list(events)
+    i = 0
+    while i < len(out):
+        j = i
+        while (
+            j < len(out)
+            and out[j][1] < 0
+            and (j == i or j not in cuts)
+            and (layers is None or layers[j] == layers[i])
+        ):
+            j += 1
+        out[i:j] = sorted(out[i:j])
+        i = max(j, i + 1)
+    return out
