@@ -63,8 +63,13 @@ def test_the_line_through_1_and_2_layers_would_overcount_lora(tmp_path, monkeypa
     model, gpu = _model(tmp_path, DEEP_VIT), get_gpu("t4")
     resolved = resolve_setup(model, TrainingSetup(method="lora"), "cuda", gpu)
     sizes = trace_estimate._Sizes(8, 64, "cuda", 1 << 20, 2)
-    ones = trace_estimate._dry_runs(model, resolved, sizes, (1, 2))
-    twos = trace_estimate._dry_runs(model, resolved, sizes, (2, 3))
+    ones, twos = (
+        trace_estimate._combine(
+            model, resolved, sizes, depths, trace_estimate._dry_runs(model, resolved, sizes, depths)
+        )
+        for depths in ((1, 2), (2, 3))
+    )
+    assert ones is not None and twos is not None
     assert ones.peak.total > twos.peak.total
 
 

@@ -38,11 +38,12 @@ def usable_engine(engine: str) -> tuple[str, str | None]:
 
 
 @contextmanager
-def interpolated_sizes() -> Iterator[None]:
+def interpolated_sizes(allowed: bool = True) -> Iterator[None]:
     """Within it, the trace engine may answer a micro-batch size from the allocation
     histories of two other sizes of the same setup traced in this process, where they line up
-    event for event (``batchfit.memory.trace.sized``), instead of a dry run at that size."""
-    token = sized.enabled.set(True)
+    event for event (``batchfit.memory.trace.sized``), instead of a dry run at that size;
+    ``allowed=False``: every size is traced (a plan's confirmations)."""
+    token = sized.enabled.set(allowed)
     try:
         yield
     finally:

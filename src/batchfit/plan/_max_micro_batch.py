@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from batchfit._units import BYTES_IN_GIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.device.totals import fits_on_card
-from batchfit.memory.estimate import estimate
+from batchfit.memory.estimate import estimate, interpolated_sizes
 from batchfit.memory.fit import FitResult, fit_micro_batch, largest_passing, seeded_fit
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
@@ -152,8 +153,38 @@ def traced_fit(
         except UsageError:
             pass  # a setup only the trace runs: searched from its lines
         else:
-            return seeded_fit(at, budget, seed, limit=limit, confirm=confirm)
-    return fit_micro_batch(at, budget, limit=limit)
+            with interpolated_sizes():
+                found = seeded_fit(at, budget, seed, limit=limit, confirm=confirm)
+            if not confirm:
+                return found
+            confirmed = _confirmed(found, at, budget, limit)
+            if confirmed is None:
+                with interpolated_sizes(False):
+                    confirmed = seeded_fit(at, budget, seed, limit=limit)
+            return confirmed
+    with interpolated_sizes():
+        found = fit_micro_batch(at, budget, limit=limit)
+    confirmed = _confirmed(found, at, budget, limit)
+    if confirmed is None:
+        with interpolated_sizes(False):
+            confirmed = fit_micro_batch(at, budget, limit=limit)
+    return confirmed
+
+
+def _confirmed(
+    found: FitResult, at: Callable[[int], MemoryEstimate], budget: int, limit: int
+) -> FitResult | None:
+    """``found``, its answer and the size after it traced (the search may have sized them
+    from histories, ``interpolated_sizes``): the plan's size rests on dry runs at both. None
+    where they disagree with the search (the caller searches again, every size traced)."""
+    size = found.micro_batch_size
+    with interpolated_sizes(False):
+        here = at(size) if size else None
+        after = at(size + 1) if size < limit else None
+    fits_here = here is None or here.device_total_bytes <= budget
+    if not fits_here or (after is not None and after.device_total_bytes <= budget):
+        return None
+    return replace(found, estimate=here or found.estimate)
 
 
 def trace_errors(
