@@ -221,6 +221,7 @@ def _fit_notes(rows: list[FitRow], engine: str) -> None:
     if any(r.from_lines for r in rows):
         render.line(
             "≥: each peak moment's line through traced micro-batch 1 and 2 gave the size, "
-            "traced to fit; the size after it was not traced (batchfit plan MODEL --gpu GPU "
+            "sized to fit by the dry runs (from two traced sizes' allocation histories where "
+            "they line up); the size after it was not checked (batchfit plan MODEL --gpu GPU "
             "traces both)"
         )

@@ -1,0 +1,152 @@
+"""A dry run at a new micro-batch size, interpolated from the histories of two traced sizes of
+the same setup, is the dry run at that size: every moment, the peak and the allocator's
+reserve. Where the histories cannot stand for other sizes it is refused and the size traced:
+histories that do not line up, a traced size off their line, size 1, a loss cut into chunks
+whose count follows the size. The plan's confirmations are traced, never interpolated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from batchfit import _cache
+from batchfit.hardware import get_gpu
+from batchfit.memory.estimate import interpolated_sizes
+from batchfit.memory.fit import FitResult
+from batchfit.memory.formulas.analytic import resolve_setup
+from batchfit.memory.trace import estimate as trace_estimate
+from batchfit.memory.trace import sized
+from batchfit.memory.trace.result import PhaseResult, TraceResult
+from batchfit.memory.types import MemoryEstimate
+from batchfit.models import resolve_model
+from batchfit.plan._max_micro_batch import _confirmed
+from batchfit.spec import TrainingSetup
+from batchfit.workload import Workload
+from tests._tiny import TINY_GPT2
+
+GPT2 = {**TINY_GPT2, "n_layer": 4}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tmp_path_factory.mktemp("sized") / "config.json"
+    path.write_text(json.dumps(GPT2))
+    return resolve_model(str(path))
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Any:
+    sized.forget()
+    with _cache.disabled():
+        yield
+    sized.forget()
+
+
+def _at(model: Any, setup: TrainingSetup, micro: int, *, interpolate: bool) -> TraceResult:
+    gpu = get_gpu("t4")
+    resolved = resolve_setup(model, setup, "cuda", gpu)
+    work = Workload(micro, 64, "cuda", gpu, grad_accum_steps=1)
+    with interpolated_sizes(interpolate):
+        return trace_estimate.traced_result(model, resolved, work, full_depth=False)[0]
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        TrainingSetup(),
+        TrainingSetup(method="lora", grad_ckpt=True, optimizer="adamw-8bit"),
+        TrainingSetup(optimizer="sgd", grad_ckpt=True),
+    ],
+    ids=["full", "lora-ckpt-8bit", "sgd-ckpt"],
+)
+def test_an_interpolated_size_is_the_dry_run_at_that_size(gpt2, setup):
+    for base in (2, 5):
+        _at(gpt2, setup, base, interpolate=False)
+    guess = _at(gpt2, setup, 11, interpolate=True)
+    truth = _at(gpt2, setup, 11, interpolate=False)
+    assert guess.seconds == 0.0 < truth.seconds  # no dry run made the guess
+    assert guess.phases == truth.phases
+    assert guess.reserved_bytes == truth.reserved_bytes > guess.peak.total
+    assert guess.top_modules == truth.top_modules
+
+
+def test_without_interpolation_every_size_is_traced(gpt2):
+    for base in (2, 5):
+        _at(gpt2, TrainingSetup(), base, interpolate=False)
+    assert _at(gpt2, TrainingSetup(), 11, interpolate=False).seconds > 0
+
+
+def test_a_chunked_loss_is_traced_at_every_size(gpt2):
+    """Its chunks' count and size follow the tokens: histories at two sizes do not say a
+    third's."""
+    setup = TrainingSetup(loss="chunked")
+    for base in (2, 5):
+        _at(gpt2, setup, base, interpolate=False)
+    assert _at(gpt2, setup, 11, interpolate=True).seconds > 0
+
+
+def _run(grow: int, *, key: int = 1, extra: int = 0) -> TraceResult:
+    """A fake dry run: weights of 100 bytes, an activation of ``grow`` bytes freed."""
+    from batchfit.memory.trace.result import MomentLog
+
+    events = ((0, 100), (key, grow), (key, -grow), *(((9, extra),) if extra else ()))
+    log = MomentLog(events, ((0, ("forward|",), True),), {0: "weights", key: "activations"}, {})
+    phase = PhaseResult("forward", {"weights": 100, "activations": grow}, "")
+    return TraceResult((phase,), 1.0, events=events, moments=log)
+
+
+def _remember(runs: dict[int, TraceResult]) -> None:
+    for micro, run in runs.items():
+        sized.remember("setup", micro, (run,))
+
+
+def test_histories_on_a_line_answer_any_size_above_one():
+    _remember({1: _run(7), 2: _run(40), 4: _run(80)})
+    (run,) = sized.runs_at("setup", 9) or ()
+    assert run.events == ((0, 100), (1, 180), (1, -180))
+    assert run.peak.total == 280
+    assert sized.runs_at("setup", 1) is None  # one sample may take another path: traced
+    assert sized.runs_at("setup", 4) is None  # traced already
+
+
+@pytest.mark.parametrize(
+    ("runs", "why"),
+    [
+        ({2: _run(40)}, "one size above 1 traced"),
+        ({2: _run(40), 4: _run(80, key=2)}, "another storage"),
+        ({2: _run(40), 4: _run(80, extra=8)}, "another count of events"),
+        ({2: _run(40), 4: _run(81)}, "bytes off an integer line at 9 (40 + 20.5 x 7)"),
+        ({2: _run(40), 4: _run(80), 6: _run(124)}, "a third traced size off the line"),
+        ({2: _run(40), 4: _run(20)}, "an allocation that would turn into a free at 9"),
+    ],
+)
+def test_histories_that_cannot_stand_for_another_size_are_refused(runs, why):
+    _remember(runs)
+    if why.startswith("bytes"):
+        assert sized.runs_at("setup", 10) is not None  # on the line at even sizes
+    assert sized.runs_at("setup", 9) is None, why
+
+
+def _estimate(total: int) -> MemoryEstimate:
+    return MemoryEstimate(
+        "m", "trace", "cuda", 1, 1, TrainingSetup(), {}, total, total, total, 0, 0, "backward"
+    )
+
+
+def test_a_plan_confirms_its_size_by_dry_runs_not_histories():
+    calls: list[tuple[int, bool]] = []
+
+    def at(micro: int) -> MemoryEstimate:
+        calls.append((micro, sized.enabled.get()))
+        return _estimate(10 * micro)
+
+    found = FitResult(7, _estimate(70), ((7, 70),))
+    with interpolated_sizes():
+        confirmed = _confirmed(found, at, budget=75, limit=100)
+    assert confirmed is not None and confirmed.micro_batch_size == 7
+    assert calls == [(7, False), (8, False)]
+    # a search whose answer the dry runs contradict is searched again (None here)
+    assert _confirmed(replace(found, micro_batch_size=6), at, budget=75, limit=100) is None
