@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -89,9 +90,10 @@ def draw(n: int) -> list[Case]:
     return cases
 
 
-def run(case: Case) -> dict[str, object]:
+def run(case: Case) -> dict[str, Any]:
     from batchfit import _cache
     from batchfit.hardware import get_gpu
+    from batchfit.memory.device.totals import gpu_extras
     from batchfit.memory.formulas.analytic import resolve_setup
     from batchfit.memory.trace import estimate, sized
     from batchfit.models import resolve_model
@@ -105,30 +107,63 @@ def run(case: Case) -> dict[str, object]:
     except Exception as e:  # a setup this GPU cannot run (QLoRA without bf16 where required)
         return {"skipped": f"{type(e).__name__}: {e}"}
 
-    def at(micro: int) -> tuple[object, float]:
-        work = Workload(micro, case.seq, "cuda", gpu, grad_accum_steps=1)
+    def at(micro: int, on: Any = gpu) -> tuple[Any, float]:
+        work = Workload(micro, case.seq, "cuda", on, grad_accum_steps=1)
         start = time.perf_counter()
         result, _ = estimate.traced_result(model, resolved, work, full_depth=False)
         return result, time.perf_counter() - start
+
+    def guessed(micro: int, on: Any = gpu) -> tuple[Any, float]:
+        token = sized.enabled.set(True)
+        try:
+            return at(micro, on)
+        finally:
+            sized.enabled.reset(token)
+
+    def compared(guess: Any, truth: Any, seconds: tuple[float, float]) -> dict[str, Any]:
+        return {
+            "interpolated": guess.seconds == 0.0,
+            "moments_equal": guess.phases == truth.phases,
+            "peak": (guess.peak.total, truth.peak.total),
+            "reserved": (guess.reserved_bytes, truth.reserved_bytes),
+            "seconds": seconds,
+        }
 
     sized.forget()
     with _cache.disabled():
         for base in case.bases:
             at(base)
-        token = sized.enabled.set(True)
-        try:
-            guess, guess_s = at(case.target)
-        finally:
-            sized.enabled.reset(token)
+        guess, guess_s = guessed(case.target)
         truth, truth_s = at(case.target)
-    interpolated = guess.seconds == 0.0  # type: ignore[attr-defined]
-    return {
-        "interpolated": interpolated,
-        "moments_equal": guess.phases == truth.phases,  # type: ignore[attr-defined]
-        "peak": (guess.peak.total, truth.peak.total),  # type: ignore[attr-defined]
-        "reserved": (guess.reserved_bytes, truth.reserved_bytes),  # type: ignore[attr-defined]
-        "seconds": (guess_s, truth_s),
-    }
+        out = compared(guess, truth, (guess_s, truth_s))
+        # the same sizes on a GPU of the other cuBLAS workspace that runs the same kernels
+        space = gpu_extras(gpu, resolved).workspace
+        other = get_gpu(
+            "h100-80gb"
+            if space != gpu_extras(get_gpu("h100-80gb"), resolved).workspace
+            else "a100-80gb"
+        )
+        if resolve_setup(model, setup, "cuda", other) == resolved:
+            guess, guess_s = guessed(case.target, other)
+            truth, truth_s = at(case.target, other)
+            out["workspace"] = {"gpu": other.name, **compared(guess, truth, (guess_s, truth_s))}
+    return out
+
+
+def _row(label: str, r: dict[str, Any]) -> tuple[str, bool, bool]:
+    """A table row, whether the size was answered without a dry run, and whether equal."""
+    (gp, tp), (gr, tr), (gs, ts) = r["peak"], r["reserved"], r["seconds"]
+    same = bool(r["moments_equal"]) and gp == tp and gr == tr
+    row = (
+        f"| {label} | {'yes' if r['interpolated'] else 'no: traced'} | "
+        f"{'equal' if r['moments_equal'] else 'DIFFER'} | {gp / MIB:,.1f} / {tp / MIB:,.1f} | "
+        f"{gr / MIB:,.1f} / {tr / MIB:,.1f} | {gs:.2f} / {ts:.2f} |"
+    )
+    return row, bool(r["interpolated"]), same
+
+
+def _add(counts: list[int], answered: bool, same: bool) -> list[int]:
+    return [counts[0] + 1, counts[1] + answered, counts[2] + (answered and same)]
 
 
 def main() -> None:
@@ -137,35 +172,47 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("BATCHFIT_NO_CACHE", "1")
-    lines = [
-        "| case | sizes traced | size | interpolated | moments | peak MiB (interp. / traced) "
-        "| reserved MiB (interp. / traced) | s interp. / traced |",
-        "|---|---|---:|---|---|---:|---:|---:|",
-    ]
-    equal = interpolated = skipped = 0
+    header = (
+        " | from histories | moments | peak MiB (histories / traced) "
+        "| reserved MiB (histories / traced) | s histories / traced |"
+    )
+    sizes = ["| case | sizes traced | size" + header, "|---|---|---:|---|---|---:|---:|---:|"]
+    spaces = ["| case | traced on | sized on" + header, "|---|---|---|---|---|---:|---:|---:|"]
+    count = {"sizes": [0, 0, 0], "spaces": [0, 0, 0]}  # cases, without a dry run, equal
     for i, case in enumerate(draw(args.cases), 1):
         r = run(case)
         print(case.label(), r, flush=True)
         if "skipped" in r:
-            skipped += 1
-            lines.append(f"| {case.label()} | - | - | skipped: {r['skipped']} | | | | |")
+            sizes.append(f"| c{i:02d} {case.label()} | - | - | skipped: {r['skipped']} | | | | |")
             continue
-        (gp, tp), (gr, tr), (gs, ts) = r["peak"], r["reserved"], r["seconds"]  # type: ignore[misc]
-        same = bool(r["moments_equal"]) and gp == tp and gr == tr
-        interpolated += bool(r["interpolated"])
-        equal += same and bool(r["interpolated"])
-        lines.append(
-            f"| c{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target} | "
-            f"{'yes' if r['interpolated'] else 'no: traced'} | "
-            f"{'equal' if r['moments_equal'] else 'DIFFER'} | {gp / MIB:,.1f} / {tp / MIB:,.1f} | "
-            f"{gr / MIB:,.1f} / {tr / MIB:,.1f} | {gs:.2f} / {ts:.2f} |"
+        row, answered, same = _row(
+            f"c{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target}", r
         )
-    ran = args.cases - skipped
-    lines += [
+        sizes.append(row)
+        count["sizes"] = _add(count["sizes"], answered, same)
+        if "workspace" in r:
+            w = r["workspace"]
+            row, answered, same = _row(
+                f"c{i:02d} {case.label()} at {case.target} | {case.gpu} | {w['gpu']}", w
+            )
+            spaces.append(row)
+            count["spaces"] = _add(count["spaces"], answered, same)
+    (n, a, e), (wn, wa, we) = count["sizes"], count["spaces"]
+    lines = [
+        *sizes,
         "",
-        f"Interpolated: {interpolated} of {ran} cases (the others' histories did not line up "
-        f"and were traced); of those, equal to the dry run in every moment, peak and reserve: "
-        f"{equal} of {interpolated}.",
+        f"Between sizes: {a} of {n} cases answered from the histories (the others' histories "
+        f"did not line up and were traced); of those, equal to the dry run in every moment, "
+        f"peak and reserve: {e} of {a}.",
+        "",
+        "The same cases' target size on a GPU of the other cuBLAS workspace (8.1 MiB per handle "
+        "before Hopper, 32 MiB from it) that runs the same kernels: the traced GPU's history "
+        "with the workspace allocations resized, against a dry run on that GPU.",
+        "",
+        *spaces,
+        "",
+        f"Across workspaces: {wa} of {wn} cases answered from the histories; of those, equal to "
+        f"the dry run: {we} of {wa}.",
     ]
     text = "\n".join(lines)
     print(text)

@@ -45,8 +45,10 @@ def _fresh() -> Any:
     sized.forget()
 
 
-def _at(model: Any, setup: TrainingSetup, micro: int, *, interpolate: bool) -> TraceResult:
-    gpu = get_gpu("t4")
+def _at(
+    model: Any, setup: TrainingSetup, micro: int, *, interpolate: bool, gpu_name: str = "t4"
+) -> TraceResult:
+    gpu = get_gpu(gpu_name)
     resolved = resolve_setup(model, setup, "cuda", gpu)
     work = Workload(micro, 64, "cuda", gpu, grad_accum_steps=1)
     with interpolated_sizes(interpolate):
@@ -71,6 +73,20 @@ def test_an_interpolated_size_is_the_dry_run_at_that_size(gpt2, setup):
     assert guess.phases == truth.phases
     assert guess.reserved_bytes == truth.reserved_bytes > guess.peak.total
     assert guess.top_modules == truth.top_modules
+
+
+@pytest.mark.parametrize("micro", [1, 2, 6])
+def test_another_gpu_s_workspace_is_resized_not_traced_again(gpt2, micro):
+    """An A100 and an H100 run the same kernels; only the cuBLAS workspace differs (8.1 and 32
+    MiB per handle): the H100's dry runs are the A100's with the workspace resized."""
+    setup = TrainingSetup(grad_ckpt=True)
+    for base in (1, 2, 5):
+        _at(gpt2, setup, base, interpolate=False, gpu_name="a100-40gb")
+    guess = _at(gpt2, setup, micro, interpolate=True, gpu_name="h100-80gb")
+    truth = _at(gpt2, setup, micro, interpolate=False, gpu_name="h100-80gb")
+    assert guess.seconds == 0.0 < truth.seconds
+    assert guess.phases == truth.phases
+    assert guess.reserved_bytes == truth.reserved_bytes
 
 
 def test_without_interpolation_every_size_is_traced(gpt2):
@@ -100,7 +116,7 @@ def _run(grow: int, *, key: int = 1, extra: int = 0) -> TraceResult:
 
 def _remember(runs: dict[int, TraceResult]) -> None:
     for micro, run in runs.items():
-        sized.remember("setup", micro, (run,))
+        sized.remember("setup", micro, 0, (run,))
 
 
 def test_histories_on_a_line_answer_any_size_above_one():

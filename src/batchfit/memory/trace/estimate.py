@@ -167,7 +167,7 @@ def traced_result(
         "full_depth": full_depth,
     }
     depths = (low, high) if extrapolated else None
-    interpolating = sized.enabled.get() and setup.loss == "full"
+    interpolating = sized.enabled.get()
     # an interpolated result is cached apart: ``estimate`` reads traced ones only
     keys = [{**key, "sized": "interpolated"}] if interpolating else []
     keys.insert(0, key)
@@ -178,14 +178,20 @@ def traced_result(
                 return result_from_json(record), notes
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # a record of another shape: trace again and overwrite it
-    setup_key = json.dumps({**key, "micro": None}, sort_keys=True, default=str)
-    runs = sized.runs_at(setup_key, sizes.micro) if interpolating else None
+    setup_key = json.dumps({**key, "micro": None, "workspace": None}, sort_keys=True, default=str)
+    # a loss cut into chunks by the tokens (chunked, fused) is not a line in the size
+    between = setup.loss == "full"
+    runs = (
+        sized.runs_at(setup_key, sizes.micro, sizes.workspace, between_sizes=between)
+        if interpolating
+        else None
+    )
     result = None if runs is None else _combine(model, setup, sizes, depths, runs)
     if result is not None:
         _cache.store(CACHE_NAMESPACE, keys[-1], result_to_json(result))
         return result, notes
     runs = _dry_runs(model, setup, sizes, depths)
-    sized.remember(setup_key, sizes.micro, runs)
+    sized.remember(setup_key, sizes.micro, sizes.workspace, runs)
     result = _combine(model, setup, sizes, depths, runs)
     if result is None:  # an image model whose history does not unroll: traced whole
         runs = _dry_runs(model, setup, sizes, None)

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from dataclasses import replace
 
+from batchfit.memory.device.totals import CUBLAS_HANDLES
 from batchfit.memory.trace.result import MomentLog, TraceResult, moments_of
 
 # Whether a dry run at a new size may come from the histories of earlier ones in this process.
@@ -27,18 +28,20 @@ from batchfit.memory.trace.result import MomentLog, TraceResult, moments_of
 enabled: ContextVar[bool] = ContextVar("interpolate_sizes", default=False)
 
 # The dry runs of this process (with their histories), per setup (``traced_result``'s cache
-# key without the micro-batch): {micro-batch: the runs, shallow and deep or the one whole}
-_RUNS: OrderedDict[str, dict[int, tuple[TraceResult, ...]]] = OrderedDict()
+# key without the micro-batch and the cuBLAS workspace): {(micro-batch, workspace): the runs,
+# shallow and deep or the one whole}
+_RUNS: OrderedDict[str, dict[tuple[int, int], tuple[TraceResult, ...]]] = OrderedDict()
 _KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recently used go
 
 
-def remember(setup_key: str, micro: int, runs: tuple[TraceResult, ...]) -> None:
-    """Keep ``runs`` (fresh dry runs at ``micro``, with their histories) for interpolation;
-    the timeline's bookkeeping is dropped."""
+def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult, ...]) -> None:
+    """Keep ``runs`` (fresh dry runs at ``micro`` with ``workspace`` bytes of cuBLAS
+    workspace, with their histories) for interpolation; the timeline's bookkeeping is
+    dropped."""
     if any(r.layers is None and not r.events for r in runs):
         return  # nothing recorded to interpolate
     kept = tuple(replace(r, timeline=None) for r in runs)
-    _RUNS.setdefault(setup_key, {})[micro] = kept
+    _RUNS.setdefault(setup_key, {})[micro, workspace] = kept
     _RUNS.move_to_end(setup_key)
     while len(_RUNS) > _KEPT_SETUPS:
         _RUNS.popitem(last=False)
@@ -49,21 +52,94 @@ def forget() -> None:
     _RUNS.clear()
 
 
-def runs_at(setup_key: str, micro: int) -> tuple[TraceResult, ...] | None:
-    """The dry runs of ``setup_key`` at ``micro``, interpolated from the two smallest sizes
-    above 1 traced in this process; None where fewer than two were traced, where their
-    histories do not line up, or where another traced size is off their line."""
+def runs_at(
+    setup_key: str, micro: int, workspace: int = 0, *, between_sizes: bool = True
+) -> tuple[TraceResult, ...] | None:
+    """The dry runs of ``setup_key`` at ``micro`` with ``workspace`` bytes of cuBLAS
+    workspace, from the runs traced in this process: at that size with another workspace (its
+    allocations resized), or interpolated between two sizes above 1 with either workspace.
+    None where nothing answers: fewer than two sizes traced, histories that do not line up, a
+    traced size off their line. ``between_sizes=False``: only a size traced with another
+    workspace answers (a loss whose chunks follow the size)."""
     traced = _RUNS.get(setup_key, {})
+    if (micro, workspace) in traced:
+        return None  # traced: its own record answers
+    by_workspace: dict[int, dict[int, tuple[TraceResult, ...]]] = {}
+    for (size, space), kept in traced.items():
+        by_workspace.setdefault(space, {})[size] = kept
+    for space in sorted(by_workspace, key=lambda w: w != workspace):  # its own first
+        runs = by_workspace[space].get(micro)
+        if runs is None and between_sizes:
+            runs = _interpolated(by_workspace[space], micro)
+        if runs is not None and space != workspace:
+            runs = _with_workspace(runs, space, workspace)
+        if runs is not None:
+            return runs
+    return None
+
+
+def _interpolated(
+    traced: dict[int, tuple[TraceResult, ...]], micro: int
+) -> tuple[TraceResult, ...] | None:
     # at one sample code may take another path (BERT: four fewer allocations, a view where a
     # larger batch copies), so size 1 is neither a base nor interpolated
     bases = sorted(m for m in traced if m > 1)
-    if len(bases) < 2 or micro < 2 or micro in traced:
+    if len(bases) < 2 or micro < 2:
         return None
     low, high, *others = bases
     for other in others:  # every other traced size must lie on the line
         if not _same(_runs_between(traced[low], traced[high], low, high, other), traced[other]):
             return None
     return _runs_between(traced[low], traced[high], low, high, micro)
+
+
+def _with_workspace(
+    runs: tuple[TraceResult, ...], old: int, new: int
+) -> tuple[TraceResult, ...] | None:
+    """``runs`` with ``new`` bytes of cuBLAS workspace where they allocated ``old``: the
+    workspaces are the run's first allocations labelled other (``CUBLAS_HANDLES`` of them, one
+    per handle, made before the first step), and nothing else in a dry run depends on their
+    size. None where the history does not show them."""
+    out = []
+    for run in runs:
+        log = run.moments
+        if log is None or old <= 0 or new <= 0:
+            return None
+        # the first allocations labelled other, made as the step begins (after the weights)
+        first = [
+            (key, delta)
+            for key, delta in log.events
+            if delta > 0 and log.categories.get(key) == "other"
+        ][:CUBLAS_HANDLES]
+        keys = {key for key, _ in first}
+        if len(keys) != CUBLAS_HANDLES or any(d != old // CUBLAS_HANDLES for _, d in first):
+            return None
+        history = _resized(log.events, keys, new // CUBLAS_HANDLES)
+        events = history
+        if log.events is not run.events:
+            events = _resized(run.events, keys, new // CUBLAS_HANDLES)
+        phases, top = moments_of(history, log)
+        out.append(
+            TraceResult(
+                phases,
+                0.0,
+                top,
+                events=events,
+                layers=run.layers,
+                moments=replace(log, events=history),
+            )
+        )
+    return tuple(out)
+
+
+def _resized(
+    events: tuple[tuple[int, int], ...], keys: set[int], size: int
+) -> tuple[tuple[int, int], ...]:
+    """``events`` with each storage in ``keys`` allocated (and freed) at ``size`` bytes."""
+    return tuple(
+        (key, size if delta > 0 else -size) if key in keys else (key, delta)
+        for key, delta in events
+    )
 
 
 def _same(runs: tuple[TraceResult, ...] | None, traced: tuple[TraceResult, ...]) -> bool:
