@@ -181,12 +181,8 @@ def traced_result(
     setup_key = json.dumps({**key, "micro": None, "workspace": None}, sort_keys=True, default=str)
     # a loss cut into chunks by the tokens (chunked, fused) is not a line in the size
     between = setup.loss == "full"
-    runs = (
-        sized.runs_at(setup_key, sizes.micro, sizes.workspace, between_sizes=between)
-        if interpolating
-        else None
-    )
-    result = None if runs is None else _combine(model, setup, sizes, depths, runs)
+    runs = interpolating and sized.runs_at(setup_key, sizes.micro, sizes.workspace, between)
+    result = _combine(model, setup, sizes, depths, runs) if runs else None
     if result is not None:
         _cache.store(CACHE_NAMESPACE, keys[-1], result_to_json(result))
         return result, notes

@@ -53,7 +53,7 @@ def forget() -> None:
 
 
 def runs_at(
-    setup_key: str, micro: int, workspace: int = 0, *, between_sizes: bool = True
+    setup_key: str, micro: int, workspace: int = 0, between_sizes: bool = True
 ) -> tuple[TraceResult, ...] | None:
     """The dry runs of ``setup_key`` at ``micro`` with ``workspace`` bytes of cuBLAS
     workspace, from the runs traced in this process: at that size with another workspace (its
