@@ -166,3 +166,31 @@ def test_a_plan_confirms_its_size_by_dry_runs_not_histories():
     assert calls == [(7, False), (8, False)]
     # a search whose answer the dry runs contradict is searched again (None here)
     assert _confirmed(replace(found, micro_batch_size=6), at, budget=75, limit=100) is None
+
+
+@pytest.mark.parametrize("confirm", [False, True])
+def test_a_plan_search_lists_as_traced_only_the_sizes_it_dry_ran(gpt2, monkeypatch, confirm):
+    """An alternative whose next size was read from histories is shown as not confirmed
+    (``from_lines``), and the plan's own answer and the size after it are dry runs."""
+    from batchfit.plan._max_micro_batch import fits, search_budget, traced_fit
+
+    gpu = get_gpu("t4")
+    setup = resolve_setup(gpt2, TrainingSetup(), "cuda", gpu)
+    ran: list[int] = []
+    dry_runs = trace_estimate._dry_runs
+
+    def counted(model: Any, setup: Any, sizes: Any, depths: Any) -> Any:
+        ran.append(sizes.micro)
+        return dry_runs(model, setup, sizes, depths)
+
+    monkeypatch.setattr(trace_estimate, "_dry_runs", counted)
+    at_20 = fits(gpt2, setup, gpu, 20, 64, 1, 0, "trace")[1].device_total_bytes
+    headroom = gpu.memory_bytes - at_20 - (1 << 20)  # about 20 fit
+    with interpolated_sizes():
+        found = traced_fit(gpt2, setup, gpu, 64, None, headroom, confirm=confirm)
+    assert found.micro_batch_size > 2, ran
+    assert {b for b, _ in found.traced} <= set(ran)
+    if confirm:
+        assert {found.micro_batch_size, found.micro_batch_size + 1} <= set(ran)
+        assert found.estimate is not None
+        assert found.estimate.device_total_bytes <= search_budget(gpu, headroom)

@@ -87,8 +87,8 @@ def fit_table(
     engine = usable_engine(engine)[0]
     rows: list[FitRow] = []
     errors: list[UsageError] = []
-    # a row's size comes from the histories of sizes 1 and 2 where they line up: one setup's
-    # two dry runs serve every GPU with its cuBLAS workspace and precision
+    # a row's size is read from the histories of two traced sizes where they line up, and
+    # one setup's dry runs serve every GPU that runs its kernels in its precision
     with interpolated_sizes():
         for gpu in gpus:
             try:

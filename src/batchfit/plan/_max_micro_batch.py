@@ -11,6 +11,7 @@ from batchfit.hardware import GpuSpec
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate, interpolated_sizes
 from batchfit.memory.fit import FitResult, fit_micro_batch, largest_passing, seeded_fit
+from batchfit.memory.trace import sized
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.plan._own import OwnModel
@@ -134,9 +135,17 @@ def traced_fit(
     model the formulas cannot size (your own module, a setup they refuse) is searched from
     each peak moment's line through traced sizes 1 and 2 (``fit_micro_batch``)."""
 
+    read: set[int] = set()  # sizes last answered from histories (``interpolated_sizes``)
+
     def at(m: int, engine: str = "trace") -> MemoryEstimate:
         accum = _accum(m, per_gpu_batch)
-        return fits(model, setup, gpu, m, seq_len, accum, headroom, engine)[1]
+        est = fits(model, setup, gpu, m, seq_len, accum, headroom, engine)[1]
+        (read.add if est.extras.get("from_histories") else read.discard)(m)
+        return est
+
+    def dry_runs(found: FitResult) -> FitResult:
+        """``found`` with ``traced`` listing the sizes dry-run, not read from histories."""
+        return replace(found, traced=tuple(p for p in found.traced if p[0] not in read))
 
     limit = per_gpu_batch or 1 << 16
     budget = search_budget(gpu, headroom)
@@ -156,19 +165,21 @@ def traced_fit(
             with interpolated_sizes():
                 found = seeded_fit(at, budget, seed, limit=limit, confirm=confirm)
             if not confirm:
-                return found
+                return dry_runs(found)
             confirmed = _confirmed(found, at, budget, limit)
             if confirmed is None:
                 with interpolated_sizes(False):
                     confirmed = seeded_fit(at, budget, seed, limit=limit)
-            return confirmed
+            return dry_runs(confirmed)
     with interpolated_sizes():
         found = fit_micro_batch(at, budget, limit=limit)
+    if not confirm:
+        return dry_runs(found)
     confirmed = _confirmed(found, at, budget, limit)
     if confirmed is None:
         with interpolated_sizes(False):
             confirmed = fit_micro_batch(at, budget, limit=limit)
-    return confirmed
+    return dry_runs(confirmed)
 
 
 def _confirmed(
@@ -183,8 +194,10 @@ def _confirmed(
         after = at(size + 1) if size < limit else None
     fits_here = here is None or here.device_total_bytes <= budget
     if not fits_here or (after is not None and after.device_total_bytes <= budget):
+        sized.forget()  # histories that misled the search answer nothing more
         return None
-    return replace(found, estimate=here or found.estimate)
+    # nothing fits: the estimate is size 1's, traced
+    return replace(found, estimate=here or after or found.estimate)
 
 
 def trace_errors(

@@ -187,7 +187,8 @@ def traced_result(
         _cache.store(CACHE_NAMESPACE, keys[-1], result_to_json(result))
         return result, notes
     runs = _dry_runs(model, setup, sizes, depths)
-    sized.remember(setup_key, sizes.micro, sizes.workspace, runs)
+    if interpolating:
+        sized.remember(setup_key, sizes.micro, sizes.workspace, runs)
     result = _combine(model, setup, sizes, depths, runs)
     if result is None:  # an image model whose history does not unroll: traced whole
         runs = _dry_runs(model, setup, sizes, None)
@@ -431,6 +432,7 @@ def _estimate_traced(
             "top_modules": list(result.top_modules),
             "moments": {p.key: p.total for p in result.phases},
             "trace_seconds": result.seconds,
+            "from_histories": sized.from_histories(result),
             "peak_moment": result.peak.describe(),
             "notes": notes,
         },

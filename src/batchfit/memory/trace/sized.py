@@ -32,6 +32,7 @@ enabled: ContextVar[bool] = ContextVar("interpolate_sizes", default=False)
 # shallow and deep or the one whole}
 _RUNS: OrderedDict[str, dict[tuple[int, int], tuple[TraceResult, ...]]] = OrderedDict()
 _KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recently used go
+_KEPT_SIZES = 8  # and of this many sizes (with workspaces) of each
 
 
 def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult, ...]) -> None:
@@ -41,10 +42,18 @@ def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult
     if any(r.layers is None and not r.events for r in runs):
         return  # nothing recorded to interpolate
     kept = tuple(replace(r, timeline=None) for r in runs)
-    _RUNS.setdefault(setup_key, {})[micro, workspace] = kept
+    sizes = _RUNS.setdefault(setup_key, {})
+    sizes[micro, workspace] = kept
+    if len(sizes) > _KEPT_SIZES:  # the first ones kept (the bases), the oldest after them go
+        del sizes[list(sizes)[_KEPT_SIZES // 2]]
     _RUNS.move_to_end(setup_key)
     while len(_RUNS) > _KEPT_SETUPS:
         _RUNS.popitem(last=False)
+
+
+def from_histories(result: TraceResult) -> bool:
+    """Whether ``result`` was read from histories, not traced (no dry run took any time)."""
+    return result.seconds == 0.0
 
 
 def forget() -> None:
