@@ -131,8 +131,8 @@ def run(case: Case) -> dict[str, Any]:
 
     sized.forget()
     with _cache.disabled():
-        for base in case.bases:
-            at(base)
+        for base in case.bases:  # traced (two sizes), their histories kept
+            guessed(base)
         guess, guess_s = guessed(case.target)
         truth, truth_s = at(case.target)
         out = compared(guess, truth, (guess_s, truth_s))

@@ -66,7 +66,7 @@ def _at(
 )
 def test_an_interpolated_size_is_the_dry_run_at_that_size(gpt2, setup):
     for base in (2, 5):
-        _at(gpt2, setup, base, interpolate=False)
+        _at(gpt2, setup, base, interpolate=True)
     guess = _at(gpt2, setup, 11, interpolate=True)
     truth = _at(gpt2, setup, 11, interpolate=False)
     assert guess.seconds == 0.0 < truth.seconds  # no dry run made the guess
@@ -81,7 +81,7 @@ def test_another_gpu_s_workspace_is_resized_not_traced_again(gpt2, micro):
     MiB per handle): the H100's dry runs are the A100's with the workspace resized."""
     setup = TrainingSetup(grad_ckpt=True)
     for base in (1, 2, 5):
-        _at(gpt2, setup, base, interpolate=False, gpu_name="a100-40gb")
+        _at(gpt2, setup, base, interpolate=True, gpu_name="a100-40gb")
     guess = _at(gpt2, setup, micro, interpolate=True, gpu_name="h100-80gb")
     truth = _at(gpt2, setup, micro, interpolate=False, gpu_name="h100-80gb")
     assert guess.seconds == 0.0 < truth.seconds
@@ -91,7 +91,7 @@ def test_another_gpu_s_workspace_is_resized_not_traced_again(gpt2, micro):
 
 def test_without_interpolation_every_size_is_traced(gpt2):
     for base in (2, 5):
-        _at(gpt2, TrainingSetup(), base, interpolate=False)
+        _at(gpt2, TrainingSetup(), base, interpolate=True)
     assert _at(gpt2, TrainingSetup(), 11, interpolate=False).seconds > 0
 
 
@@ -100,7 +100,7 @@ def test_a_chunked_loss_is_traced_at_every_size(gpt2):
     third's."""
     setup = TrainingSetup(loss="chunked")
     for base in (2, 5):
-        _at(gpt2, setup, base, interpolate=False)
+        _at(gpt2, setup, base, interpolate=True)
     assert _at(gpt2, setup, 11, interpolate=True).seconds > 0
 
 

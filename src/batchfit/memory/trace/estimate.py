@@ -169,8 +169,7 @@ def traced_result(
     depths = (low, high) if extrapolated else None
     interpolating = sized.enabled.get()
     # an interpolated result is cached apart: ``estimate`` reads traced ones only
-    keys = [{**key, "sized": "interpolated"}] if interpolating else []
-    keys.insert(0, key)
+    keys = [key, *([{**key, "sized": "interpolated"}] if interpolating else [])]
     for k in keys:
         record = _cache.load(CACHE_NAMESPACE, k)
         if record is not None:
@@ -180,15 +179,15 @@ def traced_result(
                 pass  # a record of another shape: trace again and overwrite it
     setup_key = json.dumps({**key, "micro": None, "workspace": None}, sort_keys=True, default=str)
     # a loss cut into chunks by the tokens (chunked, fused) is not a line in the size
-    between = setup.loss == "full"
-    runs = interpolating and sized.runs_at(setup_key, sizes.micro, sizes.workspace, between)
+    between, micro, space = setup.loss == "full", sizes.micro, sizes.workspace
+    runs = interpolating and sized.runs_at(setup_key, micro, space, between)
     result = _combine(model, setup, sizes, depths, runs) if runs else None
     if result is not None:
         _cache.store(CACHE_NAMESPACE, keys[-1], result_to_json(result))
         return result, notes
     runs = _dry_runs(model, setup, sizes, depths)
-    if interpolating:
-        sized.remember(setup_key, sizes.micro, sizes.workspace, runs)
+    if interpolating:  # kept only where they may be read
+        sized.remember(setup_key, micro, space, runs)
     result = _combine(model, setup, sizes, depths, runs)
     if result is None:  # an image model whose history does not unroll: traced whole
         runs = _dry_runs(model, setup, sizes, None)
@@ -467,32 +466,18 @@ def _trace_lines(
         Line(c, f"at the peak ({phase})", v, "counted in a dry run of the real step")
         for c, v in traced.items()
     ]
+    others: list[tuple[str, int, str]] = []
     if buckets:
-        lines.append(
-            Line(
-                "other",
-                "DDP gradient buckets",
-                buckets,
-                "a flat copy of the gradients (gradient_as_bucket_view=False)",
-            )
-        )
+        flat = "a flat copy of the gradients (gradient_as_bucket_view=False)"
+        others.append(("DDP gradient buckets", buckets, flat))
     if device == "cuda":
-        lines.append(
-            Line(
-                "other",
-                "allocator: reserved beyond allocated",
-                totals.reserved - totals.peak,
-                "caching allocator simulation (segments, rounding, splits)",
-            )
-        )
-        lines.append(
-            Line(
-                "other",
-                "CUDA context (outside the allocator)",
-                totals.context,
-                f"{totals.context // BYTES_IN_MIB} MiB",
-            )
-        )
+        simulated = "caching allocator simulation (segments, rounding, splits)"
+        context = f"{totals.context // BYTES_IN_MIB} MiB"
+        others += [
+            ("allocator: reserved beyond allocated", totals.reserved - totals.peak, simulated),
+            ("CUDA context (outside the allocator)", totals.context, context),
+        ]
+    lines += [Line("other", part, value, how) for part, value, how in others]
     return tuple(lines)
 
 
