@@ -6,6 +6,7 @@ need neither torch nor transformers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,17 @@ def moment_peaks(
     return peaks
 
 
+def live_after(events: Sequence[tuple[int, int]], count: int) -> set[int]:
+    """The storages alive after the first ``count`` events of ``events`` (replaying them)."""
+    live: set[int] = set()
+    for key, delta in events[:count]:
+        if delta > 0:
+            live.add(key)
+        else:
+            live.discard(key)
+    return live
+
+
 def moments_of(
     events: tuple[tuple[int, int], ...], log: MomentLog
 ) -> tuple[tuple[PhaseResult, ...], tuple[tuple[str, int], ...]]:
@@ -170,16 +182,9 @@ def moments_of(
         phase, _, moment = name.partition("|")
         phases.append(PhaseResult(phase, components, moment))
     best = max(phases, key=lambda p: p.total)
-    alive: set[int] = set()
-    sizes: dict[int, int] = {}
-    for key, delta in events[: peaks[best.key].event_index]:
-        if delta > 0:
-            alive.add(key)
-            sizes[key] = delta
-        else:
-            alive.discard(key)
+    sizes = {key: delta for key, delta in events if delta > 0}  # a storage is allocated once
     by_module: dict[str, int] = {}
-    for key in alive:
+    for key in live_after(events, peaks[best.key].event_index):
         if log.categories.get(key) == "activations" and key in log.modules:
             name = log.modules[key]
             by_module[name] = by_module.get(name, 0) + sizes[key]

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from batchfit.memory.trace.result import CATEGORIES, PhasePeak, moment_peaks
+from batchfit.memory.trace.result import CATEGORIES, PhasePeak, live_after, moment_peaks
 
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
@@ -107,13 +107,7 @@ class Timeline:
 
     def live_at(self, event_index: int) -> set[int]:
         """Keys alive after the first ``event_index`` events (replaying the log)."""
-        live: set[int] = set()
-        for key, delta in self.events[:event_index]:
-            if delta > 0:
-                live.add(key)
-            else:
-                live.discard(key)
-        return live
+        return live_after(self.events, event_index)
 
     def components(self, live: Iterable[int]) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
