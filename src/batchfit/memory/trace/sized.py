@@ -20,17 +20,19 @@ from contextvars import ContextVar
 from dataclasses import replace
 
 from batchfit.memory.device.totals import CUBLAS_HANDLES
-from batchfit.memory.trace.result import MomentLog, TraceResult, moments_of
+from batchfit.memory.trace.result import LayerLog, MomentLog, TraceResult, moments_of
 
 # Whether a dry run at a new size may come from the histories of earlier ones in this process.
 # Off by default: ``estimate`` and the plan's confirmations trace every size they show; the
 # per-GPU table (``plan._fit_table``) turns it on for the rows it sizes.
 enabled: ContextVar[bool] = ContextVar("interpolate_sizes", default=False)
 
-# The dry runs of this process (with their histories), per setup (``traced_result``'s cache
-# key without the micro-batch and the cuBLAS workspace): {(micro-batch, workspace): the runs,
-# shallow and deep or the one whole}
+# The dry runs of this process (with their histories, each run of frees in the order
+# ``_canonical`` gives), per setup (``traced_result``'s cache key without the micro-batch and
+# the cuBLAS workspace): {(micro-batch, workspace): the runs, shallow and deep or the one whole}
 _RUNS: OrderedDict[str, dict[tuple[int, int], tuple[TraceResult, ...]]] = OrderedDict()
+# (setup, workspace) whose traced sizes above 1 are not on one line: not interpolated
+_OFF_LINE: set[tuple[str, int]] = set()
 _KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recently used go
 _KEPT_SIZES = 8  # and of this many sizes (with workspaces) of each
 
@@ -38,11 +40,22 @@ _KEPT_SIZES = 8  # and of this many sizes (with workspaces) of each
 def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult, ...]) -> None:
     """Keep ``runs`` (fresh dry runs at ``micro`` with ``workspace`` bytes of cuBLAS
     workspace, with their histories) for interpolation; the timeline's bookkeeping is
-    dropped."""
-    if any(r.layers is None and not r.events for r in runs):
+    dropped. A third size above 1 is checked against the line through the two kept before
+    (``runs_at`` then reads every size from that line, or none)."""
+    if any(r.moments is None for r in runs):
         return  # nothing recorded to interpolate
-    kept = tuple(replace(r, timeline=None) for r in runs)
+    kept = tuple(_canonical(r) for r in runs)
     sizes = _RUNS.setdefault(setup_key, {})
+    if micro > 1:
+        same = {m: r for (m, w), r in sizes.items() if w == workspace and m > 1}
+        if len(same) >= 2:
+            low, high = sorted(same)[:2]
+            on_line = _runs_between(same[low], same[high], low, high, micro)
+            if on_line is None or not all(
+                a.events == b.events and a.phases == b.phases
+                for a, b in zip(on_line, kept, strict=True)
+            ):
+                _OFF_LINE.add((setup_key, workspace))
     sizes[micro, workspace] = kept
     if len(sizes) > _KEPT_SIZES:  # the first ones kept (the bases), the oldest after them go
         del sizes[list(sizes)[_KEPT_SIZES // 2]]
@@ -59,6 +72,7 @@ def from_histories(result: TraceResult) -> bool:
 def forget() -> None:
     """Drop every kept history."""
     _RUNS.clear()
+    _OFF_LINE.clear()
 
 
 def runs_at(
@@ -66,10 +80,10 @@ def runs_at(
 ) -> tuple[TraceResult, ...] | None:
     """The dry runs of ``setup_key`` at ``micro`` with ``workspace`` bytes of cuBLAS
     workspace, from the runs traced in this process: at that size with another workspace (its
-    allocations resized), or interpolated between two sizes above 1 with either workspace.
-    None where nothing answers: fewer than two sizes traced, histories that do not line up, a
-    traced size off their line. ``between_sizes=False``: only a size traced with another
-    workspace answers (a loss whose chunks follow the size)."""
+    allocations resized), or interpolated between the two smallest sizes above 1 with either
+    workspace. None where nothing answers: fewer than two sizes traced, histories that do not
+    line up, a traced size off their line. ``between_sizes=False``: only a size traced with
+    another workspace answers (a loss whose chunks follow the size)."""
     traced = _RUNS.get(setup_key, {})
     if (micro, workspace) in traced:
         return None  # traced: its own record answers
@@ -78,7 +92,7 @@ def runs_at(
         by_workspace.setdefault(space, {})[size] = kept
     for space in sorted(by_workspace, key=lambda w: w != workspace):  # its own first
         runs = by_workspace[space].get(micro)
-        if runs is None and between_sizes:
+        if runs is None and between_sizes and (setup_key, space) not in _OFF_LINE:
             runs = _interpolated(by_workspace[space], micro)
         if runs is not None and space != workspace:
             runs = _with_workspace(runs, space, workspace)
@@ -95,10 +109,7 @@ def _interpolated(
     bases = sorted(m for m in traced if m > 1)
     if len(bases) < 2 or micro < 2:
         return None
-    low, high, *others = bases
-    for other in others:  # every other traced size must lie on the line
-        if not _same(_runs_between(traced[low], traced[high], low, high, other), traced[other]):
-            return None
+    low, high = bases[:2]
     return _runs_between(traced[low], traced[high], low, high, micro)
 
 
@@ -127,18 +138,21 @@ def _with_workspace(
         events = history
         if log.events is not run.events:
             events = _resized(run.events, keys, new // CUBLAS_HANDLES)
-        phases, top = moments_of(history, log)
-        out.append(
-            TraceResult(
-                phases,
-                0.0,
-                top,
-                events=events,
-                layers=run.layers,
-                moments=replace(log, events=history),
-            )
-        )
+        out.append(_read(run.layers, log, events, history))
     return tuple(out)
+
+
+def _read(
+    layers: LayerLog | None,
+    log: MomentLog,
+    events: tuple[tuple[int, int], ...],
+    history: tuple[tuple[int, int], ...],
+) -> TraceResult:
+    """A result read from histories: ``events`` for the allocator, the moments read from
+    ``history`` (the same tuple where the dry run read them from its own events)."""
+    phases, top = moments_of(history, log)
+    moments = replace(log, events=history)
+    return TraceResult(phases, 0.0, top, events=events, layers=layers, moments=moments)
 
 
 def _resized(
@@ -148,14 +162,6 @@ def _resized(
     return tuple(
         (key, size if delta > 0 else -size) if key in keys else (key, delta)
         for key, delta in events
-    )
-
-
-def _same(runs: tuple[TraceResult, ...] | None, traced: tuple[TraceResult, ...]) -> bool:
-    """Whether interpolated ``runs`` made the traced runs' allocations and moments."""
-    return runs is not None and all(
-        a.events == tuple(_in_order(b)) and a.phases == b.phases
-        for a, b in zip(runs, traced, strict=True)
     )
 
 
@@ -181,42 +187,37 @@ def interpolate(
     below: TraceResult, above: TraceResult, low: int, high: int, micro: int
 ) -> TraceResult | None:
     """The dry run at ``micro`` on the line through ``below`` (traced at ``low``) and
-    ``above`` (at ``high``): every event's bytes on its line, the moments read from the
-    interpolated history; None where the two do not line up."""
+    ``above`` (at ``high``), both kept in ``_canonical`` order: every event's bytes on its
+    line, the moments read from the interpolated history; None where the two do not line up."""
     log, other = below.moments, above.moments
     if log is None or other is None or below.layers != above.layers:
         return None
     if (log.marks, log.categories, log.modules) != (other.marks, other.categories, other.modules):
         return None
-    shared = log.events is below.events and other.events is above.events
-    events = _line(_in_order(below), _in_order(above), low, high, micro)
+    events = _line(below.events, above.events, low, high, micro)
     # the moments' own history where the result's is a rebuilt first step and the measured one
-    history = (
-        events if shared else _line(_moment_order(log), _moment_order(other), low, high, micro)
-    )
+    history = events
+    if log.events is not below.events:
+        history = _line(log.events, other.events, low, high, micro)
     if events is None or history is None:
         return None
-    phases, top = moments_of(history, log)
-    return TraceResult(
-        phases,
-        0.0,  # no dry run ran
-        top,
-        events=events,
-        layers=below.layers,
-        moments=replace(log, events=history),
-    )
+    return _read(below.layers, log, events, history)
 
 
 def _line(
-    below: list[tuple[int, int]], above: list[tuple[int, int]], low: int, high: int, micro: int
+    below: tuple[tuple[int, int], ...],
+    above: tuple[tuple[int, int], ...],
+    low: int,
+    high: int,
+    micro: int,
 ) -> tuple[tuple[int, int], ...] | None:
     """The history at ``micro`` on the line through two histories at ``low`` and ``high``:
     the same storages in the same order, each event's bytes an integer on its line and of
     its sign (an allocation stays one); None where they do not line up.
 
     Example (100 bytes plus 40 per sample, allocated then freed):
-        >>> at = lambda m: [(0, 100 + 40 * m), (0, -(100 + 40 * m))]
-        >>> _line(at(2), at(5), 2, 5, 9) == tuple(at(9))
+        >>> at = lambda m: ((0, 100 + 40 * m), (0, -(100 + 40 * m)))
+        >>> _line(at(2), at(5), 2, 5, 9) == at(9)
         True
         >>> _line(at(2), at(5)[:1], 2, 5, 9) is None
         True
@@ -233,17 +234,18 @@ def _line(
     return tuple(out)
 
 
-def _in_order(run: TraceResult) -> list[tuple[int, int]]:
-    """``run``'s events in the order ``_sorted_frees`` gives: cut where the layer changes and,
-    where the moments were read from the same history, where the moments change."""
+def _canonical(run: TraceResult) -> TraceResult:
+    """``run`` kept for interpolation: no timeline, and each run of consecutive frees sorted
+    (``_sorted_frees``), cut where the layer changes and, in the history the moments are read
+    from, where the moments change. A history shared by both stays one tuple."""
     log = run.moments
-    cuts = {m[0] for m in log.marks} if log is not None and log.events is run.events else set()
+    assert log is not None
+    shared = log.events is run.events
+    cuts = {mark[0] for mark in log.marks}
     layers = run.layers.event_layers if run.layers is not None else None
-    return _sorted_frees(run.events, layers, cuts)
-
-
-def _moment_order(log: MomentLog) -> list[tuple[int, int]]:
-    return _sorted_frees(log.events, None, {m[0] for m in log.marks})
+    events = tuple(_sorted_frees(run.events, layers, cuts if shared else set()))
+    history = events if shared else tuple(_sorted_frees(log.events, None, cuts))
+    return replace(run, timeline=None, events=events, moments=replace(log, events=history))
 
 
 def _sorted_frees(
