@@ -149,6 +149,10 @@ def traced_fit(
 
     limit = per_gpu_batch or 1 << 16
     budget = search_budget(gpu, headroom)
+
+    def search(confirm: bool) -> FitResult:  # a setup only the trace runs: from its lines
+        return fit_micro_batch(at, budget, limit=limit)
+
     if isinstance(model, ModelInfo):
 
         def formulas(m: int) -> int:
@@ -160,25 +164,20 @@ def traced_fit(
         try:
             formulas(1)
         except UsageError:
-            pass  # a setup only the trace runs: searched from its lines
+            pass
         else:
-            with interpolated_sizes():
-                found = seeded_fit(at, budget, seed, limit=limit, confirm=confirm)
-            if not confirm:
-                return dry_runs(found)
-            confirmed = _confirmed(found, at, budget, limit)
-            if confirmed is None:
-                with interpolated_sizes(False):
-                    confirmed = seeded_fit(at, budget, seed, limit=limit)
-            return dry_runs(confirmed)
+
+            def search(confirm: bool) -> FitResult:
+                return seeded_fit(at, budget, seed, limit=limit, confirm=confirm)
+
     with interpolated_sizes():
-        found = fit_micro_batch(at, budget, limit=limit)
+        found = search(confirm)
     if not confirm:
         return dry_runs(found)
     confirmed = _confirmed(found, at, budget, limit)
     if confirmed is None:
         with interpolated_sizes(False):
-            confirmed = fit_micro_batch(at, budget, limit=limit)
+            confirmed = search(True)
     return dry_runs(confirmed)
 
 
