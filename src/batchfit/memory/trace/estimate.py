@@ -177,7 +177,10 @@ def traced_result(
                 return result_from_json(record), notes
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # a record of another shape: trace again and overwrite it
-    setup_key = json.dumps({**key, "micro": None, "workspace": None}, sort_keys=True, default=str)
+    setup_key = ""  # the histories' key: read or kept only while interpolating
+    if interpolating:
+        every_size = {**key, "micro": None, "workspace": None}
+        setup_key = json.dumps(every_size, sort_keys=True, default=str)
     # a loss cut into chunks by the tokens (chunked, fused) is not a line in the size
     between, micro, space = setup.loss == "full", sizes.micro, sizes.workspace
     runs = interpolating and sized.runs_at(setup_key, micro, space, between)
