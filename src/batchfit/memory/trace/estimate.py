@@ -181,8 +181,8 @@ def traced_result(
     if interpolating:
         every_size = {**key, "micro": None, "workspace": None}
         setup_key = json.dumps(every_size, sort_keys=True, default=str)
-    # a loss cut into chunks by the tokens (chunked, fused) is not a line in the size
-    between, micro, space = setup.loss == "full", sizes.micro, sizes.workspace
+    between = sized.on_a_line(model, setup, sizes.seq)
+    micro, space = sizes.micro, sizes.workspace
     runs = interpolating and sized.runs_at(setup_key, micro, space, between)
     result = _combine(model, setup, sizes, depths, runs) if runs else None
     if result is not None:

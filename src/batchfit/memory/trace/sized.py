@@ -21,6 +21,8 @@ from dataclasses import replace
 
 from batchfit.memory.device.totals import CUBLAS_HANDLES
 from batchfit.memory.trace.result import LayerLog, MomentLog, TraceResult, moments_of
+from batchfit.models import ModelInfo
+from batchfit.spec import TrainingSetup
 
 # Whether a dry run at a new size may come from the histories of earlier ones in this process.
 # Off by default: ``estimate`` and the plan's confirmations trace every size they show; the
@@ -35,6 +37,24 @@ _RUNS: OrderedDict[str, dict[tuple[int, int], tuple[TraceResult, ...]]] = Ordere
 _OFF_LINE: set[tuple[str, int]] = set()
 _KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recently used go
 _KEPT_SIZES = 8  # and of this many sizes (with workspaces) of each
+
+
+def on_a_line(model: ModelInfo, setup: TrainingSetup, seq: int) -> bool:
+    """Whether a dry run of ``setup`` at ``seq`` tokens allocates, at every micro-batch size,
+    the same tensors with sizes affine in it, so that a size between traced ones may be read
+    from them. The model's own loss (a classifier's always) is affine in the size; so is
+    torchtune's chunked loss where its chunks are cut along the sequence (a loop that keeps
+    every chunk's logits) or where a fixed count of chunks divides every size's tokens (the
+    count divides a decoder-only or encoder model's sequence). Chunks of a fixed token count,
+    and Liger's fused loss (chunks of a power of two of rows), change in number and size with
+    the batch: they are traced at each size."""
+    if setup.loss == "full" or model.task == "classification":
+        return True
+    if setup.loss != "chunked" or model.arch.family == "encoder-decoder":
+        return False
+    if setup.loop == "keep-outputs":
+        return True
+    return setup.loss_chunk_tokens is None and seq % setup.loss_chunks == 0
 
 
 def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult, ...]) -> None:
