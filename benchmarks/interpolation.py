@@ -5,11 +5,14 @@ sizes of the row's setup (``batchfit.memory.trace.sized``), where they line up e
 event, instead of a dry run at the row's size. This checks that claim on cases drawn at random
 (``SEED``, fixed before any case was run): catalog models, methods, checkpointing, optimizers,
 GPUs (and so precisions and cuBLAS workspaces), sequence lengths and three sizes per case (two
-bases, as `gpus` traces 2 and the first row's size, and a target). Each case: the dry runs at
+bases, as `gpus` traces 2 and the first row's size, and a target), then, from a seed of their
+own, language models with torchtune's chunked loss (a fixed count of chunks or of tokens per
+chunk, under a loop that keeps every chunk's logits or not): histories are read only where
+the chunks are equal at every size. Each case: the dry runs at
 both bases, the target interpolated, then the target traced; every moment's components, the
 peak and the allocator's reserve compared. Fake tensors on the CPU, CUDA emulated.
 
-    python benchmarks/interpolation.py [--cases N] [--no-write]
+    python benchmarks/interpolation.py [--cases N] [--chunked N] [--no-write]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ sys.path.insert(0, str(HERE))
 from _report import write_section  # noqa: E402
 
 SEED = 20261129
+CHUNKED_SEED = 20261130  # the chunked-loss cases' own draw
 MIB = 2**20
 MODELS = [
     "gpt2",
@@ -46,6 +50,7 @@ MODELS = [
 GPUS = ["t4", "v100-16gb", "a10g", "l4", "a100-40gb", "a100-80gb", "rtx-4090", "h100-80gb"]
 OPTIMIZERS = ["adamw", "adamw-8bit", "sgd", "adafactor"]
 SEQS = [128, 256, 512, 1024]
+SMALL_LMS = ["gpt2", "gpt2-medium", "qwen2.5-0.5b", "llama-3.2-1b", "smollm2-360m", "gemma-2-2b"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,19 @@ class Case:
     seq: int
     bases: tuple[int, int]
     target: int
+    loop: str = "trainer"
+    chunk_tokens: int | None = None  # chunked loss: tokens per chunk (None: 8 chunks)
+    chunked: bool = False
 
     def label(self) -> str:
         ckpt = ", ckpt" if self.grad_ckpt else ""
-        return f"{self.model} {self.method}{ckpt} {self.optimizer} on {self.gpu}, seq {self.seq}"
+        loss = ""
+        if self.chunked:
+            cut = f"{self.chunk_tokens} tokens" if self.chunk_tokens else "8"
+            loss = f", chunked loss ({cut} per chunk, {self.loop})"
+        return (
+            f"{self.model} {self.method}{ckpt} {self.optimizer}{loss} on {self.gpu}, seq {self.seq}"
+        )
 
 
 def draw(n: int) -> list[Case]:
@@ -90,6 +104,31 @@ def draw(n: int) -> list[Case]:
     return cases
 
 
+def draw_chunked(n: int) -> list[Case]:
+    """``n`` cases of language models up to 2B with the chunked loss, from ``CHUNKED_SEED``;
+    among them sequences 8 chunks do not divide (those must be traced)."""
+    rng = random.Random(CHUNKED_SEED)
+    cases = []
+    for _ in range(n):
+        first = rng.randint(3, 40)
+        cases.append(
+            Case(
+                model=rng.choice(SMALL_LMS),
+                gpu=rng.choice(GPUS),
+                method=rng.choice(["full", "lora"]),
+                grad_ckpt=rng.random() < 0.5,
+                optimizer=rng.choice(OPTIMIZERS),
+                seq=rng.choice([*SEQS, 300, 500]),
+                bases=(2, first),
+                target=rng.choice([m for m in range(3, 65) if m != first]),
+                loop=rng.choice(["trainer", "keep-outputs"]),
+                chunk_tokens=rng.choice([None, None, 128]),
+                chunked=True,
+            )
+        )
+    return cases
+
+
 def run(case: Case) -> dict[str, Any]:
     from batchfit import _cache
     from batchfit.hardware import get_gpu
@@ -102,6 +141,8 @@ def run(case: Case) -> dict[str, Any]:
 
     model, gpu = resolve_model(case.model), get_gpu(case.gpu)
     setup = TrainingSetup(method=case.method, grad_ckpt=case.grad_ckpt, optimizer=case.optimizer)
+    if case.chunked:
+        setup = replace(setup, loss="chunked", loop=case.loop, loss_chunk_tokens=case.chunk_tokens)
     try:
         resolved = resolve_setup(model, setup, "cuda", gpu)
     except Exception as e:  # a setup this GPU cannot run (QLoRA without bf16 where required)
@@ -169,6 +210,7 @@ def _add(counts: list[int], answered: bool, same: bool) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=24)
+    ap.add_argument("--chunked", type=int, default=10, help="chunked-loss cases")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("BATCHFIT_NO_CACHE", "1")
@@ -178,7 +220,24 @@ def main() -> None:
     )
     sizes = ["| case | sizes traced | size" + header, "|---|---|---:|---|---|---:|---:|---:|"]
     spaces = ["| case | traced on | sized on" + header, "|---|---|---|---|---|---:|---:|---:|"]
-    count = {"sizes": [0, 0, 0], "spaces": [0, 0, 0]}  # cases, without a dry run, equal
+    chunked = ["| case | sizes traced | size" + header, "|---|---|---:|---|---|---:|---:|---:|"]
+    # cases, without a dry run, equal
+    count = {"sizes": [0, 0, 0], "spaces": [0, 0, 0], "chunked": [0, 0, 0]}
+    equal_chunks = 0  # chunked cases whose chunks are equal at every size (may be read)
+    for i, case in enumerate(draw_chunked(args.chunked), 1):
+        r = run(case)
+        print(case.label(), r, flush=True)
+        if "skipped" in r:
+            chunked.append(f"| k{i:02d} {case.label()} | - | - | skipped: {r['skipped']} |||||")
+            continue
+        row, answered, same = _row(
+            f"k{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target}", r
+        )
+        chunked.append(row)
+        count["chunked"] = _add(count["chunked"], answered, same)
+        equal_chunks += case.loop == "keep-outputs" or (
+            case.chunk_tokens is None and case.seq % 8 == 0
+        )
     for i, case in enumerate(draw(args.cases), 1):
         r = run(case)
         print(case.label(), r, flush=True)
@@ -198,6 +257,7 @@ def main() -> None:
             spaces.append(row)
             count["spaces"] = _add(count["spaces"], answered, same)
     (n, a, e), (wn, wa, we) = count["sizes"], count["spaces"]
+    kn, ka, ke = count["chunked"]
     lines = [
         *sizes,
         "",
@@ -213,6 +273,16 @@ def main() -> None:
         "",
         f"Across workspaces: {wa} of {wn} cases answered from the histories; of those, equal to "
         f"the dry run: {we} of {wa}.",
+        "",
+        f"Language models with torchtune's chunked loss (`random.Random({CHUNKED_SEED})`): "
+        "chunks cut along the sequence (a loop that keeps every chunk's logits) or 8 chunks "
+        "over a sequence 8 divides are equal at every size and may be read from the histories; "
+        "chunks of 128 tokens, or 8 over a sequence they do not divide, are traced.",
+        "",
+        *chunked,
+        "",
+        f"Chunked loss: {ka} of {kn} cases answered from the histories ({equal_chunks} have "
+        f"equal chunks at every size); of those, equal to the dry run: {ke} of {ka}.",
     ]
     text = "\n".join(lines)
     print(text)
