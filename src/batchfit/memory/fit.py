@@ -3,11 +3,13 @@
 Within one moment of a step (the start of backward, its end, the optimizer step, ...) memory
 is affine in the micro-batch: weights and states are fixed, activations and their transients
 grow with it. The peak is the largest moment, so each moment's line is fitted through traced
-sizes 1 and 2, the largest size under every line is solved for, and traces at that size (it
+sizes 2 and 3, the largest size under every line is solved for, and traces at that size (it
 must fit) and the next (it must not) confirm it. Where a confirmation disagrees, the search
 narrows the bracket with the secant through the sizes traced on both sides. Where the
 formulas can size the model, ``seeded_fit`` starts at their answer instead and needs no
-traces at sizes 1 and 2.
+traces at small sizes. (Sizes 2 and 3, not 1 and 2: a dry run at size 1 may view where a
+larger batch copies, so its history does not line up with theirs; from 2 and 3, the sizes
+searched between may be read from the histories, ``interpolated_sizes``.)
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ def _total(est: MemoryEstimate) -> int:
     return est.device_total_bytes
 
 
-def _by_lines(one: MemoryEstimate, two: MemoryEstimate, budget: int, limit: int) -> int | None:
-    """The largest size under every moment's line through sizes 1 and 2 (None: no lines)."""
-    lines = moment_lines(one, two)
+def _by_lines(low: MemoryEstimate, high: MemoryEstimate, budget: int, limit: int) -> int | None:
+    """The largest size under every moment's line through two traced sizes (None: no
+    lines)."""
+    lines = moment_lines(low, high)
     if lines is None:
         return None
-    outside, ratio = _outside(two)
+    outside, ratio = _outside(high)
     best = limit
     for at_one, slope in lines:
         if slope > 0:
@@ -50,18 +53,27 @@ def _by_lines(one: MemoryEstimate, two: MemoryEstimate, budget: int, limit: int)
 def _outside(two: MemoryEstimate) -> tuple[int, float]:
     """What the device adds to the allocated peak, as (fixed bytes, factor on the peak): the
     context and NCCL are fixed; the allocator's reserve beyond the peak grows with it (larger
-    activations leave larger holes), so it is carried as a ratio of the peak at size 2."""
+    activations leave larger holes), so it is carried as a ratio of the peak at the larger
+    traced size."""
     fixed = two.device_total_bytes - two.reserved_bytes
     ratio = two.reserved_bytes / two.peak_bytes if two.peak_bytes > 0 else 1.0
     return fixed, max(ratio, 1.0)
 
 
-def moment_lines(one: MemoryEstimate, two: MemoryEstimate) -> list[tuple[int, int]] | None:
-    """Each peak moment's (bytes at size 1, bytes per sample) from traces at sizes 1 and 2."""
-    low, high = one.extras.get("moments"), two.extras.get("moments")
-    if not isinstance(low, dict) or not isinstance(high, dict) or set(low) != set(high):
+def moment_lines(low: MemoryEstimate, high: MemoryEstimate) -> list[tuple[float, float]] | None:
+    """Each peak moment's (bytes at size 1, bytes per sample) from traces at two sizes (1
+    and 2 where the size-1 figure is wanted as traced)."""
+    a, b = low.micro_batch_size, high.micro_batch_size
+    at_low, at_high = low.extras.get("moments"), high.extras.get("moments")
+    if not isinstance(at_low, dict) or not isinstance(at_high, dict) or set(at_low) != set(at_high):
         return None
-    return [(at_one, high[key] - at_one) for key, at_one in low.items()]
+    if a == b:
+        return None
+    lines = []
+    for key, here in at_low.items():
+        slope = (at_high[key] - here) / (b - a)
+        lines.append((here - slope * (a - 1), slope))
+    return lines
 
 
 def predict(
@@ -152,7 +164,7 @@ def seeded_fit(
     is traced first, and each next size is a step along a slope, the secant through traced
     sizes where two are known, else the formulas' bytes per sample. With ``confirm``, as
     ``fit_micro_batch``: the answer fits by the trace and the size after it does not (two
-    dry runs where the formulas are right, against four from sizes 1 and 2). Without, the
+    dry runs where the formulas are right, against four from sizes 2 and 3). Without, the
     search stops at the first size that fits where the slope says the next does not: a
     lower bound, whose next size may be untraced (``FitResult.traced`` says).
 
@@ -238,7 +250,7 @@ def fit_micro_batch(
 ) -> FitResult:
     """Largest micro-batch whose estimate's ``device_total_bytes`` stays within the budget.
 
-    ``estimate_at(b)`` returns the estimate at micro-batch ``b``. Typically 4 calls: b = 1, 2,
+    ``estimate_at(b)`` returns the estimate at micro-batch ``b``. Typically 4 calls: b = 2, 3,
     the lines' answer and the size after it; the answer is always a size that was traced.
 
     Example:
@@ -260,17 +272,22 @@ def fit_micro_batch(
             traced.append((b, _total(cache[b])))
         return cache[b]
 
-    if _total(at(1)) > budget_bytes:
-        return FitResult(0, cache[1], tuple(traced))
-    lo, hi = 1, limit + 1  # largest size known to fit, smallest known not to (or past limit)
-    guess = 2
+    # sizes 2 and 3 first, not 1: their histories line up with the larger sizes' (a size of
+    # 1 may view where a larger batch copies), so those may be read from them
+    # (``interpolated_sizes``); size 1 is traced only where 2 does not fit
+    first = min(2, limit)
+    if _total(at(first)) > budget_bytes:
+        found = 1 if first > 1 and _total(at(1)) <= budget_bytes else 0
+        return FitResult(found, cache[1], tuple(traced))
+    lo, hi = first, limit + 1  # largest size known to fit, smallest known not to (or past limit)
+    guess = 3
     while hi - lo > 1 and len(cache) < max_traces:
         guess = min(max(guess, lo + 1), hi - 1)
         if _total(at(guess)) <= budget_bytes:
             lo = guess
         else:
             hi = guess
-        predicted = _by_lines(cache[1], cache[2], budget_bytes, limit) if 2 in cache else None
+        predicted = _by_lines(cache[2], cache[3], budget_bytes, limit) if 3 in cache else None
         if predicted is not None and lo < predicted < hi and predicted not in cache:
             guess = predicted  # the moments' lines: exact where memory is affine
         elif hi <= limit:
@@ -280,7 +297,8 @@ def fit_micro_batch(
             step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else 1
             guess = lo + max(1, step)
         else:
-            prev = max(b for b in cache if b < lo) if lo > 1 else None
+            below = [b for b in cache if b < lo]
+            prev = max(below) if below else None
             slope = (_total(cache[lo]) - _total(cache[prev])) / (lo - prev) if prev else 0.0
             # flat so far (a constant moment on top): jump ahead, the bracket then narrows
             step = math.floor((budget_bytes - _total(cache[lo])) / slope) if slope > 0 else 15 * lo

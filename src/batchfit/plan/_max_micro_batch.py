@@ -133,7 +133,7 @@ def traced_fit(
     the formulas' total at ``b`` before they seed the search (what the trace measured against
     them on a similar setup); it moves where the search starts, never what it confirms. A
     model the formulas cannot size (your own module, a setup they refuse) is searched from
-    each peak moment's line through traced sizes 1 and 2 (``fit_micro_batch``)."""
+    each peak moment's line through traced sizes 2 and 3 (``fit_micro_batch``)."""
 
     read: set[int] = set()  # sizes last answered from histories (``interpolated_sizes``)
 

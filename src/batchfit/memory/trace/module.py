@@ -193,7 +193,7 @@ def _step_memory(run: _ModuleRun) -> StepMemory:
         extras={
             "top_modules": list(run.result.top_modules),
             "trace_seconds": run.result.seconds,
-            # each moment's total: the planner fits its lines through sizes 1 and 2
+            # each moment's total: the planner fits its lines through two traced sizes
             "moments": {p.key: p.total for p in run.result.phases},
         },
     )
