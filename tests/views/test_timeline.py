@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import base64
-import os
+import contextlib
+import io
 import pickle
 import re
+import runpy
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,8 +20,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.trace.result import CATEGORIES
 from batchfit.memory.trace.timeline import StepTimeline, group_modules
 from batchfit.views import timeline
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests._cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +65,29 @@ def test_snapshot_replays_to_the_same_peak_and_pytorch_reads_it(
 
 
 def _memory_viz(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.cuda._memory_viz", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    """PyTorch's ``python -m torch.cuda._memory_viz ARGS``, run as its ``__main__`` in this
+    process (the same reader and writers, without a fresh interpreter importing torch)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    argv = sys.argv
+    sys.argv = ["_memory_viz.py", *args]
+    try:
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(),
+        ):
+            # runpy's note that the module was imported before (with torch.cuda) as a module
+            warnings.filterwarnings("ignore", "'torch.cuda._memory_viz' found", RuntimeWarning)
+            runpy.run_module("torch.cuda._memory_viz", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except Exception:  # as the module run on its own would: a traceback and status 1
+        code = 1
+        err.write(traceback.format_exc())
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["_memory_viz", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_snapshot_holds_what_the_step_leaves_allocated(
@@ -224,34 +243,30 @@ def test_the_peak_box_gives_the_estimate_s_figure(cuda_timeline: StepTimeline) -
     assert timeline.peak_text(tl, tl.peak_bytes).count("GiB") == 1
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "batchfit", "estimate", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "BATCHFIT_NO_CACHE": "1"},
-    )
+def test_cli_refuses_what_it_cannot_draw_before_the_work(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfit import models
 
+    monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
+    resolve = models.resolve_model
 
-def test_cli_refuses_what_it_cannot_draw_before_the_work(tiny: str, tmp_path: Path) -> None:
-    proc = _cli(tiny, "-b", "2", "-s", "64", "--timeline", str(tmp_path / "no" / "t.png"))
-    assert proc.returncode == 2 and "--timeline" in proc.stderr
-    proc = _cli(
-        tiny,
-        "-b",
-        "2",
-        "-s",
-        "64",
-        "--gpu",
-        "t4",
-        "--num-gpus",
-        "2",
-        "--sharding",
-        "zero2",
-        "--snapshot",
-        str(tmp_path / "s.pickle"),
+    def unread(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the model was read before the options were checked")
+
+    # a folder that does not exist: refused from the options alone, the model never read
+    monkeypatch.setattr(models, "resolve_model", unread)
+    code, out, err = run_cli(
+        ["estimate", tiny, "-b", "2", "-s", "64", "--timeline", str(tmp_path / "no" / "t.png")],
+        capsys,
     )
-    assert proc.returncode == 2 and "analytic engine answered" in proc.stderr
+    assert code == 2 and "--timeline" in err and not out
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # ZeRO-2 on 2 GPUs: the formulas answer, so there is no dry run to draw, and nothing is
+    # written
+    monkeypatch.setattr(models, "resolve_model", resolve)
+    args = ["estimate", tiny, "-b", "2", "-s", "64", "--gpu", "t4", "--num-gpus", "2"]
+    args += ["--sharding", "zero2", "--snapshot", str(tmp_path / "s.pickle")]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and "analytic engine answered" in err
     assert not (tmp_path / "s.pickle").exists()
