@@ -3,20 +3,23 @@ ends the probe with its number and leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
+from batchfit.cli import main
 from batchfit.errors import RankFailure, UsageError
 from batchfit.search import _ranks
 from batchfit.search import probe as _probe
 from batchfit.spec import TrainingSetup
-from tests._cli import run_cli
 
 TINY = {
     "model_type": "gpt2",
@@ -43,7 +46,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _spec(model: str, sharding: str, **extra: Any) -> dict[str, Any]:
     setup = TrainingSetup(num_gpus=2, sharding=sharding)  # type: ignore[arg-type]
-    spec = _probe.make_spec(model, setup, "cpu", 64, 600 * MIB, "max", 24, 2, nproc=2)
+    spec = _probe.make_spec(model, setup, "cpu", 64, 400 * MIB, "max", 16, 2, nproc=2)
     return {**spec, **extra}
 
 
@@ -60,20 +63,79 @@ def _probe_processes() -> list[int]:
     return pids
 
 
+class CliRun(NamedTuple):
+    """``batchfit probe --nproc 2 --json`` run once: its exit, output, and what it launched."""
+
+    code: int
+    out: str
+    err: str
+    spec: dict[str, Any]
+    final: dict[str, Any] | None
+    ranks: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def cli_run(request: pytest.FixtureRequest, tiny: str) -> Iterator[CliRun]:
+    """``batchfit probe TINY --nproc 2 --sharding S --memory-budget 400MiB --max-micro-batch 16
+    --choose max --steps-per-trial 2 --json`` once per sharding, rank 1 given 60 MiB
+    (``rank_budgets``) where rank 0 keeps the 400 MiB: the command's exit and output, and the
+    spec, final message and rank summaries of its launch."""
+    launched: list[tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]] = []
+    launch = _ranks.launch
+
+    def tight_rank_one(
+        spec: dict[str, Any], env: dict[str, str], on_line: Callable[[dict[str, Any]], None]
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        final, ranks = launch(
+            {**spec, "rank_budgets": [spec["memory_budget"], 60 * MIB]}, env, on_line
+        )
+        launched.append((spec, final, ranks))
+        return final, ranks
+
+    args = ["probe", tiny, "--device", "cpu", "--seq-len", "64", "--memory-budget", "400MiB"]
+    args += ["--nproc", "2", "--sharding", request.param, "--max-micro-batch", "16"]
+    args += ["--choose", "max", "--steps-per-trial", "2", "--json"]
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_ranks, "launch", tight_rank_one)
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            pytest.raises(SystemExit) as exc,
+        ):
+            main(args)
+            raise SystemExit(0)
+    ((spec, final, ranks),) = launched
+    yield CliRun(int(exc.value.code or 0), out.getvalue(), err.getvalue(), spec, final, ranks)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_ranks_under_different_budgets_agree(tiny: str, sharding: str) -> None:
-    """Rank 0 has room for every size up to 24 (600 MiB), rank 1 for a few (60 MiB): both
-    run the same trials and end on the same sizes, the tight rank's, below 24."""
-    spec = _spec(tiny, sharding, rank_budgets=[600 * MIB, 60 * MIB])
-    final, ranks = _ranks.launch(spec, _probe.child_env(), lambda _line: None)
-    assert final is not None and "result" in final, final
+def test_ranks_under_different_budgets_agree(cli_run: CliRun) -> None:
+    """Rank 0 has room for every size up to 16 (400 MiB), rank 1 for a few (60 MiB): both
+    run the same trials and end on the same sizes, the tight rank's, below 16."""
+    final, ranks = cli_run.final, cli_run.ranks
+    assert final is not None and "result" in final, (final, cli_run.err[-2000:])
     assert [r["rank"] for r in sorted(ranks, key=lambda r: r["rank"])] == [0, 1]
     assert ranks[0]["micro_batch_size"] == ranks[1]["micro_batch_size"]
     assert ranks[0]["max_fitting_micro_batch"] == ranks[1]["max_fitting_micro_batch"]
     result = final["result"]
-    assert 1 <= result["max_fitting_micro_batch"] < 24
+    assert 1 <= result["max_fitting_micro_batch"] < 16
     assert any("2 ranks (gloo)" in note for note in result["notes"])
+
+
+@pytest.mark.slow
+def test_cli_probe_with_two_ranks(cli_run: CliRun) -> None:
+    """The command gives the ranks its setup, budget and largest size, and prints rank 0's
+    result, with the sharding's note."""
+    assert cli_run.code == 0, cli_run.err[-2000:]
+    sharding = cli_run.spec["setup"]["sharding"]
+    assert cli_run.spec["nproc"] == 2 and cli_run.spec["setup"]["num_gpus"] == 2
+    assert cli_run.spec["memory_budget"] == 400 * MIB and cli_run.spec["high"] == 16
+    assert cli_run.spec["choose"] == "max" and cli_run.spec["steps_per_trial"] == 2
+    data = json.loads(cli_run.out)
+    assert 1 <= data["micro_batch_size"] <= 16
+    assert data["micro_batch_size"] == cli_run.ranks[0]["micro_batch_size"]
+    assert any(("FSDP2" if sharding == "fsdp" else "DDP's") in note for note in data["notes"])
 
 
 @pytest.mark.slow
@@ -99,34 +161,6 @@ def test_a_dead_rank_ends_the_probe_naming_it(tiny: str) -> None:
     while set(_probe_processes()) - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not set(_probe_processes()) - before
-
-
-@pytest.mark.slow
-def test_cli_probe_with_two_ranks(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(
-        [
-            "probe",
-            tiny,
-            "--device",
-            "cpu",
-            "--seq-len",
-            "64",
-            "--memory-budget",
-            "400MiB",
-            "--nproc",
-            "2",
-            "--sharding",
-            "fsdp",
-            "--max-micro-batch",
-            "16",
-            "--json",
-        ],
-        capsys,
-    )
-    assert code == 0, err[-2000:]
-    data = json.loads(out)
-    assert 1 <= data["micro_batch_size"] <= 16
-    assert any("FSDP2" in note for note in data["notes"])
 
 
 def test_probe_refuses_sharding_without_ranks_and_deepspeed_ranks() -> None:
