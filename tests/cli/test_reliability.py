@@ -1,6 +1,7 @@
 """The CLI's promise under bad input and faults: exit 0 or 2 (130/143 when stopped), one line
 on stderr, never a traceback, no file the user did not name."""
 
+import contextlib
 import importlib
 import json
 import os
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -108,9 +110,24 @@ def probe_config(tmp_path_factory):
     return _config(tmp_path_factory.mktemp("probe") / "tiny")
 
 
+def _child_loading_torch(pid: int, timeout: float = 120) -> int:
+    """The probe child of ``pid`` once it loads torch's library: it runs
+    ``batchfit.search.probe``, and its parent is past starting it, reading its lines."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in _children(pid):
+            with contextlib.suppress(OSError):
+                if b"libtorch" in Path(f"/proc/{child}/maps").read_bytes():
+                    return child
+        time.sleep(0.02)
+    raise AssertionError(f"no probe child of {pid} loaded torch in {timeout} s")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_sigterm_stops_the_bar_ends_the_child_and_exits_143(probe_config):
+    """SIGTERM once the bar is drawn and the trials' child runs: the bar is stopped (the
+    cursor shown again), the child killed and reaped, one line, exit 143."""
     cfg = probe_config
     args = ["probe", str(cfg), *PROBE_CHILD, str(PROBE_HIGH)]
     proc = subprocess.Popen(
@@ -119,15 +136,21 @@ def test_sigterm_stops_the_bar_ends_the_child_and_exits_143(probe_config):
         stderr=subprocess.PIPE,
         env={**ENV, "TTY_COMPATIBLE": "1", "COLUMNS": "100"},
     )
-    seen = b""
-    while b"trial:" not in seen:  # the first trial ran: the child is alive
-        chunk = proc.stderr.read1(4096)
-        assert chunk, seen
-        seen += chunk
-    (child,) = _children(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    rest = proc.stderr.read()
-    assert proc.wait() == 143
+    try:
+        child = _child_loading_torch(proc.pid)  # the bar starts before the child
+        seen = b""
+        while b"\x1b[?25l" not in seen:  # the bar hid the cursor
+            chunk = proc.stderr.read1(4096)
+            assert chunk, seen
+            seen += chunk
+        assert _children(proc.pid) == [child]
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     stderr = (seen + rest).decode()
     assert stderr.rstrip().endswith("batchfit: terminated")
     assert stderr.rfind("\x1b[?25h") > stderr.rfind("\x1b[?25l") >= 0  # the cursor shows
@@ -149,26 +172,31 @@ def _probe_spec(cfg: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_child_killed_by_the_kernel_is_one_line(probe_config):
+def test_child_killed_by_the_kernel_is_one_line(probe_config, monkeypatch):
     from batchfit.errors import UsageError
     from batchfit.search import probe as _probe
 
     spec = _probe_spec(probe_config)
+    started = subprocess.Popen
 
-    def kill_child(_message):
-        for child in _children(os.getpid()):
-            os.kill(child, signal.SIGKILL)
+    def killed_at_start(*args, **kwargs):
+        """The child, SIGKILLed as the kernel's out-of-memory killer would, once started."""
+        proc = started(*args, **kwargs)
+        os.kill(proc.pid, signal.SIGKILL)
+        return proc
 
+    monkeypatch.setattr(subprocess, "Popen", killed_at_start)
     with pytest.raises(UsageError, match=r"killed by signal 9 \(out of memory\?\)"):
-        _probe.run_child(spec, kill_child)
+        _probe.run_child(spec, lambda _message: None)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="prctl and /proc")
 def test_child_dies_with_its_parent(probe_config):
     # A subreaper adopts the orphan, so its end can be waited for: SIGKILL from the kernel
-    # (PR_SET_PDEATHSIG) when the parent is killed, not the end of its trials.
-    spec = _probe_spec(probe_config)
+    # (PR_SET_PDEATHSIG) when the parent is killed, not the end of its trials. No budget: the
+    # child skips the predictions (dry runs) and says its first size as soon as it is set up.
+    spec = {**_probe_spec(probe_config), "memory_budget": None}
     parent = textwrap.dedent(
         f"""
         import json, os, signal, sys
