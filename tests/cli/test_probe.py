@@ -11,6 +11,7 @@ from tests._tiny import PROBE_GPT2
 
 @pytest.mark.slow
 def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
+    # sizes up to 16 (the steps of 64 take seconds); the plan's 96 is 6 x 16 or a smaller split
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(PROBE_GPT2))
     code, out, _ = run_cli(
@@ -24,7 +25,7 @@ def test_probe_runs_real_steps_under_a_budget(tmp_path, capsys):
             "--memory-budget",
             "600MiB",
             "--max-micro-batch",
-            "64",
+            "16",
             "--global-batch",
             "96",
             "--dataset-size",
