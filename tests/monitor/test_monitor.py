@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -150,7 +151,11 @@ def test_unwritable_output_is_refused_before_the_command_runs(
         assert "plan.json is a file, not a folder" in err
 
 
-def test_plan_drift_warns_once(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_plan_drift_warns_once(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the runtime baseline's child faked (322 MiB): tests/monitor/test_cpu.py measures it
+    runs = _baseline_child(tmp_path, monkeypatch)
     plan = tmp_path / "plan.json"
     # a GPU plan of 10 MiB with 10 MiB headroom: the 120 MiB child passes it
     figures = {"model": "gpt2", "peak_bytes": 10 * 2**20, "headroom_wanted_bytes": 10 * 2**20}
@@ -172,6 +177,7 @@ def test_plan_drift_warns_once(tmp_path: Path, capfd: pytest.CaptureFixture[str]
     no_record = ("--no-record", "--plan", str(plan))
     code, _, err = _monitor(capfd, *no_record, "--", PY, "-c", HOLD.format(0.2))
     assert code == 0 and "recorded" not in err
+    assert len(runs) == 1  # the baseline measured once, then read from the cache
 
 
 def test_the_command_s_code_survives_a_closed_pipe_and_a_start_failure_says_why(
@@ -296,7 +302,7 @@ def test_a_signal_reaches_the_whole_group_and_leaves_nothing(
 
 
 def test_what_the_command_leaves_running_is_ended_even_if_it_ignores_sigterm(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pidfile = tmp_path / "pid"
     stubborn = (
@@ -304,10 +310,12 @@ def test_what_the_command_leaves_running_is_ended_even_if_it_ignores_sigterm(
         f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(60)"
     )
     script = f'{PY} -c "{stubborn}" & while [ ! -s {pidfile} ]; do sleep 0.05; done; exit 4'
+    # SIGKILL 0.3 s after the SIGTERM it ignores, not after the full grace
+    monkeypatch.setattr(monitor, "end_group", functools.partial(monitor.end_group, grace=0.3))
     started = time.monotonic()
     result = monitor.run(["bash", "-c", script], interval=0.05, gpu=False)
     assert result.exit_code == 4
-    assert time.monotonic() - started < monitor.GRACE_SECONDS + 20
+    assert time.monotonic() - started < 0.3 + 20
     pid = int(pidfile.read_text())
     stat = Path(f"/proc/{pid}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
