@@ -95,13 +95,46 @@ def test_without_interpolation_every_size_is_traced(gpt2):
     assert _at(gpt2, TrainingSetup(), 11, interpolate=False).seconds > 0
 
 
-def test_a_chunked_loss_is_traced_at_every_size(gpt2):
-    """Its chunks' count and size follow the tokens: histories at two sizes do not say a
-    third's."""
-    setup = TrainingSetup(loss="chunked")
+@pytest.mark.parametrize(
+    ("setup", "read"),
+    [
+        (TrainingSetup(loss="chunked"), True),  # 8 chunks of 64 tokens: equal at every size
+        (TrainingSetup(loss="chunked", loop="keep-outputs"), True),  # cut along the sequence
+        (TrainingSetup(loss="chunked", loss_chunk_tokens=24), False),  # their count follows
+        (TrainingSetup(loss="fused"), False),  # 2 chunks a sample (96 words over 64 features)
+    ],
+    ids=["chunked", "keep-outputs", "chunk-tokens", "fused"],
+)
+def test_a_loss_in_chunks_is_read_from_histories_only_where_its_chunks_are_alike(gpt2, setup, read):
+    """Where the chunks have the same count and size at every size, a third size is the
+    line through two, as with the model's own loss; where they follow the tokens, it is
+    traced."""
     for base in (2, 5):
         _at(gpt2, setup, base, interpolate=True)
-    assert _at(gpt2, setup, 11, interpolate=True).seconds > 0
+    guess = _at(gpt2, setup, 11, interpolate=True)
+    assert (guess.seconds == 0.0) == read
+    if read:
+        truth = _at(gpt2, setup, 11, interpolate=False)
+        assert guess.phases == truth.phases
+        assert guess.reserved_bytes == truth.reserved_bytes
+
+
+def test_liger_s_loss_is_read_only_between_sizes_of_one_chunk_row_count(tmp_path):
+    """1,000 words over 64 features: chunks of 32 rows from 5 to 8 samples of 64 tokens, 64
+    rows from 9. Size 8 is the line through 5 and 6; size 9 is traced."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GPT2, "vocab_size": 1000}))
+    model, setup = resolve_model(str(path)), TrainingSetup(loss="fused")
+    assert {sized.line_of(model, setup, 64, m) for m in (5, 6, 8)} == {"chunks of 32 rows"}
+    assert sized.line_of(model, setup, 64, 9) == "chunks of 64 rows"
+    for base in (5, 6):
+        _at(model, setup, base, interpolate=True)
+    guess = _at(model, setup, 8, interpolate=True)
+    truth = _at(model, setup, 8, interpolate=False)
+    assert guess.seconds == 0.0 < truth.seconds
+    assert guess.phases == truth.phases
+    assert guess.reserved_bytes == truth.reserved_bytes
+    assert _at(model, setup, 9, interpolate=True).seconds > 0
 
 
 def _run(grow: int, *, key: int = 1, extra: int = 0) -> TraceResult:

@@ -51,6 +51,11 @@ def chunked_loss_terms(
     return held, in_forward, in_backward
 
 
+# A dry run of Liger's loss runs the first and last of a run of identical chunks this many at
+# a time (``trace/_lm_loss.py``): what each allocates and frees is the same
+KEPT_FAKE_CHUNKS = 2
+
+
 def fused_loss_rows(tokens: int, vocab: int, hidden: int) -> int:
     """Rows of one chunk of Liger's fused linear cross-entropy:
     ``next_power_of_2(cdiv(BT, cdiv(V, H)))`` (``fused_linear_cross_entropy.py``)."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from batchfit.errors import UsageError
-from batchfit.memory.formulas.loss import fused_loss_rows
+from batchfit.memory.formulas.loss import KEPT_FAKE_CHUNKS, fused_loss_rows
 
 IGNORE_INDEX = -100  # transformers', torchtune's and Liger's ignore index
 
@@ -61,10 +61,6 @@ def _ce_grad_in_place(
     logits.scatter_add_(1, index, torch.full_like(index, -1, dtype=logits.dtype))
     logits.mul_((valid.to(logits.dtype) / count.to(logits.dtype)).unsqueeze(1))
     return losses * valid / count  # liger's kernel stores each row's share of the mean
-
-
-# On fake tensors a run of identical chunks is cut to its first and last ones
-KEPT_FAKE_CHUNKS = 2
 
 
 def _chunk_starts(rows: int, chunk: int, fake: bool) -> list[int]:

@@ -178,11 +178,11 @@ def traced_result(
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # a record of another shape: trace again and overwrite it
     setup_key = ""  # the histories' key: read or kept only while interpolating
+    line = sized.line_of(model, setup, sizes.seq, sizes.micro)  # the sizes it shares a line with
     if interpolating:
-        every_size = {**key, "micro": None, "workspace": None}
+        every_size = {**key, "micro": None, "workspace": None, "line": line}
         setup_key = json.dumps(every_size, sort_keys=True, default=str)
-    between = sized.on_a_line(model, setup, sizes.seq)
-    micro, space = sizes.micro, sizes.workspace
+    between, micro, space = line is not None, sizes.micro, sizes.workspace
     runs = interpolating and sized.runs_at(setup_key, micro, space, between)
     result = _combine(model, setup, sizes, depths, runs) if runs else None
     if result is not None:

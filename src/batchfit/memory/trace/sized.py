@@ -20,6 +20,7 @@ from contextvars import ContextVar
 from dataclasses import replace
 
 from batchfit.memory.device.totals import CUBLAS_HANDLES
+from batchfit.memory.formulas.loss import KEPT_FAKE_CHUNKS, fused_loss_rows
 from batchfit.memory.trace.result import LayerLog, MomentLog, TraceResult, moments_of
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
@@ -39,22 +40,46 @@ _KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recen
 _KEPT_SIZES = 8  # and of this many sizes (with workspaces) of each
 
 
-def on_a_line(model: ModelInfo, setup: TrainingSetup, seq: int) -> bool:
-    """Whether a dry run of ``setup`` at ``seq`` tokens allocates, at every micro-batch size,
-    the same tensors with sizes affine in it, so that a size between traced ones may be read
-    from them. The model's own loss (a classifier's always) is affine in the size; so is
-    torchtune's chunked loss where its chunks are cut along the sequence (a loop that keeps
-    every chunk's logits) or where a fixed count of chunks divides every size's tokens (the
-    count divides a decoder-only or encoder model's sequence). Chunks of a fixed token count,
-    and Liger's fused loss (chunks of a power of two of rows), change in number and size with
-    the batch: they are traced at each size."""
+def line_of(model: ModelInfo, setup: TrainingSetup, seq: int, micro: int) -> str | None:
+    """Which sizes' dry runs of ``setup`` at ``seq`` tokens lie on one line with the dry run
+    at ``micro`` (each allocation's bytes affine in the size, so that a size between traced
+    ones may be read from them): "" for every size, a name shared by those sizes only, None
+    for none (traced at each size).
+
+    The model's own loss (a classifier's always) is affine in the size; so is torchtune's
+    chunked loss where its chunks are cut along the sequence (a loop that keeps every chunk's
+    logits) or where a fixed count of chunks divides every size's tokens (the count divides a
+    decoder-only or encoder model's sequence). Liger's fused loss cuts the tokens into chunks
+    of a power of two of rows that grows with the batch: sizes whose tokens make chunks of one
+    row count, every chunk full, and more than the dry run keeps of them (the middle ones are
+    skipped) make the same allocations, those of a chunk the same at each. Chunks of a fixed
+    token count change in number with the batch: traced at each size.
+
+    Example (Llama-3's 128,256-token vocabulary over 4,096 features, 4,096 tokens a sample):
+        >>> from batchfit.models import resolve_model
+        >>> llama = resolve_model("llama-3.1-8b")
+        >>> [line_of(llama, TrainingSetup(loss="fused"), 4096, m) for m in (4, 5, 8, 9)]
+        ['chunks of 512 rows', 'chunks of 1024 rows', 'chunks of 1024 rows', 'chunks of 2048 rows']
+    """
     if setup.loss == "full" or model.task == "classification":
-        return True
-    if setup.loss != "chunked" or model.arch.family == "encoder-decoder":
-        return False
-    if setup.loop == "keep-outputs":
-        return True
-    return setup.loss_chunk_tokens is None and seq % setup.loss_chunks == 0
+        return ""
+    if model.arch.family in ("encoder-decoder", "vision"):
+        return None
+    if setup.loss == "chunked":
+        if setup.loop == "keep-outputs":
+            return ""
+        even = setup.loss_chunk_tokens is None and seq % setup.loss_chunks == 0
+        return "" if even else None
+    arch = model.arch
+    # the head reads the hidden states (not a projection of them, as OPT's)
+    width = model.config.get("word_embed_proj_dim", arch.hidden_size)
+    if setup.loss != "fused" or width != arch.hidden_size:
+        return None
+    rows = micro * seq
+    chunk = fused_loss_rows(rows, arch.vocab_size, arch.hidden_size)
+    if rows % chunk or rows // chunk <= 2 * KEPT_FAKE_CHUNKS:
+        return None
+    return f"chunks of {chunk} rows"
 
 
 def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult, ...]) -> None:
