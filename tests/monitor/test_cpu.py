@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,39 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "data"
 
 
-def test_a_peak_between_two_samples_is_not_missed() -> None:
-    # 300 MiB held for 50 ms, then freed, between samples 1 s apart: VmHWM keeps it
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.01)
+
+
+def _waiting_for(path: Path) -> str:
+    """Python lines that wait until ``path`` exists (the test's word to go on)."""
+    return f"import os, time\nwhile not os.path.exists({str(path)!r}): time.sleep(0.01)\n"
+
+
+def test_a_peak_between_two_samples_is_not_missed(tmp_path: Path) -> None:
+    # 300 MiB held, then freed, while the sampler waits (the first sample's callback holds it
+    # until the command has freed them): the next sample's VmHWM keeps them
+    go, freed, seen = tmp_path / "go", tmp_path / "freed", tmp_path / "seen"
     spike = (
-        "import time; time.sleep(0.2); b = b'x' * (300 * 2**20); time.sleep(0.05); del b; "
-        "time.sleep(2.5)"
+        _waiting_for(go)
+        + f"b = b'x' * (300 * 2**20); del b; open({str(freed)!r}, 'w').close()\n"
+        + _waiting_for(seen)
     )
-    result = monitor.run([sys.executable, "-c", spike], interval=1.0, gpu=False)
-    assert result.exit_code == 0
+
+    def on_sample(_sample: monitor.Sample, _result: monitor.MonitorResult) -> None:
+        if not go.exists():
+            go.touch()
+            _wait_for(freed)
+        elif freed.exists():
+            seen.touch()  # a sample after the peak: the command may end
+
+    result = monitor.run(
+        [sys.executable, "-c", spike], interval=0.05, gpu=False, on_sample=on_sample
+    )
+    assert result.exit_code == 0 and seen.exists()
     assert max(s.total_bytes for s in result.samples) < 200 * MIB  # the samples missed it
     assert result.peak_bytes >= 300 * MIB
     assert max(result.process_peaks().values()) >= 300 * MIB
@@ -46,25 +72,39 @@ def test_a_small_command_is_not_given_batchfits_own_memory() -> None:
     assert result.peak_bytes < 100 * MIB
 
 
-def test_growth_after_the_last_sample_is_kept_when_it_is_the_commands() -> None:
-    # the command outgrows this process's own high-water mark, then exits before the next
-    # sample: only its ru_maxrss (reaped with wait4) can tell, and it cannot be ours
+def test_growth_after_the_last_sample_is_kept_when_it_is_the_commands(tmp_path: Path) -> None:
+    # the command outgrows this process's own high-water mark after the first sample, then
+    # exits before the next: only its ru_maxrss (reaped with wait4) can tell, and it cannot be
+    # ours
     ours = monitor.rss_bytes(os.getpid(), "VmHWM")
     size = ours + 300 * MIB
-    grow = f"import time; time.sleep(0.3); b = b'x' * {size}"
-    result = monitor.run([sys.executable, "-c", grow], interval=30.0, gpu=False)
+    go = tmp_path / "go"
+    grow = _waiting_for(go) + f"b = b'x' * {size}\n"
+    result = monitor.run(
+        [sys.executable, "-c", grow], interval=30.0, gpu=False, on_sample=lambda *_: go.touch()
+    )
     assert result.exit_code == 0
     assert max(s.total_bytes for s in result.samples) < 200 * MIB  # sampled before it grew
     assert result.peak_bytes >= size
 
 
-def test_pages_a_forked_worker_shares_count_once() -> None:
-    # a parent touches 200 MiB, then forks: each process's RSS holds the 200 MiB, PSS half
+def test_pages_a_forked_worker_shares_count_once(tmp_path: Path) -> None:
+    # a parent touches 200 MiB, then forks: each process's RSS holds the 200 MiB, PSS half;
+    # both live until a sample has seen the two of them
+    seen = tmp_path / "seen"
     fork = (
-        "import os, time; b = b'x' * (200 * 2**20); pid = os.fork(); time.sleep(1.2)\n"
-        "if pid: os.waitpid(pid, 0)\n"
+        "import os, time; b = b'x' * (200 * 2**20); pid = os.fork()\n"
+        + _waiting_for(seen)
+        + "if pid: os.waitpid(pid, 0)\n"
     )
-    result = monitor.run([sys.executable, "-c", fork], interval=0.2, gpu=False)
+
+    def on_sample(sample: monitor.Sample, _result: monitor.MonitorResult) -> None:
+        if len(sample.processes) == 2:
+            seen.touch()
+
+    result = monitor.run(
+        [sys.executable, "-c", fork], interval=0.05, gpu=False, on_sample=on_sample
+    )
     assert result.exit_code == 0
     both = [s for s in result.samples if len(s.processes) == 2]
     assert both, "the sampler never saw the forked worker"
