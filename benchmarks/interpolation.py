@@ -32,6 +32,7 @@ from _report import write_section  # noqa: E402
 
 SEED = 20261129
 CHUNKED_SEED = 20261130  # the chunked-loss cases' own draw
+FUSED_SEED = 20261201  # the fused-loss cases' own draw
 MIB = 2**20
 MODELS = [
     "gpt2",
@@ -65,14 +66,20 @@ class Case:
     target: int
     loop: str = "trainer"
     chunk_tokens: int | None = None  # chunked loss: tokens per chunk (None: 8 chunks)
-    chunked: bool = False
+    loss: str = "full"
+
+    @property
+    def chunked(self) -> bool:
+        return self.loss != "full"
 
     def label(self) -> str:
         ckpt = ", ckpt" if self.grad_ckpt else ""
         loss = ""
-        if self.chunked:
+        if self.loss == "chunked":
             cut = f"{self.chunk_tokens} tokens" if self.chunk_tokens else "8"
             loss = f", chunked loss ({cut} per chunk, {self.loop})"
+        elif self.loss == "fused":
+            loss = ", fused loss"
         return (
             f"{self.model} {self.method}{ckpt} {self.optimizer}{loss} on {self.gpu}, seq {self.seq}"
         )
@@ -123,7 +130,43 @@ def draw_chunked(n: int) -> list[Case]:
                 target=rng.choice([m for m in range(3, 65) if m != first]),
                 loop=rng.choice(["trainer", "keep-outputs"]),
                 chunk_tokens=rng.choice([None, None, 128]),
-                chunked=True,
+                loss="chunked",
+            )
+        )
+    return cases
+
+
+def draw_fused(n: int) -> list[Case]:
+    """``n`` cases of language models with Liger's fused loss, from ``FUSED_SEED``: a target
+    size, then two bases among the sizes up to 64 whose tokens make chunks of the target's
+    row count (where two exist; else any two), as a search brackets its answer."""
+    from batchfit.memory.trace import sized
+    from batchfit.models import resolve_model
+    from batchfit.spec import TrainingSetup
+
+    rng = random.Random(FUSED_SEED)
+    cases = []
+    for _ in range(n):
+        model, seq = rng.choice(SMALL_LMS), rng.choice(SEQS)
+        target, info = rng.randint(3, 64), resolve_model(model)
+
+        def line(m: int, info: Any = info, s: int = seq) -> str | None:
+            return sized.line_of(info, TrainingSetup(loss="fused"), s, m)
+
+        alike = [m for m in range(2, 65) if m != target and line(m) == line(target) is not None]
+        pool = alike if len(alike) >= 2 else [m for m in range(2, 65) if m != target]
+        low, high = sorted(rng.sample(pool, 2))
+        cases.append(
+            Case(
+                model=model,
+                gpu=rng.choice(GPUS),
+                method=rng.choice(["full", "lora"]),
+                grad_ckpt=rng.random() < 0.5,
+                optimizer=rng.choice(OPTIMIZERS),
+                seq=seq,
+                bases=(low, high),
+                target=target,
+                loss="fused",
             )
         )
     return cases
@@ -142,7 +185,7 @@ def run(case: Case) -> dict[str, Any]:
     model, gpu = resolve_model(case.model), get_gpu(case.gpu)
     setup = TrainingSetup(method=case.method, grad_ckpt=case.grad_ckpt, optimizer=case.optimizer)
     if case.chunked:
-        setup = replace(setup, loss="chunked", loop=case.loop, loss_chunk_tokens=case.chunk_tokens)
+        setup = replace(setup, loss=case.loss, loop=case.loop, loss_chunk_tokens=case.chunk_tokens)
     try:
         resolved = resolve_setup(model, setup, "cuda", gpu)
     except Exception as e:  # a setup this GPU cannot run (QLoRA without bf16 where required)
@@ -170,13 +213,15 @@ def run(case: Case) -> dict[str, Any]:
             "seconds": seconds,
         }
 
+    lines = {sized.line_of(model, resolved, case.seq, m) for m in (*case.bases, case.target)}
+    readable = len(lines) == 1 and None not in lines
     sized.forget()
     with _cache.disabled():
         for base in case.bases:  # traced (two sizes), their histories kept
             guessed(base)
         guess, guess_s = guessed(case.target)
         truth, truth_s = at(case.target)
-        out = compared(guess, truth, (guess_s, truth_s))
+        out = {**compared(guess, truth, (guess_s, truth_s)), "readable": readable}
         # the same sizes on a GPU of the other cuBLAS workspace that runs the same kernels
         space = gpu_extras(gpu, resolved).workspace
         other = get_gpu(
@@ -212,6 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=24)
     ap.add_argument("--chunked", type=int, default=10, help="chunked-loss cases")
+    ap.add_argument("--fused", type=int, default=10, help="fused-loss cases")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("BATCHFIT_NO_CACHE", "1")
@@ -222,23 +268,28 @@ def main() -> None:
     sizes = ["| case | sizes traced | size" + header, "|---|---|---:|---|---|---:|---:|---:|"]
     spaces = ["| case | traced on | sized on" + header, "|---|---|---|---|---|---:|---:|---:|"]
     chunked = ["| case | sizes traced | size" + header, "|---|---|---:|---|---|---:|---:|---:|"]
+    fused = list(chunked)
     # cases, without a dry run, equal
-    count = {"sizes": [0, 0, 0], "spaces": [0, 0, 0], "chunked": [0, 0, 0]}
-    equal_chunks = 0  # chunked cases whose chunks are equal at every size (may be read)
-    for i, case in enumerate(draw_chunked(args.chunked), 1):
-        r = run(case)
-        print(case.label(), r, flush=True)
-        if "skipped" in r:
-            chunked.append(f"| k{i:02d} {case.label()} | - | - | skipped: {r['skipped']} |||||")
-            continue
-        row, answered, same = _row(
-            f"k{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target}", r
-        )
-        chunked.append(row)
-        count["chunked"] = _add(count["chunked"], answered, same)
-        equal_chunks += case.loop == "keep-outputs" or (
-            case.chunk_tokens is None and case.seq % 8 == 0
-        )
+    count = {k: [0, 0, 0] for k in ("sizes", "spaces", "chunked", "fused")}
+    readable = {"chunked": 0, "fused": 0}  # cases whose chunks allow reading the target
+    groups = (("chunked", "k", draw_chunked(args.chunked)), ("fused", "f", draw_fused(args.fused)))
+    for group, tag, cases in groups:
+        rows = chunked if group == "chunked" else fused
+        for i, case in enumerate(cases, 1):
+            r = run(case)
+            print(case.label(), r, flush=True)
+            if "skipped" in r:
+                rows.append(
+                    f"| {tag}{i:02d} {case.label()} | - | - | skipped: {r['skipped']} |||||"
+                )
+                continue
+            row, answered, same = _row(
+                f"{tag}{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target}",
+                r,
+            )
+            rows.append(row)
+            count[group] = _add(count[group], answered, same)
+            readable[group] += r["readable"]
     for i, case in enumerate(draw(args.cases), 1):
         r = run(case)
         print(case.label(), r, flush=True)
@@ -258,7 +309,7 @@ def main() -> None:
             spaces.append(row)
             count["spaces"] = _add(count["spaces"], answered, same)
     (n, a, e), (wn, wa, we) = count["sizes"], count["spaces"]
-    kn, ka, ke = count["chunked"]
+    (kn, ka, ke), (fn, fa, fe) = count["chunked"], count["fused"]
     lines = [
         *sizes,
         "",
@@ -282,8 +333,18 @@ def main() -> None:
         "",
         *chunked,
         "",
-        f"Chunked loss: {ka} of {kn} cases answered from the histories ({equal_chunks} have "
-        f"equal chunks at every size); of those, equal to the dry run: {ke} of {ka}.",
+        f"Chunked loss: {ka} of {kn} cases answered from the histories ({readable['chunked']} "
+        f"have equal chunks at every size); of those, equal to the dry run: {ke} of {ka}.",
+        "",
+        f"Language models with Liger's fused loss (`random.Random({FUSED_SEED})`): a size is "
+        "read from two others' histories where the tokens of all three make chunks of one row "
+        "count, every chunk full, and more chunks than a dry run runs (the middle ones are "
+        "skipped); else traced.",
+        "",
+        *fused,
+        "",
+        f"Fused loss: {fa} of {fn} cases answered from the histories ({readable['fused']} "
+        f"have the three sizes' chunks alike); of those, equal to the dry run: {fe} of {fa}.",
     ]
     text = "\n".join(lines)
     print(text)
