@@ -243,15 +243,26 @@ def test_the_keyword_form_and_the_request_plan_the_same(options: dict[str, Any])
     _same(keywords, request)
 
 
+# ``TINY_VIT`` narrowed to one layer of width 32 and 32 px images (4 patches): each rung of
+# the plan's ladder is one dry run at a per-GPU batch of 2
+SMALL_VIT = {
+    **TINY_VIT,
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "intermediate_size": 64,
+    "image_size": 32,
+}
+
+
 def test_an_image_model_s_keyword_seq_len_is_its_image_size(tmp_path: Any) -> None:
     # the trace engine: the formulas model token models only
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY_VIT))
+    config.write_text(json.dumps(SMALL_VIT))
     vit = resolve_model(str(config))
-    keywords = make_plan(vit, T4, TrainingSetup(), seq_len=64, global_batch=8)
-    request = make_plan(PlanRequest(vit, T4, image_size=64, global_batch=8))
+    keywords = make_plan(vit, T4, TrainingSetup(), seq_len=32, global_batch=2)
+    request = make_plan(PlanRequest(vit, T4, image_size=32, global_batch=2))
     _same(keywords, request)
-    assert request.seq_len == 64
+    assert request.seq_len == 32 and request.estimate.engine == "trace"
 
 
 def test_auto_gpus_by_keywords_and_by_request() -> None:
