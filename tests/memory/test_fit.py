@@ -49,20 +49,20 @@ def test_affine_law_is_solved_and_confirmed_in_four_traces():
     at, calls = law(10, 3)
     result = fit_micro_batch(at, 40 * GIB)
     assert result.micro_batch_size == 10  # 10 + 3 * 10 = 40
-    assert calls == [1, 2, 10, 11]  # the answer fits, the size after it does not
+    assert calls == [2, 3, 10, 11]  # the answer fits, the size after it does not
 
 
 def test_moment_lines_see_through_a_flat_optimizer_step():
-    # At b = 1, 2 the optimizer step is the peak (flat totals): the totals' secant cannot see
+    # At b = 2, 3 the optimizer step is the peak (flat totals): the totals' secant cannot see
     # the backward line beneath it, each moment's own line can.
     at, calls = law(2, 1, step_gib=20, moments=True)
     result = fit_micro_batch(at, 30 * GIB, limit=4096)
     assert result.micro_batch_size == 28
-    assert calls == [1, 2, 28, 29]
+    assert calls == [2, 3, 28, 29]
 
 
 def test_constant_step_phase_hides_the_slope_then_refits():
-    # At b = 1, 2 the optimizer step dominates (flat): the first guess overshoots, the re-fit
+    # At b = 2, 3 the optimizer step dominates (flat): the first guess overshoots, the re-fit
     # through a traced point below and above lands on the boundary.
     at, calls = law(2, 1, step_gib=20)
     result = fit_micro_batch(at, 30 * GIB, limit=4096)
@@ -191,8 +191,12 @@ def test_a_flat_moment_under_the_budget_does_not_make_the_search_creep():
 
 
 def test_nothing_fits():
-    at, _ = law(50, 1)
+    at, calls = law(50, 1)
     assert fit_micro_batch(at, 40 * GIB).micro_batch_size == 0
+    assert calls == [2, 1]  # size 1 traced only where 2 does not fit
+    at, _ = law(38, 1)  # 39 GiB at 1, 40 at 2: one sample
+    assert fit_micro_batch(at, int(39.5 * GIB)).micro_batch_size == 1
+    assert fit_micro_batch(at, 40 * GIB, limit=1).micro_batch_size == 1
     at, calls = law(50, 1)
     assert seeded_fit(at, 40 * GIB, _formulas(45, 1)).micro_batch_size == 0
     assert calls == [1]
