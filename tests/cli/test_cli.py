@@ -8,15 +8,20 @@ import sys
 import pytest
 
 from tests._cli import CONTRACT, run_cli
+from tests._tiny import TINY_GPT2
 
 
 @pytest.mark.parametrize("engine", ["analytic", "trace"])
-def test_plan_json_contract(capsys, engine):
-    # the trace's question is the one tests/plan/test_plan_estimate_agree.py asks (one cold
-    # search); the formulas' is the README's contract example (8 x 16 x 256 tokens)
+def test_plan_json_contract(capsys, tmp_path, engine):
+    # the formulas' question is the README's contract example (8 x 16 x 256 tokens); the
+    # trace's, the tiny GPT-2 of examples/train_tiny_gpt2.py (a dry run a second) at 2 x 4 x
+    # 64 tokens
     if engine == "trace":
-        args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"]
-        accum, tokens = 64 // 4, 64 * 1024  # the trace fits 7: micro-batch 4 divides 64
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps(TINY_GPT2))
+        args = ["plan", str(config), "--gpu", "t4", "--seq-len", "64", "--global-batch", "8"]
+        args += ["--micro-batch", "4"]
+        accum, tokens = 2, 8 * 64
     else:
         args, accum, tokens = [*CONTRACT, "--engine", "analytic"], 8, 32768
     code, out, _ = run_cli([*args, "--json"], capsys)
