@@ -9,7 +9,7 @@ from batchfit.hardware import get_gpu
 from batchfit.memory.fit import fit_micro_batch, fitting_guess, seeded_fit
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import resolve_model
-from batchfit.plan import make_plan
+from batchfit.plan._max_micro_batch import DEFAULT_HEADROOM_BYTES, search_budget, traced_fit
 from batchfit.spec import TrainingSetup
 
 GIB = 1 << 30
@@ -208,15 +208,24 @@ def test_limit_caps_the_answer():
 
 
 @pytest.mark.slow
-def test_plan_with_the_trace_engine_is_exact_and_confirmed():
-    p = make_plan(
+def test_the_plan_s_traced_search_is_exact_and_confirmed():
+    """GPT-2 on a T4 at 1024 tokens: the search the plan runs for its setup starts at the
+    formulas' answer and rests on dry runs at its answer (fits, with the headroom kept) and
+    the size after it (does not)."""
+    gpu = get_gpu("t4")
+    found = traced_fit(
         resolve_model("gpt2"),
-        get_gpu("t4"),
         TrainingSetup(),
-        seq_len=1024,  # the plan tests/plan/test_plan_estimate_agree.py makes: one cold search
-        global_batch=64,
-        engine="trace",
+        gpu,
+        1024,  # the question tests/plan/test_plan_estimate_agree.py asks: its dry runs
+        64,
+        DEFAULT_HEADROOM_BYTES,
     )
-    assert p.micro_batch_size * p.grad_accum_steps == 64
-    assert p.estimate.engine == "trace"
-    assert p.headroom_bytes >= p.headroom_wanted_bytes
+    budget = search_budget(gpu, DEFAULT_HEADROOM_BYTES)
+    size, traced = found.micro_batch_size, dict(found.traced)
+    assert 0 < size < 64  # the card, not the batch, bounds it
+    assert traced[size] <= budget < traced[size + 1]
+    est = found.estimate
+    assert est is not None and est.engine == "trace" and est.micro_batch_size == size
+    assert est.device_total_bytes == traced[size]
+    assert gpu.memory_bytes - est.device_total_bytes >= DEFAULT_HEADROOM_BYTES
