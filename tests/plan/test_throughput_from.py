@@ -10,12 +10,13 @@ CPU seconds put against a T4's prediction (a factor far from 1), which is what t
 check: that the plan's step time is the measured one, and how it is derived elsewhere.
 """
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 
+from batchfit.cli import main
 from batchfit.errors import UsageError
 from batchfit.hardware import get_gpu
 from batchfit.models import resolve_model
@@ -47,11 +48,17 @@ def probed(tmp_path_factory):
     cfg.write_text(json.dumps(TINY))
     args = ["probe", str(cfg), "--seq-len", SEQ, "--device", "cpu", "--precision", "fp32"]
     args += ["--max-micro-batch", "4", "--steps-per-trial", "2", "--json"]
-    done = subprocess.run(
-        [sys.executable, "-m", "batchfit", *args], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
-    return cfg, json.loads(done.stdout)
+    # in this process: the probe runs its real steps in a child of its own
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        pytest.raises(SystemExit) as done,
+    ):
+        main(args)
+        raise SystemExit(0)
+    assert not done.value.code, err.getvalue()
+    return cfg, json.loads(out.getvalue())
 
 
 def _on_t4(tmp_path, data, **changes):
