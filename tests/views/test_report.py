@@ -4,8 +4,6 @@ browser loading it."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ from batchfit.memory.estimate import estimate
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.views import html as _html
+from tests._cli import run_cli
 from tests._tiny import TIMELINE_GPT2
 from tests.views._browser import BROWSER, NO_BROWSER, render
 
@@ -149,48 +148,22 @@ def test_a_real_browser_renders_the_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_plan_report_and_auto_headroom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_report_and_auto_headroom(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`plan --report` writes the page with the traced step drawn in it; `--headroom auto`
     says what backs it (here: no calibration records, the default)."""
     import json
-    import os
 
     pytest.importorskip("matplotlib")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TIMELINE_GPT2))
     page = tmp_path / "plan.html"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchfit",
-            "plan",
-            str(config),
-            "--gpu",
-            "t4",
-            "--seq-len",
-            "128",
-            "--global-batch",
-            "16",
-            "--headroom",
-            "auto",
-            "--report",
-            str(page),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
-            "BATCHFIT_DATA_DIR": str(tmp_path / "data"),
-            "BATCHFIT_NO_CACHE": "1",
-        },
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    data = json.loads(proc.stdout)
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    args = ["plan", str(config), "--gpu", "t4", "--seq-len", "128", "--global-batch", "16"]
+    code, out, err = run_cli([*args, "--headroom", "auto", "--report", str(page), "--json"], capsys)
+    assert code == 0, err[-2000:]
+    data = json.loads(out)
     assert any("--headroom auto: 5.0%" in w for w in data["warnings"])
     assert data["headroom_wanted_bytes"] == int(0.05 * data["gpu_bytes"])
     html = page.read_text()
@@ -207,26 +180,20 @@ def _text(page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page))
 
 
-def _cli_plan(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+def _cli_plan(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *args: str,
+) -> tuple[dict[str, Any], str]:
     """`batchfit plan ... --report FILE --json`: the JSON and the page's text."""
     import json
-    import os
 
     page = tmp_path / "plan.html"
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchfit", "plan", *args, "--report", str(page), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
-            "BATCHFIT_DATA_DIR": str(tmp_path / "data"),
-        },
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout), _text(page.read_text())
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path / "data"))
+    code, out, err = run_cli(["plan", *args, "--report", str(page), "--json"], capsys)
+    assert code == 0, err[-2000:]
+    return json.loads(out), _text(page.read_text())
 
 
 def _alternative_rows(data: dict[str, Any]) -> list[str]:
@@ -259,13 +226,17 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f}"
 
 
-def test_the_report_of_a_multi_gpu_plan_with_a_run_and_its_cost(tmp_path: Path) -> None:
+def test_the_report_of_a_multi_gpu_plan_with_a_run_and_its_cost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The alternatives carry the terminal's columns, each filled; kinds are labelled; the
     run's time and cost and the footer's engine and versions are on the page."""
     from batchfit._version import versions
 
     data, text = _cli_plan(
         tmp_path,
+        monkeypatch,
+        capsys,
         "llama-3.1-8b",
         "--gpu",
         "h100-80gb",
@@ -323,7 +294,7 @@ def test_the_notebook_view_of_an_own_module_plan_has_no_time(tmp_path: Path) -> 
         TrainingSetup(precision="fp32"),
         batch_fn=lambda n: torch.randn(n, 8192),
         loss_fn=lambda out, batch: out.square().mean(),
-        global_batch=64,
+        global_batch=2,  # one dry run a rung: each fits the whole batch
     )
     text = _text(plan._repr_html_())
     data = plan.to_json()
@@ -398,11 +369,11 @@ def test_every_step_time_on_the_page_has_one_format() -> None:
     assert text.count("12.3") == 3 and "12.35" not in text and "12 s" not in text
 
 
-def test_the_pages_step_times_are_the_terminals(tmp_path: Path) -> None:
+def test_the_pages_step_times_are_the_terminals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The same plan in the terminal and on the page: the same step time in the time line and
     in each GPU count's row."""
-    import os
-
     args = [
         "llama-3.1-8b",
         "--gpu",
@@ -416,22 +387,9 @@ def test_the_pages_step_times_are_the_terminals(tmp_path: Path) -> None:
         "--engine",
         "analytic",
     ]
-    data, text = _cli_plan(tmp_path, *args)
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchfit", "plan", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={
-            **os.environ,
-            "COLUMNS": "200",
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
-            "BATCHFIT_DATA_DIR": str(tmp_path / "data"),
-        },
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    terminal = proc.stdout
+    data, text = _cli_plan(tmp_path, monkeypatch, capsys, *args)
+    code, terminal, err = run_cli(["plan", *args], capsys)  # drawn as into a pipe
+    assert code == 0, err[-2000:]
     time_line = re.search(r"time: (~\S+ s per optimizer step),", terminal)
     assert time_line is not None and f"time: {time_line.group(1)}," in text
     timed = [c for c in data["gpu_counts"] if c.get("step_seconds")]
