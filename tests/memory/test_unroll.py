@@ -23,8 +23,10 @@ from batchfit.workload import Workload
 from tests._tiny import TINY_GPT2, TINY_LLAMA_JSON
 from tests.memory._cuda_trace import cuda_trace, runs
 
-DEPTH = 5
+# two layers past a stack traced at 2 (FSDP's, traced at 4, one past)
+DEPTH = 4
 LLAMA = {**json.loads(TINY_LLAMA_JSON), "num_hidden_layers": DEPTH}
+FSDP_LLAMA = {**LLAMA, "num_hidden_layers": DEPTH + 1}
 GPT2 = {**TINY_GPT2, "n_layer": DEPTH}
 BERT = {
     "model_type": "bert",
@@ -65,7 +67,7 @@ CASES = [
     (LLAMA, {}, 2),
     (LLAMA, {"method": "lora", "grad_ckpt": True}, 2),
     (LLAMA, {"optimizer": "adamw-8bit", "loss": "chunked"}, 2),
-    (LLAMA, {"sharding": "fsdp", "num_gpus": 2}, 4),
+    (FSDP_LLAMA, {"sharding": "fsdp", "num_gpus": 2}, 4),
     (GPT2, {"grad_ckpt": True}, 2),
     (GPT2, {"loop": "keep-outputs"}, 2),
     (BERT, {}, 2),
@@ -86,7 +88,8 @@ def test_a_shallow_dry_run_unrolled_allocates_as_the_whole_model(
     whole = _traced(path, options, None)
     shallow = _traced(path, options, traced)
     assert shallow.layers is not None
-    full = tuple(DEPTH if d == traced else d for d in shallow.layers.stack_depths)
+    depth = config.get("num_hidden_layers", config.get("n_layer"))
+    full = tuple(depth if d == traced else d for d in shallow.layers.stack_depths)
     events = unroll(shallow.events, shallow.layers, full)
     if options.get("optimizer_impl") == "for-loop" and events is None:
         return  # a loop over parameters may be refused; what is unrolled must be exact
@@ -108,7 +111,7 @@ def test_a_stack_whose_bottom_layer_differs_is_not_unrolled(tmp_path: Any) -> No
 def test_the_estimate_at_depth_reserves_what_the_whole_model_does(tmp_path: Any) -> None:
     """With checkpointing, the overhead the shallow dry runs showed beyond their peaks is not
     the whole model's (carried over, it was 12.6% low on GPT-2 at 8 x 256 on a T4)."""
-    model = resolve_model(_config(tmp_path, {**GPT2, "n_layer": 8}))
+    model = resolve_model(_config(tmp_path, {**GPT2, "n_layer": 5}))
     gpu = get_gpu("t4")
     setup = resolve_setup(model, TrainingSetup(grad_ckpt=True), "cuda", gpu)
     work = Workload(micro_batch_size=4, seq_len=64, gpu=gpu, grad_accum_steps=2)

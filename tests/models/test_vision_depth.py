@@ -17,7 +17,10 @@ from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
 from tests._tiny import TINY_VIT
 
-DEEP_VIT = {**TINY_VIT, "num_hidden_layers": 6}
+# two layers past the traced 2 and 3
+DEEP_VIT = {**TINY_VIT, "num_hidden_layers": 5}
+# deep enough for a period of two layers traced at 4 and 6
+DEEPER_VIT = {**TINY_VIT, "num_hidden_layers": 6}
 
 
 def _model(tmp_path, config):
@@ -48,7 +51,7 @@ def test_a_vit_extrapolated_from_2_and_3_layers_equals_its_whole_dry_run(
     work = Workload(micro_batch_size=8, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2)
     cut, notes = trace_estimate.traced_result(model, resolved, work, full_depth=False)
     whole, _ = trace_estimate.traced_result(model, resolved, work, full_depth=True)
-    assert "traced 2 and 3 layers, extrapolated to 6" in notes
+    assert "traced 2 and 3 layers, extrapolated to 5" in notes
     # every moment of the cut exists whole (whole, a middle layer's are moments of their own)
     at_full = {p.key: p.components for p in whole.phases}
     assert {p.key: p.components for p in cut.phases}.items() <= at_full.items()
@@ -97,7 +100,7 @@ def test_on_the_cpu_the_cut_equals_the_whole_dry_run(tmp_path, monkeypatch):
     work = Workload(micro_batch_size=8, seq_len=64, device="cpu", grad_accum_steps=2)
     cut, notes = trace_estimate.traced_result(model, setup, work, full_depth=False)
     whole, _ = trace_estimate.traced_result(model, setup, work, full_depth=True)
-    assert "traced 2 and 3 layers, extrapolated to 6" in notes
+    assert "traced 2 and 3 layers, extrapolated to 5" in notes
     assert (cut.peak.key, cut.peak.total) == (whole.peak.key, whole.peak.total)
 
 
@@ -105,7 +108,7 @@ def test_a_setup_whose_history_does_not_unroll_is_traced_whole(tmp_path, monkeyp
     """Every 2nd layer checkpointed: a period of two layers (traced at 4 and 6), which the
     reserve's unroll does not take."""
     monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
-    model, gpu = _model(tmp_path, DEEP_VIT), get_gpu("t4")
+    model, gpu = _model(tmp_path, DEEPER_VIT), get_gpu("t4")
     setup = resolve_setup(model, TrainingSetup(grad_ckpt_every=2), "cuda", gpu)
     work = Workload(micro_batch_size=4, seq_len=64, device="cuda", gpu=gpu, grad_accum_steps=2)
     _, notes = trace_estimate.traced_result(model, setup, work, full_depth=False)
