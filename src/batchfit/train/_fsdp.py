@@ -13,6 +13,7 @@ finding the unsharded parameters whose gradient hooks see each micro-step's loca
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,27 +23,26 @@ import torch.distributed as dist
 
 
 def _fsdp_module_type() -> type | None:
-    try:  # torch >= 2.6 exports FSDP2's module class here (batchfit allows torch 2.4)
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - older torch
-        return None
-    return FSDPModule
-
-
-FSDPModule = _fsdp_module_type()
+    """FSDP2's module class (torch >= 2.6; batchfit allows torch 2.4), where FSDP2 is loaded:
+    ``fully_shard`` made every FSDP2 module, so until it is imported no model is one, and
+    importing it (DTensor, sympy) costs every process about a second."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
 
 
 def root_of(model: torch.nn.Module) -> Any | None:
     """``model`` when ``fully_shard`` was applied to it (an ``FSDPModule``), else None."""
-    if FSDPModule is None or not isinstance(model, FSDPModule):
+    module_type = _fsdp_module_type()
+    if module_type is None or not isinstance(model, module_type):
         return None
     return model
 
 
 def modules_of(root: Any) -> list[Any]:
     """Every FSDP2 module under ``root`` (itself included), in ``modules()`` order."""
-    assert FSDPModule is not None  # a root exists only when the class does
-    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+    module_type = _fsdp_module_type()
+    assert module_type is not None  # a root exists only when the class does
+    return [m for m in root.modules() if isinstance(m, module_type)]
 
 
 def group_of(root: Any) -> dist.ProcessGroup | None:
