@@ -21,9 +21,12 @@ from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
 
+# Four layers: a traced estimate dry-runs 1 and 2 of them and extrapolates to 4, twice as deep
+# as its deeper dry run; the full-depth traces it is compared with stay quick.
+LAYERS = 4
 TINY_GPT2 = {
     "model_type": "gpt2",
-    "n_layer": 6,
+    "n_layer": LAYERS,
     "n_embd": 64,
     "n_head": 4,
     "vocab_size": 512,
@@ -34,20 +37,33 @@ TINY_LLAMA = {
     "model_type": "llama",
     "hidden_size": 64,
     "intermediate_size": 176,
-    "num_hidden_layers": 6,
+    "num_hidden_layers": LAYERS,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "vocab_size": 512,
     "max_position_embeddings": 512,
 }
+# the steps run on real CPU tensors, whole: two layers (a first and a last) show every kind
+REAL_GPT2 = {**TINY_GPT2, "n_layer": 2}
+REAL_LLAMA = {**TINY_LLAMA, "num_hidden_layers": 2}
 
 
-@pytest.fixture
-def tiny(tmp_path):
-    def write(cfg, name="config.json"):
-        path = tmp_path / name
-        path.write_text(json.dumps(cfg))
-        return resolve_model(str(path))
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Each config at one path for the whole file: a dry run is cached under the model's path,
+    so an estimate that several tests ask for (GPT-2 in fp32 at 4 x 256 on the CPU) is traced
+    once."""
+    root = tmp_path_factory.mktemp("trace")
+    models = {}
+
+    def write(cfg):
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in models:
+            path = root / f"{len(models)}" / "config.json"
+            path.parent.mkdir()
+            path.write_text(json.dumps(cfg))
+            models[key] = resolve_model(str(path))
+        return models[key]
 
     return write
 
@@ -77,7 +93,7 @@ def _run(parts):
 )
 def test_dry_run_matches_real_cpu_tensors_exactly(tiny, setup):
     # The same step on real CPU tensors and on fake tensors allocates the same storages.
-    info = tiny(TINY_LLAMA)
+    info = tiny(REAL_LLAMA)
     torch.manual_seed(0)
     real = _run(_parts(info, setup))
     fake = _hf_trace.trace_once(
@@ -101,7 +117,7 @@ def test_dry_run_matches_real_cpu_tensors_exactly(tiny, setup):
 
 
 def test_categories(tiny):
-    info = tiny(TINY_GPT2)
+    info = tiny(REAL_GPT2)
     result = _run(_parts(info, TrainingSetup(precision="fp32")))
     step = next(p for p in result.phases if p.key == "optimizer-step|s2").components
     params = info.total_params
@@ -128,7 +144,7 @@ def test_peak_phase_moves_with_batch(tiny):
     large = estimate(
         info,
         TrainingSetup(precision="fp32"),
-        micro_batch_size=16,
+        micro_batch_size=4,
         seq_len=256,
         device="cpu",
         engine="trace",
@@ -142,7 +158,7 @@ def test_lora_on_every_linear_under_autocast_keeping_outputs(tiny):
     """Adapters on all seven Llama linears, fp32 adapters under bf16 autocast, the outputs
     held through backward: each adapter's cast copies of its input, the autocast cast cache
     of A and B, and the kept bf16 logits, moment by moment as real CPU tensors allocate them."""
-    info = tiny(TINY_LLAMA)
+    info = tiny(REAL_LLAMA)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     setup = TrainingSetup(
         precision="amp-bf16",
@@ -163,25 +179,31 @@ def test_checkpointing_lora_and_autocast(tiny):
     amp = estimate(info, TrainingSetup(precision="amp-bf16"), **kw)
     assert ckpt.activation_peak_bytes < full.activation_peak_bytes
     assert lora.trainable_params == info.lora_params(8)
-    adapters = 2 * 2 * 6  # A and B on q_proj and v_proj, 6 layers: a step tensor each
+    adapters = 2 * 2 * LAYERS  # A and B on q_proj and v_proj in each layer: a step tensor each
     assert lora.components["optimizer_state"] == 8 * lora.trainable_params + 4 * adapters
     # autocast: fp32 master weights, 16-bit matmul outputs
     assert amp.components["weights"] == full.components["weights"]
     assert amp.activation_peak_bytes < full.activation_peak_bytes
 
 
-def test_extrapolation_matches_a_full_trace(tiny):
-    for cfg in (TINY_GPT2, TINY_LLAMA):
-        info = tiny(cfg)
-        for setup in (
-            TrainingSetup(precision="fp32"),
-            TrainingSetup(precision="bf16", grad_ckpt=True),
-        ):
-            work = Workload(micro_batch_size=4, seq_len=128, device="cpu")
-            full = _trace_estimate.estimate_trace(info, setup, work, full_depth=True)
-            extrapolated = _trace_estimate.estimate_trace(info, setup, work)
-            assert extrapolated.extras["notes"]  # it did extrapolate
-            assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=0.005)
+# the sizes of the other tests' estimates of the same model and setup: their dry runs serve both
+@pytest.mark.parametrize(
+    ("cfg", "setup", "micro", "seq"),
+    [
+        (TINY_GPT2, TrainingSetup(precision="fp32"), 4, 256),
+        (TINY_GPT2, TrainingSetup(precision="bf16", grad_ckpt=True), 4, 128),
+        (TINY_LLAMA, TrainingSetup(precision="fp32"), 8, 128),
+        (TINY_LLAMA, TrainingSetup(precision="bf16", grad_ckpt=True), 4, 128),
+    ],
+    ids=["gpt2", "gpt2-bf16-ckpt", "llama", "llama-bf16-ckpt"],
+)
+def test_extrapolation_matches_a_full_trace(tiny, cfg, setup, micro, seq):
+    info = tiny(cfg)
+    work = Workload(micro_batch_size=micro, seq_len=seq, device="cpu")
+    full = _trace_estimate.estimate_trace(info, setup, work, full_depth=True)
+    extrapolated = _trace_estimate.estimate_trace(info, setup, work)
+    assert extrapolated.extras["notes"] == [f"traced 1 and 2 layers, extrapolated to {LAYERS}"]
+    assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=0.005)
 
 
 def test_flash_substitution_saves_output_and_lse_only():
@@ -205,7 +227,7 @@ def test_cuda_emulation_drops_the_score_matrix(tiny):
     cuda = estimate(
         info, TrainingSetup(precision="fp32"), device="cuda", gpu=get_gpu("a100-80gb"), **kw
     )
-    scores = 6 * 4 * 4 * 256 * 256 * 4 * 3  # layers x heads x batch x s^2 x (3 fp32 tensors)
+    scores = LAYERS * 4 * 4 * 256 * 256 * 4 * 3  # layers x heads x batch x s^2 x 3 fp32 tensors
     assert cpu.activation_peak_bytes - cuda.activation_peak_bytes >= 0.9 * scores
     assert cuda.reserved_bytes >= cuda.peak_bytes
     assert cuda.device_total_bytes > cuda.reserved_bytes  # + CUDA context
