@@ -241,6 +241,25 @@ class TrainingSetup:
         return self.method == "qlora" and unsharded and self.conventions.kbit_prepare
 
     @property
+    def traits(self) -> str:
+        """What sets the setup apart from a full fine-tune with AdamW, in a few words.
+
+        Example:
+            >>> TrainingSetup(method="lora", grad_ckpt=True, loss="chunked").traits
+            'lora + checkpointing + chunked loss'
+        """
+        parts = [
+            self.method if self.method != "full" else "",
+            "checkpointing" if self.grad_ckpt else "",
+            self.optimizer if self.optimizer != "adamw" else "",
+            "fused" if self.optimizer_impl == "fused" else "",
+            f"{self.loss} loss" if self.loss != "full" else "",
+            self.sharding if self.sharding != "none" else "",
+            f"offload {self.offload}" if self.offload != "none" else "",
+        ]
+        return " + ".join(p for p in parts if p)
+
+    @property
     def loss_label(self) -> str:
         """The loss as ``--loss`` spells it: ``full``, ``chunked:8``, ``chunked:128t``, ``fused``.
 

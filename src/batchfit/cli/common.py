@@ -47,7 +47,7 @@ def _cache_switch(
         def named(text: str) -> None:
             # how many dry runs so far and for how long: a search has no count known ahead
             runs[0] += 1
-            text = f"{text} (dry run {runs[0]}, {time.monotonic() - start:.0f} s)"
+            text = f"dry run {runs[0]}, {time.monotonic() - start:.0f} s: {text}"
             status(f"{stage[0]}: {text}" if stage[0] else text)
 
         def set_stage(text: str) -> None:

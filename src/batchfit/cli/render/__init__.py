@@ -55,7 +55,14 @@ def progress(what: str, shown: bool = True) -> Iterator[Callable[[str], None]]:
         return
     # redrawn in place, so not part of the answer a repeated question replays
     with _answers.hold(), err.status(what) as status:
-        yield lambda text: status.update(escape(text))
+
+        def update(text: str) -> None:
+            # one line, cut with an ellipsis at the terminal's width (the count comes first);
+            # the spinner and a space take two columns
+            room = max(err.width - 2, 2)
+            status.update(escape(text if len(text) <= room else text[: room - 1] + "…"))
+
+        yield update
 
 
 def line(markup: str) -> None:

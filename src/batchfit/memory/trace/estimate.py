@@ -47,11 +47,14 @@ CACHE_NAMESPACE = "trace"
 on_dry_run: Callable[[str], None] | None = None
 
 
-def _announce(model: ModelInfo, micro: int, seq: int, depth: int | None) -> None:
+def _announce(
+    model: ModelInfo, setup: TrainingSetup, micro: int, seq: int, depth: int | None
+) -> None:
     if on_dry_run is not None:
         layers = f"{depth} of {model.arch.num_layers} layers" if depth else "all layers"
         size = f"{seq}x{seq} px images" if model.task == "image-classification" else f"{seq} tokens"
-        on_dry_run(f"dry run: {model.name}, micro-batch {micro} x {size}, {layers}")
+        apart = f" ({setup.traits})" if setup.traits else ""  # a plan's options read apart
+        on_dry_run(f"{model.name}{apart}, {micro} x {size}, {layers}")
 
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
@@ -284,7 +287,7 @@ def _dry_runs(
     kw: dict[str, Any] = asdict(sizes)
     runs = []
     for depth in depths or (None,):
-        _announce(model, sizes.micro, sizes.seq, depth)
+        _announce(model, setup, sizes.micro, sizes.seq, depth)
         runs.append(trace_once(model, setup, depth=depth, reserve=False, **kw))
     return tuple(runs)
 
