@@ -201,3 +201,23 @@ def test_gpus_fits_the_width(
         if not row[-1].startswith("cannot run"):
             assert set(_names(row[-1])) <= known, row[-1]
     assert bool(_left_out(out)) == (width == 80)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_catalog_listings_fit_the_width_keeping_the_names(
+    width: int, draw: Callable[..., tuple[str, str]]
+) -> None:
+    from batchfit.hardware import all_gpus
+    from batchfit.models import catalog_names
+
+    infos, gpus = [resolve_model(n) for n in catalog_names()], list(all_gpus().values())
+    for answer, names in (
+        (lambda: catalog.models(infos), [i.name for i in infos]),
+        (lambda: catalog.gpus(gpus), [g.name for g in gpus]),
+    ):
+        out, _ = draw(width, answer)
+        _fits(out, width)
+        cells = [line.strip("│").split("│")[0].strip() for line in out.splitlines()]
+        assert [c for c in cells if c in names] == names  # every name, whole, in order
+        if width != 120:  # at 120 one listing fits whole, the other not
+            assert bool(_left_out(out)) == (width == 80)

@@ -34,16 +34,17 @@ def model_row(info: ModelInfo) -> dict[str, Any]:
 
 
 def _plain_table(
-    title: str, columns: list[tuple[str, bool]], rows: list[list[str]], optional: str
-) -> Table:
-    """A table whose cells never wrap; on narrow terminals the ``optional`` column is left out
-    (``--json`` has everything), so names people type next are never cut."""
+    title: str, columns: list[tuple[str, bool]], rows: list[list[str]], optional: list[str]
+) -> None:
+    """A table whose cells never wrap, printed; on narrow terminals the ``optional`` columns
+    are left out in that order until it fits, and named below it (``--json`` has everything),
+    so names people type next are never cut."""
     widths = [max(len(h), *(len(r[k]) for r in rows)) for k, (h, _) in enumerate(columns)]
-    keep = [
-        k
-        for k, (h, _) in enumerate(columns)
-        if h != optional or sum(widths) + 3 * len(widths) + 1 <= render.out.width
-    ]
+    keep = list(range(len(columns)))
+    for header in optional:
+        if sum(widths[k] for k in keep) + 3 * len(keep) + 1 <= render.out.width:
+            break
+        keep.remove(next(k for k, (h, _) in enumerate(columns) if h == header))
     table = Table(title=title, title_justify="left")
     for k in keep:
         header, right = columns[k]
@@ -52,7 +53,7 @@ def _plain_table(
         )
     for row in rows:
         table.add_row(*(row[k] for k in keep))
-    return table
+    print_table(render.out, table, [h for k, (h, _) in enumerate(columns) if k not in keep])
 
 
 def models(infos: list[ModelInfo]) -> None:
@@ -84,7 +85,9 @@ def models(infos: list[ModelInfo]) -> None:
         ]
         for i in infos
     ]
-    render.out.print(_plain_table("Catalog models (offline configs)", columns, rows, "hub id"))
+    # on a narrow terminal: what a name says already, then what the formulas need least
+    dropped = ["hub id", "type", "positions", "heads/kv", "vocab"]
+    _plain_table("Catalog models (offline configs)", columns, rows, dropped)
 
 
 _NO_HEAD_COUNT = ATTENTION_FREE_TYPES | {"swin", "swinv2"}
@@ -133,7 +136,7 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
         for g in gpu_list
     ]
     title = "Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)"
-    render.out.print(_plain_table(title, columns, rows, "GPU"))
+    _plain_table(title, columns, rows, ["GPU", "arch", "CC", "fp8"])
 
 
 # `gpus MODEL`'s columns; on a narrow terminal the card's memory goes first, then the memory
