@@ -47,7 +47,12 @@ def wide(tmp_path_factory):
     return resolve_model(str(path))
 
 
-def _parts(info, setup, micro=2, seq=64):
+# the real steps' size: 62 rows of logits, 62 chunks of one row for the fused loss (a
+# vocabulary 128 times the width) where its dry run keeps 4
+MICRO, SEQ = 2, 32
+
+
+def _parts(info, setup, micro=MICRO, seq=SEQ):
     setup = setup.resolved(device="cpu", bf16_supported=True)
     return _hf_trace.step_parts(info, setup, micro=micro, seq=seq, emulate_cuda=False)
 
@@ -121,7 +126,7 @@ SETUPS = [
 @pytest.mark.parametrize("setup", SETUPS, ids=repr)
 def test_dry_run_matches_real_cpu_tensors(wide, setup):
     # The same step on real CPU tensors and on fake tensors allocates the same storages.
-    assert_dry_run_matches_real(wide, setup, micro=2, seq=64)
+    assert_dry_run_matches_real(wide, setup, micro=MICRO, seq=SEQ)
 
 
 def _peak(info, engine, **kw):
@@ -165,11 +170,11 @@ def test_a_dry_run_of_the_fused_loss_skips_identical_chunks_and_gives_the_same_f
     from batchfit.workload import Workload
 
     monkeypatch.setenv("BATCHFIT_NO_CACHE", "1")
-    # 199 rows over a vocabulary 128 times the width: chunks of 2, 100 of them, the last shorter
-    assert len(_lm_loss._chunk_starts(199, 2, fake=False)) == 100
-    assert _lm_loss._chunk_starts(199, 2, fake=True) == [0, 2, 196, 198]
+    # 129 rows over a vocabulary 128 times the width: chunks of 2, 65 of them, the last shorter
+    assert len(_lm_loss._chunk_starts(129, 2, fake=False)) == 65
+    assert _lm_loss._chunk_starts(129, 2, fake=True) == [0, 2, 126, 128]
     setup = TrainingSetup(loss="fused", precision="amp-bf16")
-    work = Workload(micro_batch_size=1, seq_len=200, gpu=get_gpu("a100-40gb"), grad_accum_steps=2)
+    work = Workload(micro_batch_size=1, seq_len=130, gpu=get_gpu("a100-40gb"), grad_accum_steps=2)
 
     def figures():
         est = estimate_trace(wide, setup, work)
@@ -181,8 +186,8 @@ def test_a_dry_run_of_the_fused_loss_skips_identical_chunks_and_gives_the_same_f
 
 
 @pytest.mark.parametrize("engine", ["trace", "analytic"])
-def test_adapter_and_frozen_dtypes_move_the_weights(engine):
-    info = resolve_model("llama-3.2-1b")
+def test_adapter_and_frozen_dtypes_move_the_weights(wide, engine):
+    info = wide
 
     def weights(**kw):
         setup = TrainingSetup(method="lora", precision="amp-bf16", **kw)
@@ -345,6 +350,8 @@ def test_litgpt_chunks_of_tokens_trace_like_a_real_step(wide, full):
         loss="chunked",
         loss_chunk_tokens=16,
     )
+    # at 2 x 64: at 2 x 32 this CPU's bf16 head backward (no oneDNN bf16) takes another path
+    # than the dry run's emulation of it
     assert_dry_run_matches_real(wide, setup, micro=2, seq=64)
     loss, _ = _loss_and_grads(wide, replace(setup, precision="fp32"))
     torch.testing.assert_close(loss, full[0], rtol=1e-5, atol=1e-5)
