@@ -172,6 +172,24 @@ def test_a_trace_leaves_the_config_as_it_was_so_the_cache_hits(tmp_path, monkeyp
 
 
 @pytest.mark.slow
+def test_what_only_the_planner_reads_shares_the_dry_runs(cache_dir, tiny_config, monkeypatch):
+    """A plan's setup and the same setup as its `estimate` line spells it (an explicit loss and
+    method, which the planner then keeps; torch.compile) run the same step: one dry run."""
+    info, kw = (
+        resolve_model(tiny_config),
+        {"micro_batch_size": 2, "seq_len": 64, "gpu": get_gpu("t4")},
+    )
+    runs: list[int] = []
+    dry_runs = trace_estimate._dry_runs
+    monkeypatch.setattr(trace_estimate, "_dry_runs", lambda *a: runs.append(1) or dry_runs(*a))
+    first = estimate(info, TrainingSetup(), engine="trace", **kw)  # type: ignore[arg-type]
+    kept = TrainingSetup(keep_loss=True, keep_method=True, compile=True)
+    again = estimate(info, kept, engine="trace", **kw)  # type: ignore[arg-type]
+    assert len(runs) == 1
+    assert again.device_total_bytes == first.device_total_bytes
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("value", "off"), [("1", True), ("yes", True), ("0", False), ("", False)])
 def test_any_no_cache_value_but_a_false_one_switches_the_cache_off(monkeypatch, value, off):
     monkeypatch.setenv("BATCHFIT_NO_CACHE", value)

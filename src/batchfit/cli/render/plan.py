@@ -4,6 +4,7 @@ table, the GPU counts (``--num-gpus auto``), where an export went, and the ``--r
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -183,8 +184,8 @@ def _alternatives(p: Plan) -> None:
             + ("" if "timed at" in left_out else " (timed at)")
             + ("; run and cost for the whole run" if steps else "")
         )
-    needs = sorted({need for a in p.alternatives for need in a.needs})
-    for need in needs:  # what the config cannot switch on: offered, never chosen
+    for need in _merged_needs([need for a in p.alternatives for need in a.needs]):
+        # what the config cannot switch on: offered, never chosen
         render.line(f"(needs code): never chosen; it needs {escape(need)}")
     if traced and any(alt.engine == "analytic" and not alt.beyond_reach for alt in p.alternatives):
         render.line("(analytic): the trace cannot run this setup yet; the formulas answered")
@@ -383,3 +384,27 @@ def _report_timeline(result: Plan, info: ModelInfo, gpu: GpuSpec) -> bytes:
         )
         tl.plot(drawn, picture, title, gpu.memory_bytes, est.peak_bytes)
         return picture.read_bytes()
+
+
+def _merged_needs(needs: list[str]) -> list[str]:
+    """Each distinct need once, those that differ only in which layers they wrap (every 2nd,
+    3rd, 4th) as one.
+
+    Example:
+        >>> _merged_needs(["code: wrap every 3rd layer", "code: wrap every 2nd layer", "x"])
+        ['code: wrap every 2nd or 3rd layer', 'x']
+    """
+    ordinals: dict[str, list[str]] = {}
+    for need in needs:
+        found = re.search(r"\bevery (\d+)(st|nd|rd|th)\b", need)
+        key = need if found is None else need[: found.start(1)] + "{}" + need[found.end(2) :]
+        every = ordinals.setdefault(key, [])
+        if found is not None and found.group(0) not in every:
+            every.append(found.group(0))
+    merged = []
+    for key, every in ordinals.items():
+        ranks = sorted(every, key=lambda e: int(re.sub(r"\D", "", e)))
+        names = [e.removeprefix("every ") for e in ranks]
+        listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+        merged.append(key.format(listed) if every else key)
+    return sorted(merged)

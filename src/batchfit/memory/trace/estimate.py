@@ -152,6 +152,9 @@ def traced_result(
         # one process without DDP (its buckets are added after): the dry run on 2 or 8 GPUs
         # is the one on 1, and one record serves every count
         setup = replace(setup, num_gpus=1, sharding="none")
+    # what only the planner reads (may it change the loss, the method; compile's speed) changes
+    # no dry run: a plan's setup and the one its `estimate` line names share their dry runs
+    setup = replace(setup, keep_loss=False, keep_method=False, compile=False)
     sizes = _Sizes(
         micro=workload.micro_batch_size,
         seq=workload.seq_len,
