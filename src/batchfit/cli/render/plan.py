@@ -336,7 +336,8 @@ def _gpu_counts(p: Plan) -> None:
         what = c.note if not c.micro_batch_size else " + ".join(c.techniques) or "nothing extra"
         render.line(f"  {c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}: {escape(what)}")
     render.line(
-        f"* {escape(p.gpu_count_rule or '')}; eff. = tokens/s per GPU over the best count's"
+        f"* {escape(p.gpu_count_rule or '')}; eff. = each count's tokens/s per GPU over "
+        "the best count's"
     )
 
 
