@@ -20,11 +20,17 @@ def _traced(config: Any, options: dict[str, Any], whole: bool) -> Any:
     return cuda_trace(str(config), options, whole_first_step=whole)
 
 
-@pytest.fixture
-def tiny_llama(tmp_path: Any) -> Any:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({**json.loads(TINY_LLAMA_JSON), "num_hidden_layers": 3}))
-    return config
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny Llama's config path at 1 layer (its seven linears, norms, embedding and head:
+    parameters enough to order) and at 3 (FSDP's prefetch has a middle layer to gather ahead
+    of)."""
+    paths = {}
+    for layers in (1, 3):
+        path = tmp_path_factory.mktemp(f"llama{layers}") / "config.json"
+        path.write_text(json.dumps({**json.loads(TINY_LLAMA_JSON), "num_hidden_layers": layers}))
+        paths[layers] = path
+    return paths
 
 
 @pytest.mark.parametrize(
@@ -38,9 +44,10 @@ def tiny_llama(tmp_path: Any) -> Any:
     ids=["adamw", "lora-ckpt", "8bit-chunked", "fsdp2"],
 )
 def test_the_rebuilt_first_step_allocates_as_the_whole_one(
-    tiny_llama: Any, options: dict[str, Any]
+    configs: Any, options: dict[str, Any]
 ) -> None:
-    whole, rebuilt = (_traced(tiny_llama, options, whole) for whole in (True, False))
+    config = configs[3 if options.get("sharding") == "fsdp" else 1]
+    whole, rebuilt = (_traced(config, options, whole) for whole in (True, False))
     assert runs(rebuilt.events) == runs(whole.events)
     assert rebuilt.reserved_bytes == whole.reserved_bytes
     assert rebuilt.reserved_bytes == simulate(whole.events).reserved_bytes
@@ -48,7 +55,7 @@ def test_the_rebuilt_first_step_allocates_as_the_whole_one(
 
 
 def test_gradients_kept_across_steps_run_the_first_step_whole(
-    tiny_llama: Any, monkeypatch: pytest.MonkeyPatch
+    configs: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``zero_grad`` that zeroes instead of dropping (torch before 2.0): a real first step
     allocates the gradients in its backward, which a primed run does not show."""
@@ -56,5 +63,5 @@ def test_gradients_kept_across_steps_run_the_first_step_whole(
     monkeypatch.setattr(
         torch.optim.Optimizer, "zero_grad", lambda self, set_to_none=True: zero(self, False)
     )
-    whole, rebuilt = (_traced(tiny_llama, {}, whole) for whole in (True, False))
+    whole, rebuilt = (_traced(configs[1], {}, whole) for whole in (True, False))
     assert rebuilt.events == whole.events and rebuilt.reserved_bytes == whole.reserved_bytes
