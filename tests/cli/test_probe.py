@@ -136,3 +136,9 @@ def test_search_result_round_trips_through_json():
 
     result = _result()
     assert SearchResult.from_json(json.loads(json.dumps(result.to_json()))) == result
+
+
+def test_a_misspelt_model_is_named_before_a_missing_budget(capsys):
+    code, _, err = run_cli(["probe", "gpt3", "--device", "cpu", "--seq-len", "32"], capsys)
+    assert code == 2
+    assert "unknown model 'gpt3'" in err and "--memory-budget" not in err

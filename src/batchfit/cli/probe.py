@@ -100,9 +100,10 @@ def probe(
         _check_output(plot, "--plot")
         _plots.require()  # before the trials, not after them
     budget = parse_size(memory_budget, what="--memory-budget") if memory_budget else None
+    # the model first: a misspelt name is the first thing to say
+    info = models.resolve_model(model, setup.task)  # on its module: a test may stand in for it
     _check_device(device, budget, max_micro_batch)
     setup = _ranks_setup(setup, nproc, device)
-    info = models.resolve_model(model, setup.task)  # on its module: a test may stand in for it
     if seq_len is None and info.task != "image-classification":
         raise UsageError("batchfit probe MODEL needs --seq-len (tokens per sample)")
     seq_len, _ = sample_size(info, seq_len=seq_len, image_size=image_size)
