@@ -80,7 +80,9 @@ def test_another_gpu_s_workspace_is_resized_not_traced_again(gpt2, micro):
     """An A100 and an H100 run the same kernels; only the cuBLAS workspace differs (8.1 and 32
     MiB per handle): the H100's dry runs are the A100's with the workspace resized."""
     setup = TrainingSetup(grad_ckpt=True)
-    for base in (1, 2, 5):
+    # a traced size is resized beside another traced one; a size off the traced ones is read
+    # from the line through three
+    for base in (1, 2, 5) if micro > 2 else (1, 2):
         _at(gpt2, setup, base, interpolate=True, gpu_name="a100-40gb")
     guess = _at(gpt2, setup, micro, interpolate=True, gpu_name="h100-80gb")
     truth = _at(gpt2, setup, micro, interpolate=False, gpu_name="h100-80gb")
