@@ -25,7 +25,7 @@ CASES = [
         ["--task", "classification"],
     ),
     # a full fine-tune (LoRA may be offered): the question the Python API's ``TrainingSetup()``
-    # asks below, so its plans read these dry runs
+    # asks below, so its plans' ladders are these
     ("gpt2", ["--gpu", "t4", "--seq-len", "1024", "--global-batch", "64"], ["--method", "full"]),
     ("roberta-large", ["--gpu", "a100-40gb", "--seq-len", "512", "--global-batch", "1024"], []),
     (
@@ -47,19 +47,6 @@ def _json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     return dict(json.loads(out))
 
 
-def _setup_flags(plan: dict, asked: list[str]) -> list[str]:
-    """``estimate``'s flags for the plan's setup, the method and the loss named only where the
-    plan was given them or changed them: a plan without ``--method`` keeps the run's own
-    (pre-training) and one without ``--loss`` may change it, as an estimate without them
-    does, which then reads the plan's dry runs (those two are part of a dry run's key)."""
-    flags = plan_setup_flags(plan)
-    for flag, default in (("--method", "full"), ("--loss", "full")):
-        at = flags.index(flag)
-        if flags[at + 1] == default and flag not in asked:
-            del flags[at : at + 2]
-    return flags
-
-
 @pytest.mark.parametrize(("model", "plan_flags", "setup_flags"), CASES)
 def test_the_planned_micro_batch_fits_by_its_own_estimate(
     model, plan_flags, setup_flags, capsys, tmp_path
@@ -73,7 +60,7 @@ def test_the_planned_micro_batch_fits_by_its_own_estimate(
     micro = plan["micro_batch_size"]
     # --gpu G --seq-len S, and the plan's accumulation (later micro-steps hold gradients)
     gpu_seq = [*plan_flags[:4], "--grad-accum", str(plan["grad_accum_steps"])]
-    gpu_seq += _setup_flags(plan, setup_flags)
+    gpu_seq += plan_setup_flags(plan)  # as the plan prints them: they share its dry runs
     est = _json(["estimate", model, *gpu_seq, "-b", str(micro), *setup_flags], capsys)
     assert est["fits"]
     assert est["device_total_bytes"] == plan["device_total_bytes"]
