@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 
 from batchfit.cli import main
@@ -27,6 +30,20 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         raise SystemExit(0)
     captured = capsys.readouterr()
     return int(exc.value.code or 0), captured.out, captured.err
+
+
+def run_captured(args: list[str]) -> tuple[int, str, str]:
+    """``run_cli`` without ``capsys`` (a module's fixture runs once, before any test's
+    capture): stdout and stderr redirected while the command runs."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        pytest.raises(SystemExit) as exc,
+    ):
+        main(args)
+        raise SystemExit(0)
+    return int(exc.value.code or 0), out.getvalue(), err.getvalue()
 
 
 def plan_setup_flags(plan: dict) -> list[str]:

@@ -10,13 +10,10 @@ CPU seconds put against a T4's prediction (a factor far from 1), which is what t
 check: that the plan's step time is the measured one, and how it is derived elsewhere.
 """
 
-import contextlib
-import io
 import json
 
 import pytest
 
-from batchfit.cli import main
 from batchfit.errors import UsageError
 from batchfit.hardware import get_gpu
 from batchfit.models import resolve_model
@@ -24,7 +21,7 @@ from batchfit.plan import make_plan
 from batchfit.plan._throughput import ProbeFile, _implausible, bind, catalog_gpu, read_probe
 from batchfit.spec import TrainingSetup
 from batchfit.speed import step_time
-from tests._cli import run_cli
+from tests._cli import run_captured, run_cli
 
 TINY = {
     "model_type": "gpt2",
@@ -49,16 +46,9 @@ def probed(tmp_path_factory):
     args = ["probe", str(cfg), "--seq-len", SEQ, "--device", "cpu", "--precision", "fp32"]
     args += ["--max-micro-batch", "4", "--steps-per-trial", "2", "--json"]
     # in this process: the probe runs its real steps in a child of its own
-    out, err = io.StringIO(), io.StringIO()
-    with (
-        contextlib.redirect_stdout(out),
-        contextlib.redirect_stderr(err),
-        pytest.raises(SystemExit) as done,
-    ):
-        main(args)
-        raise SystemExit(0)
-    assert not done.value.code, err.getvalue()
-    return cfg, json.loads(out.getvalue())
+    code, out, err = run_captured(args)
+    assert not code, err
+    return cfg, json.loads(out)
 
 
 def _on_t4(tmp_path, data, **changes):

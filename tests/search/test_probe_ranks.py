@@ -3,8 +3,6 @@ ends the probe with its number and leaves no process behind."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -15,11 +13,11 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from batchfit.cli import main
 from batchfit.errors import RankFailure, UsageError
 from batchfit.search import _ranks
 from batchfit.search import probe as _probe
 from batchfit.spec import TrainingSetup
+from tests._cli import run_captured
 
 TINY = {
     "model_type": "gpt2",
@@ -95,18 +93,11 @@ def cli_run(request: pytest.FixtureRequest, tiny: str) -> Iterator[CliRun]:
     args = ["probe", tiny, "--device", "cpu", "--seq-len", "64", "--memory-budget", "400MiB"]
     args += ["--nproc", "2", "--sharding", request.param, "--max-micro-batch", "16"]
     args += ["--choose", "max", "--steps-per-trial", "2", "--json"]
-    out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_ranks, "launch", tight_rank_one)
-        with (
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-            pytest.raises(SystemExit) as exc,
-        ):
-            main(args)
-            raise SystemExit(0)
+        code, out, err = run_captured(args)
     ((spec, final, ranks),) = launched
-    yield CliRun(int(exc.value.code or 0), out.getvalue(), err.getvalue(), spec, final, ranks)
+    yield CliRun(code, out, err, spec, final, ranks)
 
 
 @pytest.mark.slow
