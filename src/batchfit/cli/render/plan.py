@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit._units import gib, gib_figure, human_count, human_duration, usd
+from batchfit._units import gib, gib_figure, human_count, human_duration, ordinal, usd
 from batchfit.cli import render
 from batchfit.cli.render.estimate import print_breakdown, time_line
 from batchfit.cli.render.layout import Column, fitted_table, print_table
@@ -395,17 +395,17 @@ def _merged_needs(needs: list[str]) -> list[str]:
         >>> _merged_needs(["code: wrap every 3rd layer", "code: wrap every 2nd layer", "x"])
         ['code: wrap every 2nd or 3rd layer', 'x']
     """
-    ordinals: dict[str, list[str]] = {}
+    every: dict[str, set[int]] = {}  # each need with its ordinal cut out: the ordinals
     for need in needs:
-        found = re.search(r"\bevery (\d+)(st|nd|rd|th)\b", need)
-        key = need if found is None else need[: found.start(1)] + "{}" + need[found.end(2) :]
-        every = ordinals.setdefault(key, [])
-        if found is not None and found.group(0) not in every:
-            every.append(found.group(0))
+        found = re.search(r"\bevery (\d+)(?:st|nd|rd|th)\b", need)
+        if found is None:
+            every.setdefault(need, set())
+        else:
+            cut = need[: found.start(1)] + "{}" + need[found.end() :]
+            every.setdefault(cut, set()).add(int(found.group(1)))
     merged = []
-    for key, every in ordinals.items():
-        ranks = sorted(every, key=lambda e: int(re.sub(r"\D", "", e)))
-        names = [e.removeprefix("every ") for e in ranks]
-        listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
-        merged.append(key.format(listed) if every else key)
+    for need, ks in every.items():
+        names = [ordinal(k) for k in sorted(ks)]
+        listed = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        merged.append(need.format(listed) if ks else need)
     return sorted(merged)

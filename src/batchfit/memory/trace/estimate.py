@@ -53,7 +53,8 @@ def _announce(
     if on_dry_run is not None:
         layers = f"{depth} of {model.arch.num_layers} layers" if depth else "all layers"
         size = f"{seq}x{seq} px images" if model.task == "image-classification" else f"{seq} tokens"
-        apart = f" ({setup.traits})" if setup.traits else ""  # a plan's options read apart
+        traits = setup.traits
+        apart = f" ({traits})" if traits else ""  # a plan's options read apart
         on_dry_run(f"{model.name}{apart}, {micro} x {size}, {layers}")
 
 
@@ -183,12 +184,13 @@ def traced_result(
                 return result_from_json(record), notes
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # a record of another shape: trace again and overwrite it
-    setup_key = ""  # the histories' key: read or kept only while interpolating
-    line = sized.line_of(model, setup, sizes.seq, sizes.micro)  # the sizes it shares a line with
+    setup_key, between = "", False  # the histories' key: read or kept only while interpolating
+    micro, space = sizes.micro, sizes.workspace
     if interpolating:
+        line = sized.line_of(model, setup, sizes.seq, micro)  # the sizes it shares a line with
         every_size = {**key, "micro": None, "workspace": None, "line": line}
         setup_key = json.dumps(every_size, sort_keys=True, default=str)
-    between, micro, space = line is not None, sizes.micro, sizes.workspace
+        between = line is not None
     runs = interpolating and sized.runs_at(setup_key, micro, space, between)
     result = _combine(model, setup, sizes, depths, runs) if runs else None
     if result is not None:
