@@ -4,7 +4,8 @@ and the result equals a run at that size from the start.
 The real OOMs come from PyTorch's CPU allocator under an OS limit (``RLIMIT_DATA``), in a child
 process (``_oom_child.py``) run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks leave
 the process. The budget, 64 MiB above what the child holds before training, was measured:
-a micro-batch of 8 of ``wide_mlp`` needs 46-50 MiB, one of 16 needs 80-90 MiB.
+a micro-batch of 8 of ``wide_mlp`` needs 46-50 MiB, one of 16 needs 80-90 MiB. One child runs
+both of the child's modes, each with its own limit (torch is imported once).
 """
 
 from __future__ import annotations
@@ -31,36 +32,79 @@ ROOT = Path(__file__).resolve().parents[2]
 BUDGET_MIB = 64
 
 
-def _child(mode: str, out: Path) -> subprocess.CompletedProcess[str]:
+# The child's modes one after the other in one process, each under a limit set afresh from
+# what the process holds when it starts: ``repeat`` first, in the fresh process, as when run
+# alone. The objects alive before the first (torch, batchfit) are moved out of the collector's
+# reach, as ``frozen_gc`` does in this process: each out-of-memory error's ``gc.collect()`` then
+# scans only what the runs made. After each mode a line on stderr says how it ended.
+MODES = ("repeat", "recover")
+_RUN_MODES = """
+import gc, runpy, sys, traceback
+import torch
+import batchfit.train, tests._tiny
+gc.collect()
+gc.freeze()
+child, budget, mark, *runs = sys.argv[1:]
+failed = False
+for mode, out in zip(runs[::2], runs[1::2]):
+    sys.argv = [child, mode, budget, out]
+    ok = True
+    try:
+        runpy.run_path(child, run_name="__main__")
+    except BaseException:
+        traceback.print_exc()
+        ok, failed = False, True
+    print(mark + mode + (" ok" if ok else " failed"), file=sys.stderr, flush=True)
+sys.exit(1 if failed else 0)
+"""
+_MARK = "--- _oom_child.py mode: "
+
+
+class ChildRun(NamedTuple):
+    """One mode's share of the child: whether it ended well, its stderr, its output folder."""
+
+    ok: bool
+    stderr: str
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def oom_child(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ChildRun]:
+    """``_oom_child.py MODE 64 OUT`` for each of ``MODES``, in one child process."""
+    outs = {mode: tmp_path_factory.mktemp(mode) for mode in MODES}
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": "65536",
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
     }
-    return subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).with_name("_oom_child.py")),
-            mode,
-            str(BUDGET_MIB),
-            str(out),
-        ],
+    child = str(Path(__file__).with_name("_oom_child.py"))
+    runs = [str(a) for mode in MODES for a in (mode, outs[mode])]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_MODES, child, str(BUDGET_MIB), _MARK, *runs],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
     )
+    shares: dict[str, ChildRun] = {}
+    rest = proc.stderr
+    for mode in MODES:
+        text, found, rest = rest.partition(f"{_MARK}{mode} ")
+        status, _, rest = rest.partition("\n")
+        ok = bool(found) and status == "ok"
+        shares[mode] = ChildRun(ok, text if found else text + proc.stderr[-3000:], outs[mode])
+    return shares
 
 
 @pytest.mark.slow
-def test_real_cpu_oom_recovers_at_half_size(tmp_path: Path) -> None:
-    proc = _child("recover", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "DefaultCPUAllocator: can't allocate memory" in proc.stderr
-    assert "out of memory at micro-batch 16" in proc.stderr
-    record = json.loads((tmp_path / "record.json").read_text())
+def test_real_cpu_oom_recovers_at_half_size(oom_child: dict[str, ChildRun]) -> None:
+    run = oom_child["recover"]
+    assert run.ok, run.stderr[-3000:]
+    assert "DefaultCPUAllocator: can't allocate memory" in run.stderr
+    assert "out of memory at micro-batch 16" in run.stderr
+    record = json.loads((run.out / "record.json").read_text())
     assert record["ooms"] == [1, 0]  # the smaller size persists: no second OOM
     assert record["micro"] == [8, 8]
 
@@ -73,16 +117,17 @@ def test_real_cpu_oom_recovers_at_half_size(tmp_path: Path) -> None:
         for start in range(0, 32, 8):
             with acc.micro_step():
                 acc.backward(*step_fn(batch[start : start + 8]))
-    recovered = torch.load(tmp_path / "params.pt")
+    recovered = torch.load(run.out / "params.pt")
     for name, value in model.state_dict().items():
         torch.testing.assert_close(recovered[name], value, atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
-def test_repeated_real_ooms_leave_memory_flat(tmp_path: Path) -> None:
-    proc = _child("repeat", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads((tmp_path / "record.json").read_text())
+def test_repeated_real_ooms_leave_memory_flat(oom_child: dict[str, ChildRun]) -> None:
+    run = oom_child["repeat"]
+    assert run.ok, run.stderr[-3000:]
+    assert "DefaultCPUAllocator: can't allocate memory" in run.stderr
+    record = json.loads((run.out / "record.json").read_text())
     assert record["ooms"] == [1] * 21
     rss = record["rss"]
     # after the first OOM and recovery (warm), 20 more leave the resident set where it was
