@@ -211,16 +211,16 @@ def _plan(request: PlanRequest) -> Plan:
     engine, engine_note = usable_engine(request.engine)
     per_gpu = request.per_gpu_samples
     target = _Target(model, gpu, seq, per_gpu, headroom, engine, measured, request.alternatives)
-    # sizes between traced ones from their histories (exact where they line up); the chosen
-    # setup's largest micro-batch and the size after it are traced (``traced_fit``), and so
-    # is the plan's own figure
+    # sizes between traced ones from their histories (exact where they line up), the plan's
+    # own figure included; the chosen setup's largest micro-batch and the size after it are
+    # traced (``traced_fit``)
     with interpolated_sizes():
         fit = _climb(target, setup, request.micro_batch_size)
-    micro = request.micro_batch_size or largest_divisor_at_most(
-        per_gpu, max(fit.max_micro_batch, 1)
-    )
-    check_accumulation(request.global_samples, per_gpu // micro, micro)
-    _, est = target.fits(fit.setup, micro)
+        micro = request.micro_batch_size or largest_divisor_at_most(
+            per_gpu, max(fit.max_micro_batch, 1)
+        )
+        check_accumulation(request.global_samples, per_gpu // micro, micro)
+        _, est = target.fits(fit.setup, micro)
     notes = [note for note in (engine_note, probe_note) if note]
     plan = _assemble(request, target, fit, micro, est, notes)
     check_run_length(plan.train_steps, plan.step_seconds, plan.num_gpus)

@@ -25,9 +25,9 @@ from batchfit.memory.device.totals import (
     gpu_extras,
 )
 from batchfit.memory.formulas import analytic
-from batchfit.memory.formulas.qlora import qlora_notes
-from batchfit.memory.trace import sized
+from batchfit.memory.trace import alike, sized
 from batchfit.memory.trace.fsdp import is_fsdp
+from batchfit.memory.trace.notes import setup_notes
 from batchfit.memory.trace.result import (
     TraceResult,
     extrapolate,
@@ -37,7 +37,7 @@ from batchfit.memory.trace.result import (
 from batchfit.memory.trace.stacks import cuttable_vision
 from batchfit.memory.trace.unroll import unroll
 from batchfit.memory.types import Line, MemoryEstimate
-from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo, make_config
+from batchfit.models import ModelInfo, make_config
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
 
@@ -148,7 +148,7 @@ def traced_result(
     whole = _traced_whole(model) or (model.arch.family == "vision" and not unrolls)
     extrapolated = not (full_depth or depth <= high or whole)
     notes = [f"traced {low} and {high} layers, extrapolated to {depth}"] if extrapolated else []
-    notes += _setup_notes(model, setup, device)
+    notes += setup_notes(model, setup, device)
     if not is_fsdp(setup):
         # one process without DDP (its buckets are added after): the dry run on 2 or 8 GPUs
         # is the one on 1, and one record serves every count
@@ -189,9 +189,9 @@ def traced_result(
     if interpolating:
         line = sized.line_of(model, setup, sizes.seq, micro)  # the sizes it shares a line with
         every_size = {**key, "micro": None, "workspace": None, "line": line}
-        setup_key = json.dumps(every_size, sort_keys=True, default=str)
+        setup_key = _key(every_size)
         between = line is not None
-    runs = interpolating and sized.runs_at(setup_key, micro, space, between)
+    runs = interpolating and _read_runs(every_size, setup, micro, space, between)
     result = _combine(model, setup, sizes, depths, runs) if runs else None
     if result is not None:
         _cache.store(CACHE_NAMESPACE, keys[-1], result_to_json(result))
@@ -199,6 +199,7 @@ def traced_result(
     runs = _dry_runs(model, setup, sizes, depths)
     if interpolating:  # kept only where they may be read
         sized.remember(setup_key, micro, space, runs)
+        alike.note_family(_family(every_size), setup_key)
     result = _combine(model, setup, sizes, depths, runs)
     if result is None:  # an image model whose history does not unroll: traced whole
         runs = _dry_runs(model, setup, sizes, None)
@@ -206,6 +207,32 @@ def traced_result(
     assert result is not None  # a whole dry run needs no unroll
     _cache.store(CACHE_NAMESPACE, key, result_to_json(result))
     return result, notes
+
+
+def _key(every_size: dict[str, Any]) -> str:
+    return json.dumps(every_size, sort_keys=True, default=str)
+
+
+def _family(every_size: dict[str, Any]) -> str:
+    """The histories' key of the setup without its optimizer (``alike.from_sibling``)."""
+    setup = {**every_size["setup"], "optimizer": None, "optimizer_impl": None}
+    return _key({**every_size, "setup": setup})
+
+
+def _read_runs(
+    every_size: dict[str, Any], setup: TrainingSetup, micro: int, space: int, between: bool
+) -> tuple[TraceResult, ...] | None:
+    """The dry runs at ``micro`` read from histories of this process: of this setup at other
+    sizes (``sized``), of its sibling with another optimizer, or of the step of two
+    micro-steps (``alike``); None where none answers."""
+    key = _key(every_size)
+    runs = sized.runs_at(key, micro, space, between)
+    if runs is None and not is_fsdp(setup):
+        runs = alike.from_sibling(key, _family(every_size), micro, space, between)
+    if runs is None and every_size["grad_accum_steps"] == 1:  # a step of two, cut
+        two = _key({**every_size, "grad_accum_steps": 2})
+        runs = alike.one_micro_step(sized.kept_or_read(two, micro, space, between))
+    return runs
 
 
 def _traced_whole(model: ModelInfo) -> bool:
@@ -218,67 +245,6 @@ def _traced_whole(model: ModelInfo) -> bool:
     # image models are traced whole: stages of other widths (ConvNeXt, Swin) do not lie on
     # one line through two depths, and they are small enough to trace in a second
     return unequal or (model.arch.family == "vision" and not cuttable_vision(model))
-
-
-def _setup_notes(model: ModelInfo, setup: TrainingSetup, device: str) -> list[str]:
-    """What the dry run of ``model`` under ``setup`` emulates, or leaves out, on ``device``."""
-    notes = []
-    if device == "cuda" and model.arch.model_type in ATTENTION_FREE_TYPES:
-        notes.append(
-            "convolutions: cuDNN's workspaces (taken from the caching allocator, larger with "
-            "torch.backends.cudnn.benchmark) are not counted"
-        )
-    if is_fsdp(setup):
-        notes.append(_fsdp_note(setup))
-    if model.arch.num_experts:
-        notes.append(
-            f"MoE: {model.arch.num_experts} experts, {model.arch.experts_per_token} per token; "
-            "each routed token-expert pair is one row of transformers' grouped expert matmul, "
-            "so memory follows the routed total, not how the router spreads the tokens"
-        )
-    if setup.method == "qlora":
-        notes += _qlora_notes(model, setup)
-    return notes
-
-
-def _fsdp_note(setup: TrainingSetup) -> str:
-    """How FSDP is traced: one rank, its wrapping and mixed-precision policy, what counts."""
-    if setup.fsdp_version == 1:
-        low = setup.precision.removeprefix("amp-")
-        mixed = (
-            f"MixedPrecision({low} parameters, reductions and buffers), trainable flat "
-            "parameters upcast to fp32 as accelerate does"
-            if setup.precision.startswith("amp-")
-            else "no mixed precision"
-        )
-        return (
-            f"FSDP1: rank 0 of {setup.num_gpus} under a fake process group; "
-            "FullyShardedDataParallel per decoder layer, then the root, use_orig_params=True, "
-            f"FULL_SHARD, BACKWARD_PRE, {mixed}; the flat parameters' shards, their gradients "
-            "and optimizer state are this rank's; gathered flat parameters and reduce-scatter "
-            "buffers count as other"
-        )
-    policy = (
-        f"MixedPrecisionPolicy(param_dtype={setup.precision.removeprefix('amp-')}, "
-        "reduce_dtype=fp32) under autocast"
-        if setup.precision.startswith("amp-")
-        else "no mixed-precision policy (parameters gathered as stored)"
-    )
-    return (
-        f"FSDP2: rank 0 of {setup.num_gpus} under a fake process group; fully_shard per "
-        f"layer, then the root, reshard_after_forward=True, {policy}; parameters, gradients "
-        "and optimizer state are this rank's shards; gathered parameters (the running "
-        "layer, the prefetched one, the root's) and reduce-scatter buffers count as other"
-    )
-
-
-def _qlora_notes(model: ModelInfo, setup: TrainingSetup) -> list[str]:
-    """How QLoRA's 4-bit linears are emulated, what stays unquantised, and in which dtype."""
-    return [
-        "QLoRA: bitsandbytes' 4-bit linears emulated (NF4 codes packed 2 per byte, "
-        "double-quantised statistics, the 16-bit weight dequantised in forward and backward)",
-        *qlora_notes(model, setup),
-    ]
 
 
 def _dry_runs(

@@ -146,6 +146,20 @@ def runs_at(
     return None
 
 
+def kept(setup_key: str, workspace: int) -> dict[int, tuple[TraceResult, ...]]:
+    """The sizes of ``setup_key`` traced in this process with ``workspace``, and their runs."""
+    return {m: r for (m, w), r in _RUNS.get(setup_key, {}).items() if w == workspace}
+
+
+def kept_or_read(
+    setup_key: str, micro: int, workspace: int = 0, between_sizes: bool = True
+) -> tuple[TraceResult, ...] | None:
+    """The dry runs of ``setup_key`` at ``micro``: those traced at that size in this process,
+    else ``runs_at``'s."""
+    kept = _RUNS.get(setup_key, {}).get((micro, workspace))
+    return kept if kept is not None else runs_at(setup_key, micro, workspace, between_sizes)
+
+
 def _interpolated(
     traced: dict[int, tuple[TraceResult, ...]], micro: int
 ) -> tuple[TraceResult, ...] | None:
@@ -183,11 +197,11 @@ def _with_workspace(
         events = history
         if log.events is not run.events:
             events = _resized(run.events, keys, new // CUBLAS_HANDLES)
-        out.append(_read(run.layers, log, events, history))
+        out.append(read(run.layers, log, events, history))
     return tuple(out)
 
 
-def _read(
+def read(
     layers: LayerLog | None,
     log: MomentLog,
     events: tuple[tuple[int, int], ...],
@@ -246,7 +260,7 @@ def interpolate(
         history = _line(log.events, other.events, low, high, micro)
     if events is None or history is None:
         return None
-    return _read(below.layers, log, events, history)
+    return read(below.layers, log, events, history)
 
 
 def _line(
