@@ -163,7 +163,7 @@ def test_the_analytic_saving_agrees_with_the_trace(wide, loss):
 
 
 def test_a_dry_run_of_the_fused_loss_skips_identical_chunks_and_gives_the_same_figures(
-    wide, monkeypatch
+    tmp_path, monkeypatch
 ):
     from batchfit.memory.trace import _lm_loss
     from batchfit.memory.trace.estimate import estimate_trace
@@ -173,11 +173,18 @@ def test_a_dry_run_of_the_fused_loss_skips_identical_chunks_and_gives_the_same_f
     # 129 rows over a vocabulary 128 times the width: chunks of 2, 65 of them, the last shorter
     assert len(_lm_loss._chunk_starts(129, 2, fake=False)) == 65
     assert _lm_loss._chunk_starts(129, 2, fake=True) == [0, 2, 126, 128]
+    # the dry runs compared: 17 rows over a vocabulary 16 times the width, chunks of 2 again,
+    # 9 of them, the last shorter, the middle 5 skipped (a dry run of every chunk runs each
+    # chunk's ops: 65 chunks at the wide vocabulary's 129 rows took most of this test)
+    assert len(_lm_loss._chunk_starts(17, 2, fake=False)) == 9
+    assert _lm_loss._chunk_starts(17, 2, fake=True) == [0, 2, 14, 16]
+    (tmp_path / "config.json").write_text(json.dumps({**WIDE_VOCAB_LLAMA, "vocab_size": 1024}))
+    model = resolve_model(str(tmp_path / "config.json"))
     setup = TrainingSetup(loss="fused", precision="amp-bf16")
-    work = Workload(micro_batch_size=1, seq_len=130, gpu=get_gpu("a100-40gb"), grad_accum_steps=2)
+    work = Workload(micro_batch_size=1, seq_len=18, gpu=get_gpu("a100-40gb"), grad_accum_steps=2)
 
     def figures():
-        est = estimate_trace(wide, setup, work)
+        est = estimate_trace(model, setup, work)
         return est.peak_bytes, est.reserved_bytes, est.extras["moments"]
 
     cut = figures()
