@@ -45,8 +45,12 @@ def probed(tmp_path_factory):
     cfg.write_text(json.dumps(TINY))
     args = ["probe", str(cfg), "--seq-len", SEQ, "--device", "cpu", "--precision", "fp32"]
     args += ["--max-micro-batch", "4", "--steps-per-trial", "2", "--json"]
-    # in this process: the probe runs its real steps in a child of its own
-    code, out, err = run_captured(args)
+    # in this process: the probe runs its real steps in a child of its own, on one thread (the
+    # suite's workers already share the cores: two threads there wait on each other's turns,
+    # 2.4 s a step of this model against 0.04 s on one)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        code, out, err = run_captured(args)
     assert not code, err
     return cfg, json.loads(out)
 
