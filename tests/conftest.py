@@ -9,6 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # under test draw as into a pipe (160 columns) unless a test sets a width itself
 os.environ.pop("COLUMNS", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Two workers share the two cores: a real CPU step on two OpenMP threads each stalls on the
+# other worker's (a tiny GPT-2's step 60x slower). One thread per process, children included.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Dry-run results are cached on disk: one fresh cache per test run, never the user's.
 if "BATCHFIT_CACHE_DIR" not in os.environ:
