@@ -5,6 +5,7 @@ and their dry run must allocate what the real CPU step allocates."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,19 @@ from tests._tiny import TINY_VIT
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The file's real CPU steps on one intra-op thread: their tensors are tiny, and a second
+    thread mostly waits for a core shared with the other test worker (an ``exp_`` of 8,192
+    floats took 16 ms on two threads, 0.02 ms on one). The storages a step allocates, which
+    the tests compare, do not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 # Tiny Llama with a wide vocabulary, so the loss's buffers are what moves the peak.
 WIDE_VOCAB_LLAMA = {

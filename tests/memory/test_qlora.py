@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,19 @@ from batchfit.spec import TrainingSetup
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The file's real CPU steps on one intra-op thread: their tensors are tiny, and a second
+    thread mostly waits for a core shared with the other test worker (an ``exp_`` of 8,192
+    floats took 16 ms on two threads, 0.02 ms on one). The storages a step allocates, which
+    the tests compare, do not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 TINY_LLAMA = {
     "model_type": "llama",

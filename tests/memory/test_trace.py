@@ -2,6 +2,7 @@
 checkpointing, LoRA, autocast, kernel emulation and extrapolation over depth."""
 
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +21,19 @@ from batchfit.workload import Workload
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The file's real CPU steps on one intra-op thread: their tensors are tiny, and a second
+    thread mostly waits for a core shared with the other test worker (an ``exp_`` of 8,192
+    floats took 16 ms on two threads, 0.02 ms on one). The storages a step allocates, which
+    the tests compare, do not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 # Four layers: a traced estimate dry-runs 1 and 2 of them and extrapolates to 4, twice as deep
 # as its deeper dry run; the full-depth traces it is compared with stay quick.
