@@ -20,7 +20,7 @@ from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup, parse_loss
 from tests._cli import run_cli
-from tests._tiny import TINY_VIT
+from tests._tiny import TINY_VIT, one_thread
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
@@ -28,14 +28,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> Iterator[None]:
-    """The file's real CPU steps on one intra-op thread: their tensors are tiny, and a second
-    thread mostly waits for a core shared with the other test worker (an ``exp_`` of 8,192
-    floats took 16 ms on two threads, 0.02 ms on one). The storages a step allocates, which
-    the tests compare, do not depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    """The file's real CPU steps on one thread (whatever OMP_NUM_THREADS says): their tensors
+    are tiny, and a second thread mostly waits for a core (an ``exp_`` of 8,192 floats took
+    16 ms on two threads beside the other test worker, 0.02 ms on one). The storages a step
+    allocates, which the tests compare, do not depend on the thread count."""
+    with one_thread():
+        yield
 
 
 # Tiny Llama with a wide vocabulary, so the loss's buffers are what moves the peak.
