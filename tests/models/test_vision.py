@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from batchfit.models import resolve_model
 from batchfit.plan import make_plan
 from batchfit.spec import TrainingSetup
 from tests._cli import run_cli
-from tests._tiny import TINY_VIT, one_thread
+from tests._tiny import TINY_VIT
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 VIT = TINY_VIT
@@ -47,12 +46,6 @@ SWIN = {
     "image_size": 64,
     "num_labels": 10,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_on_one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
 
 
 def _config(tmp_path, cfg, name="config.json"):

@@ -4,7 +4,6 @@ model's dry run. Staged models and stochastic depth (BEiT) are traced whole."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -16,18 +15,12 @@ from batchfit.memory.trace.stacks import cuttable_vision
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
-from tests._tiny import TINY_VIT, one_thread
+from tests._tiny import TINY_VIT
 
 # two layers past the traced 2 and 3
 DEEP_VIT = {**TINY_VIT, "num_hidden_layers": 5}
 # deep enough for a period of two layers traced at 4 and 6
 DEEPER_VIT = {**TINY_VIT, "num_hidden_layers": 6}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_on_one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
 
 
 def _model(tmp_path, config):
