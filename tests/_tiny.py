@@ -9,8 +9,8 @@
 - Models: ``example_gpt2`` builds ``TINY_GPT2``; ``linear_stack``, ``tiny_gpt2_lm`` and
   ``wide_mlp`` are the training-runtime tests' models, with their data (``token_batches``,
   ``wide_batches``) and reference steps (``full_batch_steps``, ``accumulated_steps``).
-- ``one_thread``: torch's CPU work on one thread, for the modules whose real steps and dry
-  runs run in the test process.
+- ``one_thread``: torch's CPU work on one thread, for the modules whose real training steps
+  run in the test process.
 """
 
 from __future__ import annotations
@@ -257,8 +257,8 @@ def wide_step_fn(model: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tenso
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """torch's CPU work on one thread while inside, its thread count restored after: beside
-    the other test worker on two cores, a second thread spin-waits and makes CPU steps and
-    dry runs several times slower."""
+    the other test worker on two cores, a second thread spin-waits and makes small CPU
+    training steps several times slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
