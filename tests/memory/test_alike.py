@@ -122,14 +122,16 @@ def test_another_optimizer_is_read_from_its_sibling_s_line(gpt2, setup, sibling,
             _at(gpt2, setup, micro, device=device)
         _at(gpt2, sibling, 2, device=device)  # one size of its own
         read = _at(gpt2, sibling, 7, device=device)
-    assert sized.from_histories(read)
-    truth = _at(gpt2, sibling, 7, device=device)
-    assert not sized.from_histories(truth)
-    assert (read.phases, read.peak, read.reserved_bytes) == (
-        truth.phases,
-        truth.peak,
-        truth.reserved_bytes,
-    )
+        one = _at(gpt2, sibling, 6, 1, device)  # and its step of one micro-step, cut
+    for got, accum in ((read, 2), (one, 1)):
+        assert sized.from_histories(got)
+        truth = _at(gpt2, sibling, 7 if accum == 2 else 6, accum, device)
+        assert not sized.from_histories(truth)
+        assert (got.phases, got.peak, got.reserved_bytes) == (
+            truth.phases,
+            truth.peak,
+            truth.reserved_bytes,
+        )
 
 
 def test_without_a_sibling_s_line_another_optimizer_is_traced(gpt2):

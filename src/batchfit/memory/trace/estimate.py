@@ -230,8 +230,9 @@ def _read_runs(
     if runs is None and not is_fsdp(setup):
         runs = alike.from_sibling(key, _family(every_size), micro, space, between)
     if runs is None and every_size["grad_accum_steps"] == 1:  # a step of two, cut
-        two = _key({**every_size, "grad_accum_steps": 2})
-        runs = alike.one_micro_step(sized.kept_or_read(two, micro, space, between))
+        two = {**every_size, "grad_accum_steps": 2}
+        traced = sized.kept(_key(two), space).get(micro)
+        runs = alike.one_micro_step(traced or _read_runs(two, setup, micro, space, between))
     return runs
 
 
