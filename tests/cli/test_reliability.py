@@ -17,14 +17,8 @@ import pytest
 from tests._cli import run_cli
 from tests._tiny import PROBE_GPT2
 
-# children import batchfit from where this process does; one OpenMP thread each (beside the
-# other test worker on two cores, a second thread spin-waits and slows every step)
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-    "HF_HUB_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}
+# children import batchfit from where this process does
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HF_HUB_OFFLINE": "1"}
 PLAN = ["plan", "gpt2", "--gpu", "t4", "-s", "128", "--global-batch", "64", "--engine", "analytic"]
 ESTIMATE = ["estimate", "gpt2", "-b", "1", "-s", "64", "--engine", "analytic"]
 GPUS = ["gpus", "gpt2", "-s", "64", "--engine", "analytic"]

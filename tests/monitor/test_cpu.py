@@ -130,12 +130,9 @@ def _cpu_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
 
 @pytest.mark.slow
 def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     plan = _cpu_estimate(tmp_path, capsys)
-    # the example trains on one OpenMP thread: beside the other test worker on two cores, a
-    # second thread spin-waits and makes each step many times slower
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     own = tmp_path / "maxrss"
     # the run reports its own resident peak at its end (the kernel's VmHWM, read by the run,
     # not sampled by the monitor). Not getrusage: its ru_maxrss also counts the pages the

@@ -15,7 +15,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,16 +24,9 @@ import torch
 from torch import nn
 
 from batchfit.train import Accumulator, MicroBatcher, StepResult
-from tests._tiny import one_thread, wide_batches, wide_mlp, wide_step_fn
+from tests._tiny import wide_batches, wide_mlp, wide_step_fn
 
 pytestmark = pytest.mark.usefixtures("frozen_gc")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _torch_on_one_thread() -> Iterator[None]:
-    """The steps in this process on one thread, as the child's (``torch.set_num_threads(1)``)."""
-    with one_thread():
-        yield
 
 
 ROOT = Path(__file__).resolve().parents[2]
