@@ -5,7 +5,6 @@ and their dry run must allocate what the real CPU step allocates."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -20,20 +19,10 @@ from batchfit.memory.trace.tracker import cpu_bf16_gemm_scratch
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup, parse_loss
 from tests._cli import run_cli
-from tests._tiny import TINY_VIT, one_thread
+from tests._tiny import TINY_VIT
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The file's real CPU steps on one thread (whatever OMP_NUM_THREADS says): their tensors
-    are tiny, and a second thread mostly waits for a core (an ``exp_`` of 8,192 floats took
-    16 ms on two threads beside the other test worker, 0.02 ms on one). The storages a step
-    allocates, which the tests compare, do not depend on the thread count."""
-    with one_thread():
-        yield
 
 
 # Tiny Llama with a wide vocabulary, so the loss's buffers are what moves the peak.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -17,21 +16,9 @@ from batchfit.memory.trace.hf import step_parts
 from batchfit.memory.trace.tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
-from tests._tiny import one_thread
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The file's real CPU steps on one thread (whatever OMP_NUM_THREADS says): their tensors
-    are tiny, and a second thread mostly waits for a core (an ``exp_`` of 8,192 floats took
-    16 ms on two threads beside the other test worker, 0.02 ms on one). The storages a step
-    allocates, which the tests compare, do not depend on the thread count."""
-    with one_thread():
-        yield
-
 
 TINY_LLAMA = {
     "model_type": "llama",

@@ -2,7 +2,6 @@
 checkpointing, LoRA, autocast, kernel emulation and extrapolation over depth."""
 
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,21 +17,9 @@ from batchfit.models import resolve_model
 from batchfit.optimizers import make_optimizer
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
-from tests._tiny import one_thread
 from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The file's real CPU steps on one thread (whatever OMP_NUM_THREADS says): their tensors
-    are tiny, and a second thread mostly waits for a core (an ``exp_`` of 8,192 floats took
-    16 ms on two threads beside the other test worker, 0.02 ms on one). The storages a step
-    allocates, which the tests compare, do not depend on the thread count."""
-    with one_thread():
-        yield
-
 
 # Four layers: a traced estimate dry-runs 1 and 2 of them and extrapolates to 4, twice as deep
 # as its deeper dry run; the full-depth traces it is compared with stay quick.
