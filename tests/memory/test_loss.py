@@ -24,7 +24,6 @@ from tests.memory._dry_vs_real import assert_dry_run_matches_real
 
 pytestmark = pytest.mark.slow
 
-
 # Tiny Llama with a wide vocabulary, so the loss's buffers are what moves the peak.
 WIDE_VOCAB_LLAMA = {
     "model_type": "llama",
