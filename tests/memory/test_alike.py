@@ -33,6 +33,28 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return resolve_model(str(path))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _dry_runs_once() -> Any:
+    """Each dry run (model, setup, sizes, depths) made once for the file: the tests trace the
+    same bases, and a dry run's result depends on nothing else. Every call still goes through
+    ``traced_result`` (its histories, what it reads from them, its replay of the allocator)."""
+    made: dict[str, Any] = {}
+    dry_runs = trace_estimate._dry_runs
+
+    def once(model: Any, setup: Any, sizes: Any, depths: Any) -> Any:
+        key = json.dumps(
+            [model.name, model.config, model.task, repr(setup), repr(sizes), depths],
+            sort_keys=True,
+        )
+        if key not in made:
+            made[key] = dry_runs(model, setup, sizes, depths)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trace_estimate, "_dry_runs", once)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh() -> Any:
     sized.forget()
