@@ -91,24 +91,35 @@ def draw(n: int) -> list[Case]:
     rng = random.Random(SEED)
     cases = []
     while len(cases) < n:
-        model = rng.choice(MODELS)
-        big = model in ("mistral-7b", "llama-3.1-8b")
-        method = rng.choice(["lora", "qlora"] if big else ["full", "full", "lora", "qlora"])
+        model, method = model_and_method(rng)
         first = rng.randint(3, 40)
         target = rng.choice([m for m in range(3, 129) if m != first])
-        cases.append(
-            Case(
-                model=model,
-                gpu=rng.choice(GPUS),
-                method=method,
-                grad_ckpt=rng.random() < 0.5,
-                optimizer=rng.choice(OPTIMIZERS),
-                seq=224 if model.startswith("vit") else rng.choice(SEQS),
-                bases=(2, first),
-                target=target,
-            )
-        )
+        cases.append(drawn_case(rng, model, method, (2, first), target))
     return cases
+
+
+def model_and_method(rng: random.Random) -> tuple[str, str]:
+    """A model and a method drawn from ``rng``: LoRA or QLoRA for the 7-8B ones."""
+    model = rng.choice(MODELS)
+    big = model in ("mistral-7b", "llama-3.1-8b")
+    return model, rng.choice(["lora", "qlora"] if big else ["full", "full", "lora", "qlora"])
+
+
+def drawn_case(
+    rng: random.Random, model: str, method: str, bases: tuple[int, int], target: int
+) -> Case:
+    """A case of ``model``: its GPU, checkpointing, optimizer and sequence drawn from ``rng``
+    in that order."""
+    return Case(
+        model=model,
+        gpu=rng.choice(GPUS),
+        method=method,
+        grad_ckpt=rng.random() < 0.5,
+        optimizer=rng.choice(OPTIMIZERS),
+        seq=224 if model.startswith("vit") else rng.choice(SEQS),
+        bases=bases,
+        target=target,
+    )
 
 
 def draw_chunked(n: int) -> list[Case]:
@@ -249,6 +260,14 @@ def _row(label: str, r: dict[str, Any]) -> tuple[str, bool, bool]:
     return row, bool(r["interpolated"]), same
 
 
+def case_row(tag: str, case: Case, r: dict[str, Any]) -> tuple[str, bool | None, bool]:
+    """``_row`` for a drawn case (its sizes named), or a skipped one's row (answered None)."""
+    if "skipped" in r:
+        return f"| {tag} {case.label()} | - | - | skipped: {r['skipped']} |||||", None, False
+    sizes = f"{case.bases[0]}, {case.bases[1]} | {case.target}"
+    return _row(f"{tag} {case.label()} | {sizes}", r)
+
+
 def _add(counts: list[int], answered: bool, same: bool) -> list[int]:
     return [counts[0] + 1, counts[1] + answered, counts[2] + (answered and same)]
 
@@ -293,13 +312,10 @@ def main() -> None:
     for i, case in enumerate(draw(args.cases), 1):
         r = run(case)
         print(case.label(), r, flush=True)
-        if "skipped" in r:
-            sizes.append(f"| c{i:02d} {case.label()} | - | - | skipped: {r['skipped']} | | | | |")
-            continue
-        row, answered, same = _row(
-            f"c{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target}", r
-        )
+        row, answered, same = case_row(f"c{i:02d}", case, r)
         sizes.append(row)
+        if answered is None:
+            continue
         count["sizes"] = _add(count["sizes"], answered, same)
         if "workspace" in r:
             w = r["workspace"]

@@ -21,13 +21,23 @@ import os
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _report import write_section  # noqa: E402
-from interpolation import GPUS, MODELS, OPTIMIZERS, SEQS, Case, _add, _row  # noqa: E402
+from interpolation import (  # noqa: E402
+    GPUS,
+    MODELS,
+    SEQS,
+    Case,
+    _add,
+    case_row,
+    drawn_case,
+    model_and_method,
+)
 
 SEED = 20261202
 SIBLING_SEED = 20261203  # the optimizer siblings' own draw
@@ -40,59 +50,67 @@ def draw(n: int) -> list[Case]:
     rng = random.Random(SEED)
     cases = []
     while len(cases) < n:
-        model = rng.choice(MODELS)
-        big = model in ("mistral-7b", "llama-3.1-8b")
-        method = rng.choice(["lora", "qlora"] if big else ["full", "full", "lora", "qlora"])
-        first = rng.randint(3, 40)
-        cases.append(
-            Case(
-                model=model,
-                gpu=rng.choice(GPUS),
-                method=method,
-                grad_ckpt=rng.random() < 0.5,
-                optimizer=rng.choice(OPTIMIZERS),
-                seq=224 if model.startswith("vit") else rng.choice(SEQS),
-                bases=(2, first),
-                target=rng.randint(2, 128),
-            )
-        )
+        model, method = model_and_method(rng)
+        case = drawn_case(rng, model, method, (2, rng.randint(3, 40)), 0)
+        cases.append(replace(case, target=rng.randint(2, 128)))
     return cases
 
 
-def run(case: Case) -> dict[str, Any]:
+def _timed(model: Any, setup: Any, case: Case, micro: int, accum: int, histories: bool) -> Any:
+    """The dry run of ``setup`` at ``micro`` (traced, or read where ``histories`` allows),
+    and its seconds."""
+    from batchfit.hardware import get_gpu
+    from batchfit.memory.trace import estimate, sized
+    from batchfit.workload import Workload
+
+    work = Workload(micro, case.seq, "cuda", get_gpu(case.gpu), grad_accum_steps=accum)
+    token = sized.enabled.set(histories)
+    start = time.perf_counter()
+    try:
+        result, _ = estimate.traced_result(model, setup, work, full_depth=False)
+    finally:
+        sized.enabled.reset(token)
+    return result, time.perf_counter() - start
+
+
+def _compare(
+    case: Case,
+    optimizers: tuple[tuple[str, str], ...],
+    traced: tuple[tuple[int, int], ...],
+    accums: tuple[int, int],
+) -> dict[str, Any]:
+    """Trace the case's setup with each of ``optimizers`` (name, implementation) at the
+    ``traced`` (setup index, size) pairs with ``accums[0]`` micro-steps, histories kept; then
+    read the last setup at the target with ``accums[1]`` and trace it: the two compared."""
     from batchfit import _cache
     from batchfit.hardware import get_gpu
     from batchfit.memory.formulas.analytic import resolve_setup
-    from batchfit.memory.trace import estimate, sized
+    from batchfit.memory.trace import sized
     from batchfit.models import resolve_model
     from batchfit.spec import TrainingSetup
-    from batchfit.workload import Workload
 
     model, gpu = resolve_model(case.model), get_gpu(case.gpu)
-    setup = TrainingSetup(method=case.method, grad_ckpt=case.grad_ckpt, optimizer=case.optimizer)
     if case.seq > (model.arch.max_positions or case.seq):
         return {"skipped": f"{case.seq} tokens: the model has {model.arch.max_positions} positions"}
+    setups = [
+        TrainingSetup(
+            method=case.method,  # type: ignore[arg-type]
+            grad_ckpt=case.grad_ckpt,
+            optimizer=name,  # type: ignore[arg-type]
+            optimizer_impl=impl,  # type: ignore[arg-type]
+        )
+        for name, impl in optimizers
+    ]
     try:
-        resolved = resolve_setup(model, setup, "cuda", gpu)
+        resolved = [resolve_setup(model, setup, "cuda", gpu) for setup in setups]
     except Exception as e:  # a setup this GPU cannot run (QLoRA without bf16 where required)
         return {"skipped": f"{type(e).__name__}: {e}"}
-
-    def at(micro: int, accum: int, histories: bool = False) -> tuple[Any, float]:
-        work = Workload(micro, case.seq, "cuda", gpu, grad_accum_steps=accum)
-        token = sized.enabled.set(histories)
-        start = time.perf_counter()
-        try:
-            result, _ = estimate.traced_result(model, resolved, work, full_depth=False)
-        finally:
-            sized.enabled.reset(token)
-        return result, time.perf_counter() - start
-
     sized.forget()
     with _cache.disabled():
-        for base in case.bases:  # traced with two micro-steps, their histories kept
-            at(base, 2, histories=True)
-        guess, guess_s = at(case.target, 1, histories=True)
-        truth, truth_s = at(case.target, 1)
+        for index, size in traced:
+            _timed(model, resolved[index], case, size, accums[0], True)
+        guess, guess_s = _timed(model, resolved[-1], case, case.target, accums[1], True)
+        truth, truth_s = _timed(model, resolved[-1], case, case.target, accums[1], False)
     return {
         "interpolated": guess.seconds == 0.0,
         "moments_equal": guess.phases == truth.phases,
@@ -100,6 +118,21 @@ def run(case: Case) -> dict[str, Any]:
         "reserved": (guess.reserved_bytes, truth.reserved_bytes),
         "seconds": (guess_s, truth_s),
     }
+
+
+def run(case: Case) -> dict[str, Any]:
+    """Sizes 2 and the drawn one traced with two micro-steps, the target read with one."""
+    traced = tuple((0, size) for size in case.bases)
+    return _compare(case, ((case.optimizer, "auto"),), traced, (2, 1))
+
+
+def run_sibling(case: Case) -> dict[str, Any]:
+    """AdamW traced at the two sizes, the case's optimizer at size 2, then read at the
+    target (two micro-steps throughout)."""
+    optimizer = case.optimizer.removesuffix("-fused")
+    impl = "fused" if case.optimizer.endswith("-fused") else "auto"
+    traced = ((0, case.bases[0]), (0, case.bases[1]), (1, 2))
+    return _compare(case, (("adamw", "auto"), (optimizer, impl)), traced, (2, 2))
 
 
 def draw_siblings(n: int) -> list[Case]:
@@ -127,57 +160,6 @@ def draw_siblings(n: int) -> list[Case]:
     return cases
 
 
-def run_sibling(case: Case) -> dict[str, Any]:
-    from batchfit import _cache
-    from batchfit.hardware import get_gpu
-    from batchfit.memory.formulas.analytic import resolve_setup
-    from batchfit.memory.trace import estimate, sized
-    from batchfit.models import resolve_model
-    from batchfit.spec import TrainingSetup
-    from batchfit.workload import Workload
-
-    model, gpu = resolve_model(case.model), get_gpu(case.gpu)
-    if case.seq > (model.arch.max_positions or case.seq):
-        return {"skipped": f"{case.seq} tokens: the model has {model.arch.max_positions} positions"}
-    optimizer, fused = case.optimizer.removesuffix("-fused"), case.optimizer.endswith("-fused")
-    base = TrainingSetup(method=case.method, grad_ckpt=case.grad_ckpt)
-    variant = TrainingSetup(
-        method=case.method,
-        grad_ckpt=case.grad_ckpt,
-        optimizer=optimizer,  # type: ignore[arg-type]
-        optimizer_impl="fused" if fused else "auto",
-    )
-    try:
-        resolved = [resolve_setup(model, s, "cuda", gpu) for s in (base, variant)]
-    except Exception as e:  # a setup this GPU cannot run (QLoRA without bf16 where required)
-        return {"skipped": f"{type(e).__name__}: {e}"}
-
-    def at(setup: Any, micro: int, histories: bool = False) -> tuple[Any, float]:
-        work = Workload(micro, case.seq, "cuda", gpu, grad_accum_steps=2)
-        token = sized.enabled.set(histories)
-        start = time.perf_counter()
-        try:
-            result, _ = estimate.traced_result(model, setup, work, full_depth=False)
-        finally:
-            sized.enabled.reset(token)
-        return result, time.perf_counter() - start
-
-    sized.forget()
-    with _cache.disabled():
-        for size in case.bases:  # the AdamW setup's line
-            at(resolved[0], size, histories=True)
-        at(resolved[1], 2, histories=True)  # the sibling's one traced size
-        guess, guess_s = at(resolved[1], case.target, histories=True)
-        truth, truth_s = at(resolved[1], case.target)
-    return {
-        "interpolated": guess.seconds == 0.0,
-        "moments_equal": guess.phases == truth.phases,
-        "peak": (guess.peak.total, truth.peak.total),
-        "reserved": (guess.reserved_bytes, truth.reserved_bytes),
-        "seconds": (guess_s, truth_s),
-    }
-
-
 def _table(
     tag: str, cases: list[Case], run_one: Any, traced: str, size: str
 ) -> tuple[list[str], list[int]]:
@@ -191,14 +173,10 @@ def _table(
     for i, case in enumerate(cases, 1):
         r = run_one(case)
         print(case.label(), r, flush=True)
-        if "skipped" in r:
-            rows.append(f"| {tag}{i:02d} {case.label()} | - | - | skipped: {r['skipped']} |||||")
-            continue
-        row, answered, same = _row(
-            f"{tag}{i:02d} {case.label()} | {case.bases[0]}, {case.bases[1]} | {case.target}", r
-        )
+        row, answered, same = case_row(f"{tag}{i:02d}", case, r)
         rows.append(row)
-        count = _add(count, answered, same)
+        if answered is not None:
+            count = _add(count, answered, same)
     return rows, count
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from batchfit import _cache
 from batchfit.hardware import get_gpu
 from batchfit.memory.estimate import interpolated_sizes
 from batchfit.memory.fit import FitResult
@@ -27,6 +26,9 @@ from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
 from tests._tiny import TINY_GPT2
 
+# each dry run once for the file, fresh histories for each test
+from tests.memory._once import each_dry_run_once, histories_per_test  # noqa: F401
+
 GPT2 = {**TINY_GPT2, "n_layer": 4}
 
 
@@ -35,37 +37,6 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("sized") / "config.json"
     path.write_text(json.dumps(GPT2))
     return resolve_model(str(path))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _dry_runs_once() -> Any:
-    """Each dry run (model, setup, sizes, depths) made once for the file: the tests trace the
-    same sizes of the same setups (the bases 2 and 5, the A100's bases, the plan's search),
-    and a dry run's result depends on nothing else. Every call still goes through
-    ``traced_result`` (its histories, its interpolation, its replay of the allocator)."""
-    made: dict[str, Any] = {}
-    dry_runs = trace_estimate._dry_runs
-
-    def once(model: Any, setup: Any, sizes: Any, depths: Any) -> Any:
-        key = json.dumps(
-            [model.name, model.config, model.task, repr(setup), repr(sizes), depths],
-            sort_keys=True,
-        )
-        if key not in made:
-            made[key] = dry_runs(model, setup, sizes, depths)
-        return made[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trace_estimate, "_dry_runs", once)
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> Any:
-    sized.forget()
-    with _cache.disabled():
-        yield
-    sized.forget()
 
 
 def _at(
