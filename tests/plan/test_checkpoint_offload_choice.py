@@ -194,6 +194,9 @@ def test_offload_competes_on_several_gpus_but_needs_the_margin():
     notes = [w for w in p.warnings if "CPU offload wins only" in w]
     assert len(notes) == 1
     assert f"{OFFLOAD_MARGIN:.0%}" in notes[0] and "s/step" in notes[0]
+    # the time it names for the plan's choice is the plan's own
+    assert p.step_seconds is not None
+    assert f"against {p.step_seconds:.3g} s/step for the plan's choice" in notes[0]
 
 
 def test_the_offload_note_prints_two_different_times_at_seconds_scale(monkeypatch):
@@ -311,3 +314,40 @@ def test_an_export_of_a_partial_plan_says_once_how_to_checkpoint_the_layers(kind
     fsdp = replace(p, setup=replace(p.setup, sharding="fsdp"))
     (line,) = [c for c in export_caveats(fsdp, "accelerate") if "checkpoint" in c]
     assert "fsdp_activation_checkpointing wraps every layer" in line
+
+
+def test_the_offload_note_compares_with_the_choice_not_the_fastest_option():
+    """The plain setup (1.00 s) is taken over fused AdamW (0.99 s: within the time model's
+    resolution, the simpler); an offload at 0.95 s (not past the margin) gets a note that
+    names the chosen 1.00 s, the time the plan prints."""
+    from batchfit.plan._choice import _widest
+    from batchfit.plan._ladder import FUSED_ADAMW, Technique
+    from batchfit.plan._value import Alternative
+
+    offload = Technique(
+        "offload-optimizer",
+        "exact",
+        "",
+        lambda s: replace(s, sharding="zero2", offload="optimizer"),
+    )
+    plain = TrainingSetup()
+    fused, offloaded = FUSED_ADAMW(plain), offload(plain)
+    times = {plain: 1.00, fused: 0.99, offloaded: 0.95}
+
+    class Target:
+        def timed_micro(self, largest: int, wanted: int | None) -> int:
+            return largest
+
+        def step_seconds(self, setup: TrainingSetup, micro: int) -> float:
+            return times[setup]
+
+        def confirmed(self, alt: Alternative) -> Alternative:
+            return alt
+
+    base = Alternative((), plain, 8, 1 << 30)
+    options = [Alternative((FUSED_ADAMW,), fused, 8, 1 << 30)]
+    options.append(Alternative((offload,), offloaded, 8, 1 << 30))
+    fit = _widest(Target(), base, options, None)  # type: ignore[arg-type]
+    assert fit is not None and fit.setup == plain
+    (note,) = [n for n in fit.notes if "CPU offload wins only" in n]
+    assert "predicted at 0.95 s/step against 1 s/step for the plan's choice" in note

@@ -275,21 +275,23 @@ def _widest(
         offloaded = [i for i in fitting if _offloads(options[i])]
         quickest = min(offloaded, key=lambda i: seconds[i]) if offloaded else None
         notes: tuple[str, ...] = ()
-        pool = plain
+        pool, passed_over = plain, None
         if quickest is not None and seconds[quickest] > 0:
             if seconds[quickest] * (1 + margin) < fastest:
                 pool, fastest = fitting, seconds[quickest]
             elif seconds[quickest] < fastest:
-                names = " + ".join(t.name for t in options[quickest].techniques)
-                notes = (
-                    f"{names} is predicted at {seconds[quickest]:.3g} s/step against "
-                    f"{fastest:.3g} s/step for the plan's choice, but not chosen: CPU offload "
-                    f"wins only when predicted over {margin:.0%} faster (its CPU Adam "
-                    "time depends on the host CPU, which batchfit does not know)",
-                )
+                passed_over = quickest
         # within the time model's resolution of the fastest, the simpler option
         near = [i for i in pool if seconds[i] <= fastest * (1 + tolerance)]
         best = min(near, key=tiebreak)
+        if passed_over is not None:  # against the choice's own time, as the plan shows it
+            names = " + ".join(t.name for t in options[passed_over].techniques)
+            notes = (
+                f"{names} is predicted at {seconds[passed_over]:.3g} s/step against "
+                f"{seconds[best]:.3g} s/step for the plan's choice, but not chosen: CPU "
+                f"offload wins only when predicted over {margin:.0%} faster (its CPU Adam "
+                "time depends on the host CPU, which batchfit does not know)",
+            )
         q = min(near, key=lambda i: seconds[i])
         if seconds[best] > seconds[q] * (1 + TIE_NOTE_ABOVE):
             notes = (*notes, _tie_note(options[q], seconds[q], options[best], seconds[best]))
