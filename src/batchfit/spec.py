@@ -247,12 +247,15 @@ class TrainingSetup:
         Example:
             >>> TrainingSetup(method="lora", grad_ckpt=True, loss="chunked").traits
             'lora + checkpointing + chunked loss'
+            >>> TrainingSetup(optimizer_impl="fused", precision="bf16", loss="fused").traits
+            'fused adamw + pure bf16 + fused loss'
         """
         parts = [
             self.method if self.method != "full" else "",
             "checkpointing" if self.grad_ckpt else "",
             self.optimizer if self.optimizer != "adamw" else "",
-            "fused" if self.optimizer_impl == "fused" else "",
+            f"fused {self.optimizer}" if self.optimizer_impl == "fused" else "",
+            f"pure {self.precision}" if self.precision in ("bf16", "fp16") else "",
             f"{self.loss} loss" if self.loss != "full" else "",
             self.sharding if self.sharding != "none" else "",
             f"offload {self.offload}" if self.offload != "none" else "",
