@@ -205,6 +205,9 @@ def test_cli_estimate_of_a_catalog_vit_and_plan_of_a_vit(tmp_path, capsys):
     code, out, _ = run_cli(["plan", vit, "--gpu", "t4", "--global-batch", "256"], capsys)
     assert code == 0 and "image 64 px" in out and "tokens per step" not in out
     assert "time: not predicted for image models" in out  # said, not left out
+    # an option whose search stopped at the per-GPU batch says so
+    capped = [a for a in data["alternatives"] if a["max_micro_batch"] == 256]
+    assert capped and "256 (batch)" in out and "no larger size searched" in out
 
 
 @pytest.mark.parametrize(

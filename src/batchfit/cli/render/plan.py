@@ -224,6 +224,9 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
             else ", traced at the answer and the size after it"
         )
     order = "exact first, then by s / step" if timed else "exact rungs first"
+    per_gpu = p.global_batch_size // p.num_gpus
+    if any(alt.max_micro_batch == per_gpu for alt in p.alternatives):
+        how += f"; (batch): all {per_gpu} samples a GPU takes per step fit, no larger size searched"
     steps, price = p.train_steps, p.gpu_hour_price
     columns = [
         Column("techniques", want=24),
@@ -245,12 +248,20 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
                 + (" (needs code)" if alt.needs else "")
                 + (" (plan)" if alt.techniques == p.techniques else ""),
                 "changes-training" if "changes-training" in kinds else "exact",
-                f"{mark}{alt.max_micro_batch}" if alt.max_micro_batch else "[red]none[/]",
+                _largest(alt, mark, per_gpu),
                 gib_figure(alt.device_total_bytes),
                 *(_timed_cells(p, alt) if timed else ()),
             ]
         )
     return fitted_table(render.out, f"Alternatives ({order}{how})", columns, rows)
+
+
+def _largest(alt: Alternative, mark: str, per_gpu: int) -> str:
+    """An alternative's largest micro-batch: ``≥`` where the size after it was not traced,
+    ``(batch)`` where the search stopped at the per-GPU batch."""
+    if not alt.max_micro_batch:
+        return "[red]none[/]"
+    return f"{mark}{alt.max_micro_batch}" + (" (batch)" if alt.max_micro_batch == per_gpu else "")
 
 
 def _timed_cells(p: Plan, alt: Alternative) -> list[str]:
