@@ -18,12 +18,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from batchfit.memory.trace.result import MomentLog, TraceResult
-from batchfit.memory.trace.sized import kept, kept_or_read, read
+from batchfit.memory.trace.sized import kept, kept_or_read, read, siblings
 
-__all__ = ["from_sibling", "note_family", "one_micro_step"]
-
-# setups that differ only in their optimizer: {the setup without it: its setup keys}
-_FAMILIES: dict[str, list[str]] = {}
+__all__ = ["from_sibling", "one_micro_step"]
 
 
 def one_micro_step(runs: tuple[TraceResult, ...] | None) -> tuple[TraceResult, ...] | None:
@@ -83,10 +80,10 @@ def _without_later_micro_step(run: TraceResult) -> TraceResult | None:
         first = next(n for n, keys in starts if _phase(keys, "forward"))
         top = max(key for key, _ in log.events)
         before = sum(1 for _, delta in log.events[first:begin] if delta > 0)
-        sized = {key for key, delta in log.events[begin:end] if delta > 0}
-        copies = set(range(top + 1 + before, top + 1 + before + len(sized)))
+        copied = {key for key, delta in log.events[begin:end] if delta > 0}
+        copies = set(range(top + 1 + before, top + 1 + before + len(copied)))
         drop = {i for i, (key, _) in enumerate(run.events) if key in made or key in copies}
-        if len(drop) != cut + sum(1 for key, _ in log.events[begin:end] if key in sized):
+        if len(drop) != cut + sum(1 for key, _ in log.events[begin:end] if key in copied):
             return None
         events = tuple(e for i, e in enumerate(run.events) if i not in drop)
     layers = run.layers
@@ -107,14 +104,6 @@ def _later(key: str) -> bool:
     return phase in ("forward", "backward") and head.startswith("s") and head.endswith("m2")
 
 
-def note_family(family: str, setup_key: str) -> None:
-    """Record that ``setup_key`` (a key of ``sized``'s histories) belongs to ``family`` (the
-    same setup without its optimizer)."""
-    keys = _FAMILIES.setdefault(family, [])
-    if setup_key not in keys:
-        keys.append(setup_key)
-
-
 def from_sibling(
     setup_key: str, family: str, micro: int, workspace: int, between_sizes: bool = True
 ) -> tuple[TraceResult, ...] | None:
@@ -125,9 +114,7 @@ def from_sibling(
     if not own or micro < 2:
         return None
     base = min(own)
-    for sibling in _FAMILIES.get(family, []):
-        if sibling == setup_key:
-            continue
+    for sibling in siblings(family, setup_key):
         at_base = kept_or_read(sibling, base, workspace, between_sizes)
         at_micro = kept_or_read(sibling, micro, workspace, between_sizes)
         if at_base is None or at_micro is None or len(at_base) != len(own[base]):
@@ -201,7 +188,7 @@ def _twins(mine: MomentLog, theirs: MomentLog) -> dict[int, int] | None:
     for (n, keys, _), (m, _, _), end, other in zip(
         mine.marks, theirs.marks, ends_mine, ends_theirs, strict=True
     ):
-        if not any(k.startswith(("forward|", "backward|")) for k in keys):
+        if not (_phase(keys, "forward") or _phase(keys, "backward")):
             continue
         ours, its = mine.events[n:end], theirs.events[m:other]
         if len(ours) != len(its):

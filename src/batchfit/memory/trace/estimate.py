@@ -198,8 +198,7 @@ def traced_result(
         return result, notes
     runs = _dry_runs(model, setup, sizes, depths)
     if interpolating:  # kept only where they may be read
-        sized.remember(setup_key, micro, space, runs)
-        alike.note_family(_family(every_size), setup_key)
+        sized.remember(setup_key, micro, space, runs, family=_family(every_size))
     result = _combine(model, setup, sizes, depths, runs)
     if result is None:  # an image model whose history does not unroll: traced whole
         runs = _dry_runs(model, setup, sizes, None)

@@ -36,6 +36,8 @@ enabled: ContextVar[bool] = ContextVar("interpolate_sizes", default=False)
 _RUNS: OrderedDict[str, dict[tuple[int, int], tuple[TraceResult, ...]]] = OrderedDict()
 # (setup, workspace) whose traced sizes above 1 are not on one line: not interpolated
 _OFF_LINE: set[tuple[str, int]] = set()
+# setups kept above that differ only in their optimizer: {the setup without it: their keys}
+_FAMILIES: dict[str, list[str]] = {}
 _KEPT_SETUPS = 32  # the histories of this many setups are kept, the least recently used go
 _KEPT_SIZES = 8  # and of this many sizes (with workspaces) of each
 
@@ -82,13 +84,22 @@ def line_of(model: ModelInfo, setup: TrainingSetup, seq: int, micro: int) -> str
     return f"chunks of {chunk} rows"
 
 
-def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult, ...]) -> None:
+def remember(
+    setup_key: str,
+    micro: int,
+    workspace: int,
+    runs: tuple[TraceResult, ...],
+    family: str | None = None,
+) -> None:
     """Keep ``runs`` (fresh dry runs at ``micro`` with ``workspace`` bytes of cuBLAS
     workspace, with their histories) for interpolation; the timeline's bookkeeping is
     dropped. A third size above 1 is checked against the line through the two kept before
-    (``runs_at`` then reads every size from that line, or none)."""
+    (``runs_at`` then reads every size from that line, or none). ``family``: the setup's key
+    without its optimizer, under which ``siblings`` finds it."""
     if any(r.moments is None for r in runs):
         return  # nothing recorded to interpolate
+    if family is not None and setup_key not in _FAMILIES.setdefault(family, []):
+        _FAMILIES[family].append(setup_key)
     kept = tuple(_canonical(r) for r in runs)
     sizes = _RUNS.setdefault(setup_key, {})
     if micro > 1:
@@ -106,7 +117,10 @@ def remember(setup_key: str, micro: int, workspace: int, runs: tuple[TraceResult
         del sizes[list(sizes)[_KEPT_SIZES // 2]]
     _RUNS.move_to_end(setup_key)
     while len(_RUNS) > _KEPT_SETUPS:
-        _RUNS.popitem(last=False)
+        gone, _ = _RUNS.popitem(last=False)
+        for keys in _FAMILIES.values():
+            if gone in keys:
+                keys.remove(gone)
 
 
 def from_histories(result: TraceResult) -> bool:
@@ -118,6 +132,12 @@ def forget() -> None:
     """Drop every kept history."""
     _RUNS.clear()
     _OFF_LINE.clear()
+    _FAMILIES.clear()
+
+
+def siblings(family: str, setup_key: str) -> list[str]:
+    """The kept setups of ``family`` (``remember``) other than ``setup_key``."""
+    return [key for key in _FAMILIES.get(family, []) if key != setup_key]
 
 
 def runs_at(
@@ -156,8 +176,8 @@ def kept_or_read(
 ) -> tuple[TraceResult, ...] | None:
     """The dry runs of ``setup_key`` at ``micro``: those traced at that size in this process,
     else ``runs_at``'s."""
-    kept = _RUNS.get(setup_key, {}).get((micro, workspace))
-    return kept if kept is not None else runs_at(setup_key, micro, workspace, between_sizes)
+    traced = _RUNS.get(setup_key, {}).get((micro, workspace))
+    return traced if traced is not None else runs_at(setup_key, micro, workspace, between_sizes)
 
 
 def _interpolated(
