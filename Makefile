@@ -13,12 +13,15 @@ venv: $(STAMP)
 # torch==2.13.0 first when none is importable: a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[hf,lightning,plot,dev]"
+	# the rest through uv (seconds where pip takes a minute); pip where uv cannot be installed.
 	# DeepSpeed only parses exported configs in the tests (CPU build, no ops compiled).
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation "deepspeed>=0.14" \
-	|| echo "deepspeed did not install: its export tests will be skipped"
+	$(BIN)/python -m pip install -q uv || true
+	if test -x $(BIN)/uv; then i="$(BIN)/uv pip install -q --python $(BIN)/python"; \
+	else i="$(BIN)/python -m pip install -q"; fi; \
+	$$i -c constraints.txt -e ".[hf,lightning,plot,dev]" && \
+	{ DS_BUILD_OPS=0 $$i -c constraints.txt --no-build-isolation "deepspeed>=0.14" \
+	|| echo "deepspeed did not install: its export tests will be skipped"; }
 	touch $(STAMP)
 
 demo: venv
