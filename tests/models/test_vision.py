@@ -208,6 +208,11 @@ def test_cli_estimate_of_a_catalog_vit_and_plan_of_a_vit(tmp_path, capsys):
     # an option whose search stopped at the per-GPU batch says so
     capped = [a for a in data["alternatives"] if a["max_micro_batch"] == 256]
     assert capped and "256 (batch)" in out and "no larger size searched" in out
+    # checkpointing takes all 256: checkpointing + 8-bit AdamW (another optimizer: it changes
+    # training, is never chosen over an exact rung that fits, cannot take more) is left out
+    names = [a["techniques"] for a in data["alternatives"]]
+    assert ["gradient-checkpointing"] in names
+    assert not any("gradient-checkpointing" in n and "adamw-8bit" in n for n in names), names
 
 
 @pytest.mark.parametrize(

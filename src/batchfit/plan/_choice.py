@@ -151,10 +151,13 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
     base_max = target.max_micro(setup)
     model = target.model if isinstance(target.model, ModelInfo) else None  # None: your module
     checkpointing = model is not None and model.supports_grad_ckpt
-    alternatives = []
+    alternatives: list[Alternative] = []
     for combo in ladder(setup, target.gpu, model, checkpointing=checkpointing):
         try:
-            alt = target.alternative(combo, apply(setup, combo))
+            rung = apply(setup, combo)
+            if _cannot_take_more(rung, alternatives, target.per_gpu):
+                continue
+            alt = target.alternative(combo, rung)
         except UsageError:
             continue  # a rung this model cannot take (no module matches the LoRA targets)
         alternatives.append(replace(alt, comm_bytes_per_step=target.comm(alt.setup)))
@@ -195,6 +198,23 @@ def _climb_ladder(target: _Target, setup: TrainingSetup, wanted: int | None) -> 
                 notes = (_tie_note(alternatives[quickest], seconds[quickest], alt, seconds[k]),)
             return _Fit(alt.setup, alt.techniques, alt.max_micro_batch, tuple(alternatives), notes)
     return _Fit(setup, (), base_max, tuple(alternatives))
+
+
+def _cannot_take_more(setup: TrainingSetup, earlier: list[Alternative], per_gpu: int) -> bool:
+    """``setup`` is an exact rung that already takes the whole per-GPU batch with another
+    optimizer (8-bit AdamW added to checkpointing): it changes training, is never chosen (an
+    exact rung fits first), is no faster and cannot take more samples, so it is neither
+    searched nor shown (ViT-Base on a T4 at 256: checkpointing takes all 256)."""
+    for alt in earlier:
+        exact = bool(alt.techniques) and all(t.kind == "exact" for t in alt.techniques)
+        if not exact or alt.max_micro_batch < per_gpu or alt.setup.optimizer == setup.optimizer:
+            continue
+        other = replace(
+            setup, optimizer=alt.setup.optimizer, optimizer_impl=alt.setup.optimizer_impl
+        )
+        if other == alt.setup:
+            return True
+    return False
 
 
 # a faster option passed over within TIME_TOLERANCE is named when it is this much faster
