@@ -201,6 +201,8 @@ def test_gpus_fits_the_width(
         if not row[-1].startswith("cannot run"):
             assert set(_names(row[-1])) <= known, row[-1]
     assert bool(_left_out(out)) == (width == 80)
+    # the card's memory, named apart from the memory used (both in GiB)
+    assert _left_out(out) in ([], ["card GiB"], ["card GiB, GiB used"])
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -221,3 +223,4 @@ def test_the_catalog_listings_fit_the_width_keeping_the_names(
         assert [c for c in cells if c in names] == names  # every name, whole, in order
         if width != 120:  # at 120 one listing fits whole, the other not
             assert bool(_left_out(out)) == (width == 80)
+        assert "GPU" not in _left_out(out)  # the full name is "full name": the name stays

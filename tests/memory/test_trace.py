@@ -242,7 +242,8 @@ def test_unsupported_setups_fall_back_to_analytic():
         seq_len=128,
         engine="trace",
     )
-    assert est.engine == "analytic" and "fp16" in est.warnings[0]
+    assert est.engine == "analytic" and "DeepSpeed's fp16" in est.warnings[0]
+    assert "--precision amp-fp16 (autocast, a GradScaler) is traced" in est.warnings[0]
 
 
 def test_emulated_optimizers_allocate_like_the_real_ones():

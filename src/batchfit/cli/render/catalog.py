@@ -112,7 +112,7 @@ def gpu_row(g: GpuSpec) -> dict[str, Any]:
 def gpus(gpu_list: list[GpuSpec]) -> None:
     columns = [
         ("name", False),
-        ("GPU", False),
+        ("full name", False),
         ("arch", False),
         ("GiB", True),
         ("CC", False),
@@ -136,15 +136,16 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
         for g in gpu_list
     ]
     title = "Catalog GPUs (memory as nvidia-smi / rocm-smi reports it)"
-    _plain_table(title, columns, rows, ["GPU", "arch", "CC", "fp8"])
+    _plain_table(title, columns, rows, ["full name", "arch", "CC", "fp8"])
 
 
-# `gpus MODEL`'s columns; on a narrow terminal the card's memory goes first, then the memory
+# `gpus MODEL`'s columns; on a narrow terminal the card's memory ("card GiB", not to be
+# confused with the GiB used) goes first, then the memory
 # used, then the hours per billion tokens (the GPU, its precision, its micro-batch and the
 # techniques stay).
 _FIT_COLUMNS = [
     Column("GPU"),
-    Column("GiB", right=True, leave_out=1),
+    Column("card GiB", right=True, leave_out=1),
     Column("precision"),
     Column("largest micro-batch", right=True),
     Column("GiB used", right=True, leave_out=2),

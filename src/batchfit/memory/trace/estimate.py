@@ -109,7 +109,10 @@ def trace_depths(model: ModelInfo, setup: TrainingSetup | None = None) -> tuple[
 def unsupported(model: ModelInfo, setup: TrainingSetup) -> str | None:
     """Why the trace cannot model this setup yet (then the analytic engine answers)."""
     if setup.precision == "fp16":
-        return "fp16 with an fp32 master copy is DeepSpeed's optimizer wrapper"
+        return (
+            "--precision fp16 is DeepSpeed's fp16 (fp16 weights, an fp32 master copy in its "
+            "optimizer wrapper); --precision amp-fp16 (autocast, a GradScaler) is traced"
+        )
     traced = ("none", "ddp", "fsdp")  # FSDP2: one rank under a fake process group
     if setup.sharding not in traced or setup.offload != "none":
         named = [f"--sharding {setup.sharding}"] if setup.sharding not in traced else []
