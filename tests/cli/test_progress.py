@@ -61,3 +61,18 @@ def test_a_dry_run_names_its_setup_and_tokens_or_images_by_the_model_s_task(monk
         "gpt2, 4 x 1024 tokens, 1 of 12 layers",
         "vit-base-patch16-224 (checkpointing + adamw-8bit), 32 x 224x224 px images, all layers",
     ]
+
+
+def test_the_seconds_tick_while_a_dry_run_runs(monkeypatch):
+    """The line is drawn at each refresh: a dry run of many seconds shows its clock run, not
+    the seconds at which it started."""
+    import time
+
+    text = io.StringIO()
+    monkeypatch.setattr(render, "err", Console(file=text, width=200, highlight=False))
+    line = render._Ticking(f"dry run 3, {render.CLOCK} s: gpt2", time.monotonic() - 7.2)
+    render.err.print(line)
+    clock = [time.monotonic() + 5]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    render.err.print(line)
+    assert text.getvalue().splitlines() == ["dry run 3, 7 s: gpt2", "dry run 3, 12 s: gpt2"]

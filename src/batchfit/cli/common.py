@@ -39,16 +39,18 @@ def _cache_switch(
             _cache.log.addHandler(handler)
             _cache.log.setLevel(logging.INFO)
             stack.callback(_cache.log.removeHandler, handler)
-        status = stack.enter_context(render.progress("dry runs", shown=not quiet))
+        # the spinner alone until a stage or a dry run is named (the formulas run none)
+        status = stack.enter_context(render.progress("", shown=not quiet))
         stage = [""]
         runs = [0]
         start = time.monotonic()
 
         def named(text: str) -> None:
-            # how many dry runs so far and for how long: a search has no count known ahead
+            # how many dry runs so far and for how long (the clock ticks while one runs): a
+            # search has no count known ahead
             runs[0] += 1
-            text = f"dry run {runs[0]}, {time.monotonic() - start:.0f} s: {text}"
-            status(f"{stage[0]}: {text}" if stage[0] else text)
+            head = f"{stage[0]}: " if stage[0] else ""
+            status(f"{head}dry run {runs[0]}, {render.CLOCK} s: {text}", start)
 
         def set_stage(text: str) -> None:
             stage[0] = text

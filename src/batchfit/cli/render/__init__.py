@@ -12,7 +12,9 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
+from typing import Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -46,23 +48,48 @@ out = _Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
 err = _Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
 
 
+class Status(Protocol):
+    """A live line's update: its text, and where the text has ``CLOCK``, the
+    ``time.monotonic()`` its seconds count from."""
+
+    def __call__(self, text: str, since: float | None = None) -> None: ...
+
+
+# where a live line's text shows the seconds, ticking at each refresh
+CLOCK = "\x00"
+
+
 @contextlib.contextmanager
-def progress(what: str, shown: bool = True) -> Iterator[Callable[[str], None]]:
+def progress(what: str, shown: bool = True) -> Iterator[Status]:
     """A one-line status on stderr while ``what`` runs, on a terminal only (and only when
     ``shown``); yields the function that updates it."""
     if not shown or not err.is_terminal:
-        yield lambda _text: None
+        yield lambda _text, _since=None: None
         return
     # redrawn in place, so not part of the answer a repeated question replays
     with _answers.hold(), err.status(what) as status:
 
-        def update(text: str) -> None:
-            # one line, cut with an ellipsis at the terminal's width (the count comes first);
-            # the spinner and a space take two columns
-            room = max(err.width - 2, 2)
-            status.update(escape(text if len(text) <= room else text[: room - 1] + "…"))
+        def update(text: str, since: float | None = None) -> None:
+            status.update(_Ticking(text, since))
 
         yield update
+
+
+class _Ticking:
+    """A live line's text, drawn at each refresh: with ``since`` (a ``time.monotonic()``),
+    ``CLOCK`` in it is the seconds since then, so a dry run of many seconds shows its clock
+    running. One line, cut with an ellipsis at the terminal's width (the count comes
+    first; the spinner and a space take two columns)."""
+
+    def __init__(self, text: str, since: float | None) -> None:
+        self.text, self.since = text, since
+
+    def __rich__(self) -> str:
+        text = self.text
+        if self.since is not None:
+            text = text.replace(CLOCK, f"{time.monotonic() - self.since:.0f}")
+        room = max(err.width - 2, 2)
+        return escape(text if len(text) <= room else text[: room - 1] + "…")
 
 
 def line(markup: str) -> None:
