@@ -121,10 +121,12 @@ def _json_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_a_warm_plan_needs_no_torch_and_gives_the_same_answer(cache_dir, capsys, monkeypatch):
+def test_a_warm_plan_needs_no_torch_and_gives_the_same_answer(
+    cache_dir, tiny_config, capsys, monkeypatch
+):
     """The cold plan runs here (torch is loaded anyway); the warm one in a fresh process,
-    where torch would show if anything traced."""
-    args = ["plan", "gpt2", "--gpu", "t4", "--seq-len", "256", "--global-batch", "32"]
+    where torch would show if anything traced (or if the config file were read again)."""
+    args = ["plan", tiny_config, "--gpu", "t4", "--seq-len", "64", "--global-batch", "32"]
     cold = _json_cli(args, capsys)
     env = {**os.environ, "BATCHFIT_CACHE_DIR": str(cache_dir)}
     warm = _cli([*args, "--json"], env)
