@@ -3,8 +3,8 @@
 both in the same step, the engine's config is rebuilt around the same ``train_batch_size``,
 and the parameters equal a run at the smaller micro-batch from the start.
 
-One ``torchrun`` launch runs both stages (``_deepspeed_worker.py``); the tests read its
-output.
+``_deepspeed_worker.py`` runs both stages, in the test run's one launch of the rank scenarios
+(``tests/_rank_scenarios.py``); the tests read its output.
 """
 
 from __future__ import annotations
@@ -17,21 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests._torchrun import torchrun
+from tests._rank_scenarios import scenario_out
 
 pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(scope="module")
-def ds_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("deepspeed")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DS_ACCELERATOR", "cpu")
-        # freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget.
-        mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-        proc = torchrun(Path(__file__).with_name("_deepspeed_worker.py"), out, attempts=3)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out
+def ds_out(request: pytest.FixtureRequest) -> Path:
+    return scenario_out(request, "deepspeed")
 
 
 def _records(out: Path, stage: int) -> list[dict[str, Any]]:

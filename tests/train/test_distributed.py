@@ -1,7 +1,8 @@
 """Two CPU ranks under ``torchrun`` (gloo): accumulation over micro-steps *and* ranks with
 unequal token counts equals one full-batch step, and an OOM on one rank shrinks both.
 
-One ``torchrun`` launch runs every scenario (``_ddp_worker.py``); the tests read its output.
+``_ddp_worker.py`` runs every scenario, in the test run's one launch of the rank scenarios
+(``tests/_rank_scenarios.py``); the tests read its output.
 """
 
 from __future__ import annotations
@@ -13,21 +14,16 @@ from typing import Any
 import pytest
 import torch
 
+from tests._rank_scenarios import scenario_out
 from tests._tiny import full_batch_steps, linear_stack, token_batches
-from tests._torchrun import torchrun
 from tests.train._ddp_worker import LR, shard
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun(Path(__file__).with_name("_ddp_worker.py"), out, attempts=3)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out
+def ddp_out(request: pytest.FixtureRequest) -> Path:
+    return scenario_out(request, "ddp")
 
 
 def _records(out: Path) -> list[dict[str, Any]]:

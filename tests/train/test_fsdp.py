@@ -2,7 +2,8 @@
 unequal micro-batches and ranks equals one full-batch step (clipped by the global norm), only
 the last micro-step reduce-scatters, and a real OOM on one rank shrinks both in the same step.
 
-One ``torchrun`` launch runs every scenario (``_fsdp_worker.py``); the tests read its output.
+``_fsdp_worker.py`` runs every scenario, in the test run's one launch of the rank scenarios
+(``tests/_rank_scenarios.py``); the tests read its output.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._rank_scenarios import scenario_out
 from tests._tiny import VOCAB, linear_stack, token_batches
-from tests._torchrun import torchrun
 from tests.train._fsdp_worker import CLIP
 
 pytestmark = pytest.mark.slow
@@ -26,14 +27,8 @@ LR = 0.5
 
 
 @pytest.fixture(scope="module")
-def fsdp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp")
-    with pytest.MonkeyPatch.context() as mp:
-        # freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget.
-        mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-        proc = torchrun(Path(__file__).with_name("_fsdp_worker.py"), out, attempts=3)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out
+def fsdp_out(request: pytest.FixtureRequest) -> Path:
+    return scenario_out(request, "fsdp")
 
 
 def _records(out: Path) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Two gloo ranks under ``torchrun`` measure the same noise scale as one process that runs the
 same micro-batches: each rank's hooks see its local micro-batch gradients (DDP before its
 reducer, FSDP2 on the unsharded parameters before the reduce-scatter), and the sums ride on
-the step's one all-reduce."""
+the step's one all-reduce. ``_gns_worker.py`` runs in the test run's one launch of the rank
+scenarios (``tests/_rank_scenarios.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from batchfit.train import Accumulator, cross_entropy_sum
+from tests._rank_scenarios import scenario_out
 from tests._tiny import linear_stack, token_batches
-from tests._torchrun import torchrun
 from tests.train._ddp_worker import LR, shard
 from tests.train._gns_worker import SLICES
 
@@ -21,11 +22,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[float | None]]]:
-    out = tmp_path_factory.mktemp("gns")
-    proc = torchrun(Path(__file__).with_name("_gns_worker.py"), out)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"gns{rank}.json").read_text()) for rank in (0, 1)]
+def gns_out(request: pytest.FixtureRequest) -> Path:
+    return scenario_out(request, "gns")
+
+
+@pytest.fixture(scope="module")
+def records(gns_out: Path) -> list[dict[str, list[float | None]]]:
+    return [json.loads((gns_out / f"gns{rank}.json").read_text()) for rank in (0, 1)]
 
 
 def _one_process(slices: list[tuple[int, int]]) -> list[float | None]:

@@ -1,0 +1,93 @@
+"""The two-rank (gloo) scenarios of the training runtime's tests, in one launch per test run.
+
+Each scenario is a worker of its own (``tests/train/_ddp_worker.py``, ``_gns_worker.py``,
+``_fsdp_worker.py``, ``tests/integrations/_deepspeed_worker.py``) that writes its files into
+the folder it is given. Run as a script (``python _rank_scenarios.py OUT NAME...`` with
+torchrun's variables), a rank joins the process group once and runs the named workers' ``main``
+in turn, each into ``OUT/NAME``: the ranks import torch (and start DDP's and FSDP2's lazy
+imports) once for all of them, not once per test file.
+
+``scenario_out`` is the test files' side: the scenarios of every test of the session that reads
+one (through the fixtures of ``FIXTURES``) run in one launch, made by the first test that needs
+it; under pytest-xdist the other worker waits for that launch and reads the same folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the ranks run this file without pytest
+    pass
+
+# worker modules in the order they run (DeepSpeed, which patches torch's collectives, last)
+WORKERS = {
+    "ddp": "tests.train._ddp_worker",
+    "gns": "tests.train._gns_worker",
+    "fsdp": "tests.train._fsdp_worker",
+    "deepspeed": "tests.integrations._deepspeed_worker",
+}
+# the module fixture through which a test file reads each scenario's folder
+FIXTURES = {"ddp_out": "ddp", "gns_out": "gns", "fsdp_out": "fsdp", "ds_out": "deepspeed"}
+# freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget (the OOM scenarios
+# of FSDP2 and DeepSpeed); DeepSpeed runs on the CPU
+ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "DS_ACCELERATOR": "cpu"}
+
+
+def scenario_out(request: object, name: str) -> Path:
+    """The folder scenario ``name`` wrote into, from this test run's one launch of every
+    scenario its collected tests read; asserts that the launch succeeded."""
+    import pytest
+
+    assert isinstance(request, pytest.FixtureRequest)
+    wanted = {
+        FIXTURES[f] for item in request.session.items for f in item.fixturenames if f in FIXTURES
+    }
+    names = [n for n in WORKERS if n in wanted | {name}]
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    # pytest-xdist's workers each have a folder in the run's: the launch lives in the run's
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = root / ("ranks-" + "-".join(names))
+    with open(root / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process ends
+        outcome = out / "launch.json"
+        if not outcome.exists():
+            from tests._torchrun import torchrun
+
+            for n in names:
+                (out / n).mkdir(parents=True, exist_ok=True)
+            proc = torchrun(Path(__file__), out, *names, attempts=3, env=ENV)
+            tail = proc.stdout[-2000:] + proc.stderr[-4000:]
+            outcome.write_text(json.dumps({"returncode": proc.returncode, "output": tail}))
+        launch = json.loads(outcome.read_text())
+    assert launch["returncode"] == 0, launch["output"]
+    return out / name
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    dist.init_process_group("gloo")
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    # each worker joins and leaves the group itself: here it finds the group joined, and leaves
+    # it for the next worker
+    dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        for name in names:
+            sys.argv = [sys.argv[0], str(out / name)]
+            importlib.import_module(WORKERS[name]).main()
+            dist.barrier()  # no rank starts the next scenario while the other ends this one
+    finally:
+        dist.init_process_group, dist.destroy_process_group = init, destroy  # type: ignore[assignment]
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
