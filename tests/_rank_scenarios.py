@@ -1,11 +1,13 @@
-"""The two-rank (gloo) scenarios of the training runtime's tests, in one launch per test run.
+"""The two-rank (gloo) scenarios of the search's and the training runtime's tests, in one
+launch per test run.
 
-Each scenario is a worker of its own (``tests/train/_ddp_worker.py``, ``_gns_worker.py``,
-``_fsdp_worker.py``, ``tests/integrations/_deepspeed_worker.py``) that writes its files into
-the folder it is given. Run as a script (``python _rank_scenarios.py OUT NAME...`` with
-torchrun's variables), a rank joins the process group once and runs the named workers' ``main``
-in turn, each into ``OUT/NAME``: the ranks import torch (and start DDP's and FSDP2's lazy
-imports) once for all of them, not once per test file.
+Each scenario is a worker of its own (``tests/search/_ranks_worker.py``,
+``tests/train/_ddp_worker.py``, ``_gns_worker.py``, ``_fsdp_worker.py``,
+``tests/integrations/_deepspeed_worker.py``) that writes its files into the folder it is
+given. Run as a script (``python _rank_scenarios.py OUT NAME...`` with torchrun's variables),
+a rank joins the process group once and runs the named workers' ``main`` in turn, each into
+``OUT/NAME``: the ranks import torch (and start DDP's and FSDP2's lazy imports) once for all
+of them, not once per test file.
 
 ``scenario_out`` is the test files' side: the scenarios of every test of the session that reads
 one (through the fixtures of ``FIXTURES``) run in one launch, made by the first test that needs
@@ -27,13 +29,20 @@ if TYPE_CHECKING:  # the ranks run this file without pytest
 
 # worker modules in the order they run (DeepSpeed, which patches torch's collectives, last)
 WORKERS = {
+    "search": "tests.search._ranks_worker",
     "ddp": "tests.train._ddp_worker",
     "gns": "tests.train._gns_worker",
     "fsdp": "tests.train._fsdp_worker",
     "deepspeed": "tests.integrations._deepspeed_worker",
 }
 # the module fixture through which a test file reads each scenario's folder
-FIXTURES = {"ddp_out": "ddp", "gns_out": "gns", "fsdp_out": "fsdp", "ds_out": "deepspeed"}
+FIXTURES = {
+    "search_ranks_out": "search",
+    "ddp_out": "ddp",
+    "gns_out": "gns",
+    "fsdp_out": "fsdp",
+    "ds_out": "deepspeed",
+}
 # freed blocks go back to the OS, so RLIMIT_DATA behaves like a GPU budget (the OOM scenarios
 # of FSDP2 and DeepSpeed); DeepSpeed runs on the CPU
 ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "DS_ACCELERATOR": "cpu"}

@@ -18,7 +18,7 @@ from batchfit.errors import NoFitError
 from batchfit.search import PLATEAU, Trial, find_batch_size
 from batchfit.search._order import Search as _Search
 from batchfit.workload import Workload
-from tests._torchrun import torchrun
+from tests._rank_scenarios import scenario_out
 
 CHILD = Path(__file__).with_name("_limit_child.py")
 pytestmark = pytest.mark.usefixtures("frozen_gc")
@@ -180,11 +180,16 @@ def test_twenty_ooms_in_a_row_leave_memory_flat(limit_child: dict[str, Any]) -> 
     assert max(rss[1:]) <= 1.05 * rss[1]
 
 
+@pytest.fixture(scope="module")
+def search_ranks_out(request: pytest.FixtureRequest) -> Path:
+    """What ``_ranks_worker.py`` wrote on its two ranks (gloo), run in the test run's one launch
+    of the rank scenarios (``tests/_rank_scenarios.py``)."""
+    return scenario_out(request, "search")
+
+
 @pytest.mark.slow
-def test_two_ranks_agree_on_the_smaller_budget(tmp_path: Path) -> None:
-    out = torchrun(Path(__file__).with_name("_ranks_worker.py"), tmp_path, attempts=1)
-    assert out.returncode == 0, out.stderr[-2000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_ranks_agree_on_the_smaller_budget(search_ranks_out: Path) -> None:
+    ranks = [json.loads((search_ranks_out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["sizes"] == ranks[1]["sizes"]  # the same trials, in the same order
     assert ranks[0]["choice"] == ranks[1]["choice"] == 20
     assert ranks[0]["max"] == ranks[1]["max"] == 20
