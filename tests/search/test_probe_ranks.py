@@ -49,16 +49,30 @@ def _spec(model: str, sharding: str, **extra: Any) -> dict[str, Any]:
 
 
 def _probe_processes() -> list[int]:
-    pids = []
+    """This process's descendants that run the probe (torchrun and its ranks): another test's
+    probe child, in another pytest-xdist worker, is not this test's."""
+    me, parents, pids = os.getpid(), {}, []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
+                # the parent's pid follows the command's name, in parentheses, and the state
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
+            except (OSError, IndexError, ValueError):
                 continue
             if b"batchfit.search.probe" in cmdline:
                 pids.append(int(entry.name))
-    return pids
+
+    def mine(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == me:
+                return True
+        return False
+
+    return [pid for pid in pids if mine(pid)]
 
 
 class CliRun(NamedTuple):
@@ -132,14 +146,15 @@ def test_cli_probe_with_two_ranks(cli_run: CliRun) -> None:
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_probe_naming_it(tiny: str) -> None:
     """SIGKILL rank 1 once the trials start: the probe raises RankFailure naming rank 1,
-    and no probe process is left."""
-    before = set(_probe_processes())
+    and no process of the probe (torchrun, either rank) is left."""
+    launched: list[int] = []
     killed: list[int] = []
 
     def on_line(message: dict[str, Any]) -> None:
         if "start" not in message or killed:
             return
-        for pid in set(_probe_processes()) - before:
+        launched.extend(_probe_processes())  # torchrun and both ranks, all alive at the start
+        for pid in launched:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if b"RANK=1" in environ:
                 os.kill(pid, signal.SIGKILL)
@@ -147,11 +162,11 @@ def test_a_dead_rank_ends_the_probe_naming_it(tiny: str) -> None:
 
     with pytest.raises(RankFailure, match=r"rank 1 died \(killed by signal 9"):
         _probe.run_ranks(_spec(tiny, "ddp"), on_line)
-    assert killed
+    assert killed and len(launched) == 3
     deadline = time.monotonic() + 10
-    while set(_probe_processes()) - before and time.monotonic() < deadline:
+    while any(Path(f"/proc/{pid}").exists() for pid in launched) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not set(_probe_processes()) - before
+    assert not [pid for pid in launched if Path(f"/proc/{pid}").exists()]
 
 
 def test_probe_refuses_sharding_without_ranks_and_deepspeed_ranks() -> None:
