@@ -26,14 +26,17 @@ pytestmark = pytest.mark.usefixtures("frozen_gc")
 
 # The child's modes one after the other in one process (torch is imported once): ``creep``
 # first, in the fresh process, as when run alone; each sets its limit from what the process
-# holds when it starts and restores it. The objects alive before the first (torch, batchfit)
-# are moved out of the collector's reach, as ``frozen_gc`` does here. Each mode's JSON line
-# follows a line naming it.
+# holds when it starts and restores it. The objects alive before the first (torch, batchfit,
+# and the modules torch loads when the first optimizer is made: torch._dynamo's) are moved out
+# of the collector's reach, as ``frozen_gc`` does here: each out-of-memory error's
+# ``gc.collect()`` then scans only what the modes made. Each mode's JSON line follows a line
+# naming it.
 MODES = ("creep", "search")
 _RUN_MODES = """
-import gc, runpy, sys
+import gc, os, runpy, sys
 import torch
 import batchfit.search
+torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())
 gc.collect()
 gc.freeze()
 child, mark, *modes = sys.argv[1:]
@@ -41,6 +44,8 @@ for mode in modes:
     print(mark + mode, flush=True)
     sys.argv = [child, mode]
     runpy.run_path(child, run_name="__main__")
+sys.stdout.flush()
+os._exit(0)  # every mode has said its line: no teardown of torch to wait for
 """
 _MARK = "--- _limit_child.py mode: "
 
