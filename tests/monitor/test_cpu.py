@@ -13,11 +13,10 @@ import pytest
 
 from batchfit import calibration, monitor
 from tests._cli import run_cli
-from tests._tiny import TINY_GPT2
+from tests._example_run import example_run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="monitor reads /proc")
 MIB = 2**20
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_gpt2.py"
 
 
 @pytest.fixture(autouse=True)
@@ -114,60 +113,23 @@ def test_pages_a_forked_worker_shares_count_once(tmp_path: Path) -> None:
     assert 200 * MIB < counted < 280 * MIB  # the shared 200 MiB once, two small runtimes
 
 
-def _cpu_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
-    # the step examples/train_tiny_gpt2.py runs: its config (TINY_GPT2, the example's CONFIG,
-    # as its --write-config writes it), micro-batch 16 of 32 tokens
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY_GPT2, indent=2) + "\n")
-    code, out, err = run_cli(
-        ["estimate", str(config), "--device", "cpu", "-b", "16", "-s", "32", "--json"], capsys
-    )
-    assert code == 0, err
-    plan = tmp_path / "estimate.json"
-    plan.write_text(out)
-    return plan
-
-
 @pytest.mark.slow
 def test_monitor_of_the_example_matches_its_own_rss_and_records_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plan = _cpu_estimate(tmp_path, capsys)
-    own = tmp_path / "maxrss"
-    # the run reports its own resident peak at its end (the kernel's VmHWM, read by the run,
-    # not sampled by the monitor). Not getrusage: its ru_maxrss also counts the pages the
-    # child held before exec, which were this test process's (torch, transformers: ~1 GiB)
-    wrapper = (
-        "import runpy, sys\n"
-        f"sys.argv = [{str(EXAMPLE)!r}, '--steps', '2']\n"
-        "try:\n"
-        f"    runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
-        "finally:\n"
-        "    hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')]\n"
-        f"    open({str(own)!r}, 'w').write(hwm[0])\n"
-    )
-    code, out, err = run_cli(
-        [
-            "monitor",
-            "--json",
-            "--interval",
-            "0.5",
-            "--plan",
-            str(plan),
-            "--",
-            sys.executable,
-            "-c",
-            wrapper,
-        ],
-        capsys,
-    )
-    assert code == 0, err
-    summary = json.loads(out)
-    independent = int(own.read_text()) * 1024  # KiB on Linux
+    # examples/train_tiny_gpt2.py under `monitor --json --interval 0.5 --plan` with the CPU
+    # estimate of its step (micro-batch 16 of 32 tokens); the run reports its own resident
+    # peak at its end (the kernel's VmHWM), which the monitor's must match
+    run = example_run(request)
+    err = run.text("monitor.err")
+    assert run.exit_code == 0, err + run.text("stderr")[-3000:]
+    summary = json.loads(run.text("monitor.json"))
+    independent = int(run.text("maxrss")) * 1024  # KiB on Linux
     assert summary["peak_bytes"] == pytest.approx(independent, rel=0.03)
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(run.data_dir))  # where the run recorded
     (record,) = calibration.load()
     assert record.device == "cpu" and record.source == "monitor"
-    estimate = json.loads(plan.read_text())["device_total_bytes"]
+    estimate = json.loads(run.text("estimate.json"))["device_total_bytes"]
     assert record.estimated_bytes > estimate + 100 * MIB  # the estimate plus torch's runtime
     assert record.measured_bytes == pytest.approx(independent, rel=0.03)
     assert "recorded for `batchfit calibration`" in err
