@@ -13,9 +13,8 @@ from batchfit.memory.trace.tracker import AllocationTracker
 from batchfit.models import resolve_model
 from batchfit.spec import TrainingSetup
 from batchfit.workload import Workload
-from tests._torchrun import torchrun
+from tests._rank_scenarios import scenario_out
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT2 = {
     "model_type": "gpt2",
     "architectures": ["GPT2LMHeadModel"],
@@ -26,6 +25,8 @@ TINY_GPT2 = {
     "vocab_size": 8000,
 }
 MIB = 2**20
+# the real ranks' workload: micro-batch, tokens, steps (test_traced_rank_peak_matches_...)
+TRUTH = {"setup": {"sharding": "fsdp"}, "micro": 4, "seq": 128, "steps": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -167,22 +168,24 @@ def test_tracker_follows_storages_resized_in_place() -> None:
     assert set(tracker.timeline.labels.values()) == {"other"}
 
 
+@pytest.fixture(scope="module")
+def fsdp_truth_out(request: pytest.FixtureRequest) -> Path:
+    """What ``benchmarks/_fsdp_truth.py`` printed on two real CPU ranks (gloo) for ``TINY_GPT2``
+    and ``TRUTH``, run first in the test run's one launch of the rank scenarios
+    (``tests/_rank_scenarios.py``)."""
+    return scenario_out(request, "fsdp_truth")
+
+
 @pytest.mark.slow
-def test_traced_rank_peak_matches_two_real_gloo_ranks(tiny: Path) -> None:
+def test_traced_rank_peak_matches_two_real_gloo_ranks(tiny: Path, fsdp_truth_out: Path) -> None:
     """Two real CPU ranks (gloo) run FSDP2 as the trace lays it out; each measures its own
     peak (VmHWM, ``benchmarks/_fsdp_truth.py``). The trace of one rank is within 3%. At 4 x 128
     tokens as at 8 x 256 it is within 1% of each rank (under by 0.6% and 0.2%). Two steps:
     FSDP2's second step is its steady state (the optimizer's state made in the first): a
     third holds the same peak (163.2 and 163.3 MiB a rank after two and three; 142.5 after
     one)."""
-    spec = {"model": str(tiny), "setup": {"sharding": "fsdp"}, "micro": 4, "seq": 128, "steps": 2}
-    proc = torchrun(
-        ROOT / "benchmarks" / "_fsdp_truth.py",
-        json.dumps(spec),
-        env={"PYTHONPATH": str(ROOT / "src"), "MALLOC_MMAP_THRESHOLD_": "65536"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
+    stdout = (fsdp_truth_out / "stdout0.txt").read_text()  # rank 0 prints every rank's figure
+    line = [x for x in stdout.splitlines() if x.startswith("{")][-1]
     ranks = json.loads(line)["ranks"]
     est = estimate_trace(
         resolve_model(str(tiny)),
