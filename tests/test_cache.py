@@ -191,6 +191,23 @@ def test_what_only_the_planner_reads_shares_the_dry_runs(cache_dir, tiny_config,
     assert again.device_total_bytes == first.device_total_bytes
 
 
+def test_the_same_config_under_another_path_reads_the_same_dry_runs(
+    cache_dir, tiny_config, tmp_path_factory, monkeypatch
+):
+    """A config file's model is built from its config and task, not its path: a script that
+    writes its config.json to a fresh folder each run (the example) reads its dry runs back."""
+    other = tmp_path_factory.mktemp("elsewhere") / "config.json"
+    other.write_text(Path(tiny_config).read_text())
+    kw = {"micro_batch_size": 2, "seq_len": 64, "gpu": get_gpu("t4")}
+    runs: list[int] = []
+    dry_runs = trace_estimate._dry_runs
+    monkeypatch.setattr(trace_estimate, "_dry_runs", lambda *a: runs.append(1) or dry_runs(*a))
+    first = estimate(resolve_model(tiny_config), TrainingSetup(), engine="trace", **kw)  # type: ignore[arg-type]
+    again = estimate(resolve_model(str(other)), TrainingSetup(), engine="trace", **kw)  # type: ignore[arg-type]
+    assert len(runs) == 1
+    assert (again.model, again.device_total_bytes) == (str(other), first.device_total_bytes)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("value", "off"), [("1", True), ("yes", True), ("0", False), ("", False)])
 def test_any_no_cache_value_but_a_false_one_switches_the_cache_off(monkeypatch, value, off):

@@ -71,6 +71,9 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+_COMMAND: Any = None  # the click command typer builds from the app, once
+
+
 def _run(argv: list[str]) -> None:
     """Parse and invoke, as click's ``main`` does, minus its exit-code handling."""
     # the commands load when the CLI runs: importing one part of batchfit.cli stays light
@@ -78,7 +81,10 @@ def _run(argv: list[str]) -> None:
 
     from batchfit.cli.app import app
 
-    command = typer.main.get_command(app)
+    global _COMMAND
+    if _COMMAND is None:  # built once a process (tens of milliseconds)
+        _COMMAND = typer.main.get_command(app)
+    command = _COMMAND
     with command.make_context("batchfit", argv) as ctx:
         command.invoke(ctx)
     sys.stdout.flush()  # a full disk must show here, not in the interpreter's last flush

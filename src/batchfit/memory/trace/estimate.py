@@ -169,7 +169,10 @@ def traced_result(
         grad_accum_steps=min(workload.grad_accum_steps, 2),
     )
     key = {
-        "model": model.name,
+        # the config and the task build the model, whatever names it (a config file's path, a
+        # catalog name): the same config.json under another path reads the same dry runs. A
+        # torchvision model is built from its name.
+        "model": model.name if model.arch.model_type == "torchvision" else "",
         "config": model.config,
         "task": model.task,
         "setup": asdict(setup),
