@@ -41,9 +41,14 @@ def _click_exceptions() -> Any:
     return exceptions
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, *, at_once: bool = False) -> None:
+    """``batchfit: message`` on stderr, then exit ``code``; ``at_once`` skips the
+    interpreter's teardown (a second with torch loaded): a stopped command has nothing left
+    to write, and its ``finally`` blocks have run."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         print(f"batchfit: {message}", file=sys.stderr, flush=True)
+    if at_once:
+        os._exit(code)
     sys.exit(code)
 
 
@@ -134,10 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         _silence_stdout()
-        _fail("interrupted", EXIT_INTERRUPTED)
+        _fail("interrupted", EXIT_INTERRUPTED, at_once=argv is None)
     except Terminated:
         _silence_stdout()
-        _fail("terminated", EXIT_TERMINATED)
+        _fail("terminated", EXIT_TERMINATED, at_once=argv is None)
     except OSError as e:
         _silence_stdout()
         if e.errno == errno.EPIPE:

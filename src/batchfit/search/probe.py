@@ -9,6 +9,7 @@ The child prints one JSON line per trial and a last line with the result.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -129,6 +130,10 @@ def probe(spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> Searc
     budget = (spec.get("rank_budgets") or [spec.get("memory_budget")] * nproc)[rank]
     spec = {**spec, "memory_budget": budget}
     warm_up(info, setup)
+    # what the libraries made (torch._dynamo's modules with the first optimizer) out of the
+    # collector's reach: each caught OOM's gc.collect (release_memory) scans the trials' objects
+    gc.collect()
+    gc.freeze()
     start, per_sample, need = _start(spec, info, setup, device)  # before any process group
     wrap = None
     if nproc > 1:
