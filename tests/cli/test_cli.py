@@ -274,3 +274,17 @@ def test_one_optimizer_step_is_singular(capsys):
     code, out, _ = run_cli(args, capsys)
     assert code == 0
     assert "1 optimizer step," in out and "1 optimizer steps" not in out
+
+
+def test_a_plan_for_another_task_names_it_and_its_estimate_line_asks_for_it(capsys):
+    """RoBERTa's config is a masked LM: a plan for classification says so on its first line, and
+    the `estimate` line that gives its figures carries `--task` (without it, estimate answers
+    for the masked LM's head, 95 GiB where the plan says 14)."""
+    args = ["--gpu", "t4", "--global-batch", "256", "--seq-len", "512", "--engine", "analytic"]
+    code, out, err = run_cli(["plan", "roberta-base", "--task", "classification", *args], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("roberta-base (classification) on 1 x t4")
+    assert "`batchfit estimate ... --task classification -b " in out.replace("\n", " ")
+    code, out, err = run_cli(["plan", "roberta-base", *args], capsys)
+    assert code == 0 and out.splitlines()[0].startswith("roberta-base on 1 x t4"), err

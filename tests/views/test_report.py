@@ -85,7 +85,7 @@ def test_user_text_is_escaped_and_numbers_shown() -> None:
 
 def test_an_alternative_that_needs_code_is_marked_with_the_change() -> None:
     data = _plan_json()
-    need = "code: wrap every 2nd decoder layer's forward in torch.utils.checkpoint <yourself>"
+    need = "code: wrap every 2nd transformer layer's forward in torch.utils.checkpoint <yourself>"
     data["alternatives"][0]["needs"] = [need]
     page = _html.plan_html(data)
     assert "<yourself>" not in page  # the change is user-facing text: escaped

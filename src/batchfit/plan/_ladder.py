@@ -76,14 +76,14 @@ def partial_ckpt(
     Example:
         >>> partial_ckpt(2, 32).name, partial_ckpt(2, 32).why
         ('gradient-checkpointing-every-2', 'recompute every 2nd layer in backward (16 of 32)')
-        >>> partial_ckpt(2, 32, selectable=False).needs.split(" decoder")[0]
+        >>> partial_ckpt(2, 32, selectable=False).needs.split(" transformer")[0]
         'code: wrap every 2nd'
     """
     count = f" ({num_layers // every} of {num_layers})" if num_layers else ""
     needs = (
         ""
         if selectable
-        else f"code: wrap every {ordinal(every)} decoder layer's forward in "
+        else f"code: wrap every {ordinal(every)} transformer layer's forward in "
         "torch.utils.checkpoint yourself (gradient_checkpointing=True wraps every layer)"
     )
     return Technique(

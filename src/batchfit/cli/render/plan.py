@@ -18,7 +18,7 @@ from batchfit.cli.render.layout import Column, fitted_table, print_table
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
 from batchfit.memory.trace.timeline import step_timeline
-from batchfit.models import ModelInfo
+from batchfit.models import ModelInfo, default_task
 from batchfit.plan import PRUNE_MARGIN, Alternative, Plan
 from batchfit.spec import TrainingSetup
 from batchfit.views import html as _html
@@ -74,8 +74,10 @@ def plan(p: Plan, info: ModelInfo) -> None:
 def _batch_lines(p: Plan, info: ModelInfo) -> None:
     """The model, GPUs and precision, micro-batch x accumulation x GPUs, and the largest that
     fits."""
+    # a task other than the config's own is part of the question (`--task` in its estimate)
+    task = f" ({info.task})" if info.task != default_task(info.config) else ""
     render.line(
-        f"[bold]{escape(info.name)}[/] on {p.num_gpus} x [bold]{p.gpu}[/], "
+        f"[bold]{escape(info.name)}[/]{task} on {p.num_gpus} x [bold]{p.gpu}[/], "
         f"{render.sample_size(p.seq_len, p.is_image)}, {p.setup.precision}"
     )
     tokens = f" = {p.tokens_per_step:,} tokens per step" if p.tokens_per_step is not None else ""
@@ -89,7 +91,7 @@ def _batch_lines(p: Plan, info: ModelInfo) -> None:
     elif p.max_micro_batch > p.micro_batch_size:
         render.line(
             f"  largest micro-batch that fits: {p.max_micro_batch} (the chosen "
-            f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus} "
+            f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus:,} "
             "samples each GPU takes per step)"
         )
     elif p.max_micro_batch == p.global_batch_size // p.num_gpus:
@@ -154,8 +156,9 @@ def _memory_and_engine(p: Plan) -> None:
         f"({'headroom' if free >= 0 else 'short by'} {gib(abs(free))}; "
         f"asked for {gib(p.headroom_wanted_bytes)})"
     )
+    task = f" --task {p.setup.task}" if p.setup.task else ""
     same = (
-        f"batchfit estimate ... -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
+        f"batchfit estimate ...{task} -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
         + technique_flags(p)
     )
     if est.engine == "trace":
@@ -226,7 +229,9 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
     order = "exact first, then by s / step" if timed else "exact rungs first"
     per_gpu = p.global_batch_size // p.num_gpus
     if any(alt.max_micro_batch == per_gpu for alt in p.alternatives):
-        how += f"; (batch): all {per_gpu} samples a GPU takes per step fit, no larger size searched"
+        how += (
+            f"; (batch): all {per_gpu:,} samples a GPU takes per step fit, no larger size searched"
+        )
     steps, price = p.train_steps, p.gpu_hour_price
     columns = [
         Column("techniques", want=24),
