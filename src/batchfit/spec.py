@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal, cast, get_args
 
+from batchfit._units import ordinal
 from batchfit.errors import UsageError
 from batchfit.optimizers import get_optimizer, registered
 from batchfit.presets import FRAMEWORKS, Preset, preset
@@ -249,10 +250,18 @@ class TrainingSetup:
             'lora + checkpointing + chunked loss'
             >>> TrainingSetup(optimizer_impl="fused", precision="bf16", loss="fused").traits
             'fused adamw + pure bf16 + fused loss'
+            >>> TrainingSetup(grad_ckpt=True, grad_ckpt_every=3).traits
+            'checkpointing every 3rd layer'
         """
         parts = [
             self.method if self.method != "full" else "",
-            "checkpointing" if self.grad_ckpt else "",
+            (
+                f"checkpointing every {ordinal(self.grad_ckpt_every)} layer"
+                if self.grad_ckpt and self.grad_ckpt_every
+                else "checkpointing"
+                if self.grad_ckpt
+                else ""
+            ),
             self.optimizer if self.optimizer != "adamw" else "",
             f"fused {self.optimizer}" if self.optimizer_impl == "fused" else "",
             f"pure {self.precision}" if self.precision in ("bf16", "fp16") else "",
