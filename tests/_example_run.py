@@ -10,9 +10,7 @@ source) the example runs alone, for the example's test.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests._cli import run_captured
+from tests._per_run import once_per_run
 from tests._tiny import EXAMPLE, TINY_GPT2
 
 # the example as its own test runs it: it plans, trains six steps, and recovers from two
@@ -67,21 +66,9 @@ class ExampleRun:
 
 def example_run(request: pytest.FixtureRequest) -> ExampleRun:
     """This test run's one run of the example (made here if no test made it yet)."""
-    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
-    # pytest-xdist's workers each have a folder in the run's: the example's lives in the run's
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    out = root / "train-tiny-gpt2-example"
-    with open(root / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process ends
-        outcome = out / "outcome.json"
-        if not outcome.exists():
-            out.mkdir(exist_ok=True)
-            try:
-                done = {"exit_code": _run(out)}
-            except Exception as e:  # the tests say it; the other worker does not run it again
-                done = {"error": f"{type(e).__name__}: {e}"}
-            outcome.write_text(json.dumps(done))
-        done = json.loads(outcome.read_text())
+    out, done = once_per_run(
+        request, "train-tiny-gpt2-example", lambda out: {"exit_code": _run(out)}
+    )
     assert "error" not in done, done["error"]
     return ExampleRun(out, done["exit_code"])
 

@@ -17,11 +17,9 @@ it; under pytest-xdist the other worker waits for that launch and reads the same
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,24 +60,21 @@ def scenario_out(request: pytest.FixtureRequest, name: str) -> Path:
     for item in request.session.items:
         wanted |= {FIXTURES[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURES}
     names = [n for n in WORKERS if n in wanted]
-    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
-    # pytest-xdist's workers each have a folder in the run's: the launch lives in the run's
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    out = root / ("ranks-" + "-".join(names))
-    with open(root / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process ends
-        outcome = out / "launch.json"
-        if not outcome.exists():
-            from tests._torchrun import torchrun
 
-            for n in names:
-                (out / n).mkdir(parents=True, exist_ok=True)
-                (out / n / "argv.json").write_text(json.dumps(_arguments(n, out / n)))
-            proc = torchrun(Path(__file__), out, *names, attempts=3, env=ENV)
-            tail = proc.stdout[-2000:] + proc.stderr[-4000:]
-            outcome.write_text(json.dumps({"returncode": proc.returncode, "output": tail}))
-        launch = json.loads(outcome.read_text())
-    assert launch["returncode"] == 0, launch["output"]
+    from tests._per_run import once_per_run  # pytest's side: the ranks run this file alone
+
+    def launch(out: Path) -> dict[str, Any]:
+        from tests._torchrun import torchrun
+
+        for n in names:
+            (out / n).mkdir(parents=True, exist_ok=True)
+            (out / n / "argv.json").write_text(json.dumps(_arguments(n, out / n)))
+        proc = torchrun(Path(__file__), out, *names, attempts=3, env=ENV)
+        return {"returncode": proc.returncode, "output": proc.stdout[-2000:] + proc.stderr[-4000:]}
+
+    out, done = once_per_run(request, "ranks-" + "-".join(names), launch)
+    assert "error" not in done, done["error"]
+    assert done["returncode"] == 0, done["output"]
     return out / name
 
 

@@ -8,9 +8,7 @@ engine (no probe trials: the probe gets no budget, so it stops at its checks).
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -161,26 +159,6 @@ def argv(draw: st.DrawFn, models: st.SearchStrategy[str]) -> list[str]:
     for name in draw(st.lists(names, max_size=3)):
         args += draw(_pair(name))
     return args
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_command_build() -> Iterator[None]:
-    """The click command is built from the typer app once for the module's 300 runs, not once
-    a run (19 ms each, the most of a run that stops at its checks): every run still parses
-    and invokes the whole CLI's command, the same one."""
-    import typer.main
-
-    build = typer.main.get_command
-    built: dict[int, tuple[Any, Any]] = {}
-
-    def once(app: Any) -> Any:
-        if id(app) not in built:
-            built[id(app)] = (app, build(app))  # the app kept: its id stays its own
-        return built[id(app)][1]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(typer.main, "get_command", once)
-        yield
 
 
 def _check(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
