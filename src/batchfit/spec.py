@@ -253,15 +253,12 @@ class TrainingSetup:
             >>> TrainingSetup(grad_ckpt=True, grad_ckpt_every=3).traits
             'checkpointing every 3rd layer'
         """
+        ckpt = "checkpointing" if self.grad_ckpt else ""
+        if ckpt and self.grad_ckpt_every:
+            ckpt += f" every {ordinal(self.grad_ckpt_every)} layer"
         parts = [
             self.method if self.method != "full" else "",
-            (
-                f"checkpointing every {ordinal(self.grad_ckpt_every)} layer"
-                if self.grad_ckpt and self.grad_ckpt_every
-                else "checkpointing"
-                if self.grad_ckpt
-                else ""
-            ),
+            ckpt,
             self.optimizer if self.optimizer != "adamw" else "",
             f"fused {self.optimizer}" if self.optimizer_impl == "fused" else "",
             f"pure {self.precision}" if self.precision in ("bf16", "fp16") else "",

@@ -142,6 +142,11 @@ class Plan:
         return self.estimate.speed_json(self.grad_accum_steps)
 
     @property
+    def per_gpu_batch(self) -> int:
+        """The samples each GPU takes per optimizer step (micro-batch x accumulation)."""
+        return self.global_batch_size // self.num_gpus
+
+    @property
     def step_seconds(self) -> float | None:
         step: float | None = self.speed_json()["step_seconds"]
         return step
@@ -186,7 +191,6 @@ class Plan:
             if a.max_micro_batch and a.micro_batch_size and a.techniques != self.techniques
         ]
         for a in sorted(timed, key=lambda a: (a.step_seconds is None, a.step_seconds or 0.0)):
-            per_gpu = self.global_batch_size // self.num_gpus
             rows.append(
                 {
                     "techniques": [t.name for t in a.techniques],
@@ -194,7 +198,7 @@ class Plan:
                     "needs": a.needs,
                     "micro_batch_size": a.micro_batch_size,
                     "max_micro_batch": a.max_micro_batch,
-                    "grad_accum_steps": per_gpu // a.micro_batch_size,
+                    "grad_accum_steps": self.per_gpu_batch // a.micro_batch_size,
                     "device_total_bytes": a.device_total_bytes,
                     "chosen": False,
                     "estimate_args": self.estimate_args(a),
@@ -213,7 +217,7 @@ class Plan:
             engine = self.estimate.engine
         else:
             setup, micro, engine = alt.setup, max(alt.max_micro_batch, 1), alt.engine
-            per_gpu = self.global_batch_size // self.num_gpus
+            per_gpu = self.per_gpu_batch
             accum = 1 if micro >= per_gpu else max(2, per_gpu // micro)
         args = (self.model, self.gpu, self.seq_len, setup, micro, accum, engine)
         return estimate_args(*args)

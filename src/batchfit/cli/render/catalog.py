@@ -139,10 +139,9 @@ def gpus(gpu_list: list[GpuSpec]) -> None:
     _plain_table(title, columns, rows, ["full name", "arch", "CC", "fp8"])
 
 
-# `gpus MODEL`'s columns; on a narrow terminal the card's memory ("card GiB", not to be
-# confused with the GiB used) goes first, then the memory
-# used, then the hours per billion tokens (the GPU, its precision, its micro-batch and the
-# techniques stay).
+# `gpus MODEL`'s columns; on a narrow terminal the card's memory ("card GiB", apart from the
+# GiB used) goes first, then the memory used, then the hours per billion tokens (the GPU, its
+# precision, its micro-batch and the techniques stay).
 _FIT_COLUMNS = [
     Column("GPU"),
     Column("card GiB", right=True, leave_out=1),

@@ -91,10 +91,10 @@ def _batch_lines(p: Plan, info: ModelInfo) -> None:
     elif p.max_micro_batch > p.micro_batch_size:
         render.line(
             f"  largest micro-batch that fits: {p.max_micro_batch} (the chosen "
-            f"{p.micro_batch_size} divides the {p.global_batch_size // p.num_gpus:,} "
+            f"{p.micro_batch_size} divides the {p.per_gpu_batch:,} "
             "samples each GPU takes per step)"
         )
-    elif p.max_micro_batch == p.global_batch_size // p.num_gpus:
+    elif p.max_micro_batch == p.per_gpu_batch:
         render.line(
             f"  largest micro-batch that fits: {p.max_micro_batch} (all the samples each GPU "
             "takes per step; the search stops there)"
@@ -227,7 +227,7 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
             else ", traced at the answer and the size after it"
         )
     order = "exact first, then by s / step" if timed else "exact rungs first"
-    per_gpu = p.global_batch_size // p.num_gpus
+    per_gpu = p.per_gpu_batch
     if any(alt.max_micro_batch == per_gpu for alt in p.alternatives):
         how += (
             f"; (batch): all {per_gpu:,} samples a GPU takes per step fit, no larger size searched"
@@ -272,7 +272,7 @@ def _largest(alt: Alternative, mark: str, per_gpu: int) -> str:
 def _timed_cells(p: Plan, alt: Alternative) -> list[str]:
     """An alternative's timing columns: timed at, s / step, tokens/s/GPU, and the run's."""
     steps, price = p.train_steps, p.gpu_hour_price
-    per_gpu = p.global_batch_size // p.num_gpus
+    per_gpu = p.per_gpu_batch
     step = alt.step_seconds
     run = step * steps if step and steps else None
     cells = [
