@@ -12,6 +12,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Two workers share the two cores: a real CPU step on two OpenMP threads each stalls on the
 # other worker's (a tiny GPT-2's step 60x slower). One thread per process, children included.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The same for the dry runs: a pair is traced in this process, not beside a helper process
+# (tests/memory/test_trace_helper.py turns it on)
+os.environ.setdefault("BATCHFIT_TRACE_JOBS", "1")
 
 # Dry-run results are cached on disk: one fresh cache per test run, never the user's.
 if "BATCHFIT_CACHE_DIR" not in os.environ:

@@ -23,8 +23,8 @@ def _shown(
     with _cache_switch(False, quiet=quiet) as stage:
         stage("the plan's choice")
         assert trace_estimate.on_dry_run is not None
-        trace_estimate.on_dry_run("gpt2 (checkpointing), 1 x 1024 tokens, 1 of 12 layers")
-        trace_estimate.on_dry_run("gpt2 (checkpointing), 1 x 1024 tokens, 2 of 12 layers")
+        trace_estimate.on_dry_run("gpt2 (checkpointing), 1 x 1024 tokens, 1 of 12 layers", 1)
+        trace_estimate.on_dry_run("gpt2 (checkpointing), 1 x 1024 tokens, 2 of 12 layers", 1)
     assert trace_estimate.on_dry_run is None  # put back when the command ends
     return text.getvalue()
 
@@ -33,6 +33,16 @@ def test_each_dry_run_is_named_and_counted_on_a_terminal(monkeypatch):
     shown = _shown(monkeypatch, quiet=False)
     expected = "the plan's choice: dry run 2, 0 s: gpt2 (checkpointing), 1 x 1024 tokens, 2 of 12"
     assert expected in shown
+
+
+def test_a_pair_traced_side_by_side_counts_two(monkeypatch):
+    text = io.StringIO()
+    monkeypatch.setattr(render, "err", Console(file=text, force_terminal=True, width=200))
+    with _cache_switch(False, quiet=False):
+        assert trace_estimate.on_dry_run is not None
+        trace_estimate.on_dry_run("gpt2, 1 x 1024 tokens, 1 and 2 of 12 layers", 2)
+        trace_estimate.on_dry_run("gpt2, 2 x 1024 tokens, 1 and 2 of 12 layers", 2)
+    assert "dry runs 3-4, 0 s: gpt2, 2 x 1024 tokens, 1 and 2 of 12 layers" in text.getvalue()
 
 
 def test_at_80_columns_the_count_shows_and_the_rest_ends_in_an_ellipsis(monkeypatch):
@@ -53,13 +63,15 @@ def test_a_dry_run_names_its_setup_and_tokens_or_images_by_the_model_s_task(monk
     from batchfit.spec import TrainingSetup
 
     said: list[str] = []
-    monkeypatch.setattr(trace_estimate, "on_dry_run", said.append)
+    monkeypatch.setattr(trace_estimate, "on_dry_run", lambda text, n: said.append(f"{n}: {text}"))
     trace_estimate._announce(resolve_model("gpt2"), TrainingSetup(), 4, 1024, 1)
+    trace_estimate._announce(resolve_model("gpt2"), TrainingSetup(), 4, 1024, 2, 1)
     lean = TrainingSetup(grad_ckpt=True, optimizer="adamw-8bit")
     trace_estimate._announce(resolve_model("vit-base-patch16-224"), lean, 32, 224, None)
     assert said == [
-        "gpt2, 4 x 1024 tokens, 1 of 12 layers",
-        "vit-base-patch16-224 (checkpointing + adamw-8bit), 32 x 224x224 px images, all layers",
+        "1: gpt2, 4 x 1024 tokens, 1 of 12 layers",
+        "2: gpt2, 4 x 1024 tokens, 1 and 2 of 12 layers",  # a pair, side by side
+        "1: vit-base-patch16-224 (checkpointing + adamw-8bit), 32 x 224x224 px images, all layers",
     ]
 
 

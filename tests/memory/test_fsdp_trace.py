@@ -228,7 +228,7 @@ def test_ddp_on_any_count_reads_the_one_gpu_dry_run(
     monkeypatch.delenv("BATCHFIT_NO_CACHE")
     monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "cache"))
     runs: list[str] = []
-    monkeypatch.setattr(_trace_estimate, "on_dry_run", runs.append)
+    monkeypatch.setattr(_trace_estimate, "on_dry_run", lambda text, _n: runs.append(text))
     one = _trace(tiny, precision="fp32")
     traced = len(runs)
     two = _trace(tiny, precision="fp32", num_gpus=2, sharding="ddp")

@@ -45,12 +45,14 @@ def _cache_switch(
         runs = [0]
         start = time.monotonic()
 
-        def named(text: str) -> None:
+        def named(text: str, count: int) -> None:
             # how many dry runs so far and for how long (the clock ticks while one runs): a
-            # search has no count known ahead
-            runs[0] += 1
+            # search has no count known ahead; two side by side are counted together
+            first = runs[0] + 1
+            runs[0] += count
+            which = f"s {first}-{runs[0]}" if count > 1 else f" {first}"
             head = f"{stage[0]}: " if stage[0] else ""
-            status(f"{head}dry run {runs[0]}, {render.CLOCK} s: {text}", start)
+            status(f"{head}dry run{which}, {render.CLOCK} s: {text}", start)
 
         def set_stage(text: str) -> None:
             stage[0] = text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
@@ -25,7 +26,7 @@ from batchfit.memory.device.totals import (
     gpu_extras,
 )
 from batchfit.memory.formulas import analytic
-from batchfit.memory.trace import alike, sized
+from batchfit.memory.trace import _worker, alike, sized
 from batchfit.memory.trace.fsdp import is_fsdp
 from batchfit.memory.trace.notes import setup_notes
 from batchfit.memory.trace.result import (
@@ -43,19 +44,27 @@ from batchfit.workload import Workload
 
 CACHE_NAMESPACE = "trace"
 
-# Called before each dry run with what it traces (the CLI shows it as progress on a terminal).
-on_dry_run: Callable[[str], None] | None = None
+# Called before each dry run with what it traces and how many dry runs that is (two where a
+# pair runs side by side); the CLI shows it as progress on a terminal.
+on_dry_run: Callable[[str, int], None] | None = None
 
 
 def _announce(
-    model: ModelInfo, setup: TrainingSetup, micro: int, seq: int, depth: int | None
+    model: ModelInfo,
+    setup: TrainingSetup,
+    micro: int,
+    seq: int,
+    depth: int | None,
+    beside: int | None = None,
 ) -> None:
+    """Name the dry run at ``depth`` (and the one at ``beside``, traced alongside)."""
     if on_dry_run is not None:
-        layers = f"{depth} of {model.arch.num_layers} layers" if depth else "all layers"
+        both = f"{beside} and {depth}" if beside else f"{depth}"
+        layers = f"{both} of {model.arch.num_layers} layers" if depth else "all layers"
         size = f"{seq}x{seq} px images" if model.task == "image-classification" else f"{seq} tokens"
         traits = setup.traits
         apart = f" ({traits})" if traits else ""  # a plan's options read apart
-        on_dry_run(f"{model.name}{apart}, {micro} x {size}, {layers}")
+        on_dry_run(f"{model.name}{apart}, {micro} x {size}, {layers}", 2 if beside else 1)
 
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
@@ -256,17 +265,34 @@ def _traced_whole(model: ModelInfo) -> bool:
 def _dry_runs(
     model: ModelInfo, setup: TrainingSetup, sizes: _Sizes, depths: tuple[int, int] | None
 ) -> tuple[TraceResult, ...]:
-    """One dry run of the whole model (``depths`` None), or two at ``depths``; none of them
-    replays the allocator (``_combine`` does)."""
+    """One dry run of the whole model (``depths`` None), or two at ``depths``, side by side
+    where a second process helps (``_worker``); none of them replays the allocator
+    (``_combine`` does)."""
+    # started before torch is imported here, so that the helper's import runs alongside
+    helper = _worker.helper() if depths else None
     # lazy: torch and transformers (~2 s), only when no cached result answers
     from batchfit.memory.trace.hf import trace_once
 
-    kw: dict[str, Any] = asdict(sizes)
-    runs = []
-    for depth in depths or (None,):
-        _announce(model, setup, sizes.micro, sizes.seq, depth)
-        runs.append(trace_once(model, setup, depth=depth, reserve=False, **kw))
-    return tuple(runs)
+    kw: dict[str, Any] = {**asdict(sizes), "reserve": False}
+    if depths is None:
+        _announce(model, setup, sizes.micro, sizes.seq, None)
+        return (trace_once(model, setup, depth=None, **kw),)
+    low, high = depths
+    if helper is None or not helper.submit((model, setup, {**kw, "depth": low})):
+        runs = []
+        for depth in depths:
+            _announce(model, setup, sizes.micro, sizes.seq, depth)
+            runs.append(trace_once(model, setup, depth=depth, **kw))
+        return tuple(runs)
+    _announce(model, setup, sizes.micro, sizes.seq, high, low)
+    start = time.monotonic()
+    deep = trace_once(model, setup, depth=high, **kw)
+    # the shallower dry run takes less than the deeper one: a helper that has not answered
+    # long after is stuck, and this process traces it
+    shallow = helper.result(timeout=60 + 10 * (time.monotonic() - start))
+    if not isinstance(shallow, TraceResult):  # the helper failed it: here, as it would
+        shallow = trace_once(model, setup, depth=low, **kw)
+    return shallow, deep
 
 
 def _combine(
