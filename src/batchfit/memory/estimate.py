@@ -326,7 +326,9 @@ def _with_step_time(result: MemoryEstimate, model: ModelInfo, workload: Workload
     if hardware is None:
         return result
 
-    predicted = step_time(model, result.setup, hardware, workload=workload)
+    traced = result.extras.get("flops_per_sample")
+    flops = (float(traced[0]), float(traced[1])) if traced else None
+    predicted = step_time(model, result.setup, hardware, workload=workload, flops_per_sample=flops)
     if predicted is None:
         return result
     # the optimizer step's time counts every micro-step of it (--grad-accum)

@@ -145,7 +145,11 @@ class _Target:
             return 0.0
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
         workload = Workload(micro_batch_size=micro_batch_size, seq_len=self.seq_len, gpu=self.gpu)
-        t = step_time(self.model, resolved, self.gpu, workload=workload)
+        # the FLOPs its dry runs counted (the same per sample at any size): an image model's
+        # step is timed from them
+        traced = self.sized[setup].extras.get("flops_per_sample") if setup in self.sized else None
+        flops = (float(traced[0]), float(traced[1])) if traced else None
+        t = step_time(self.model, resolved, self.gpu, workload=workload, flops_per_sample=flops)
         if t is not None and self.measured is not None:
             t = self.measured.corrected(t, resolved, micro_batch_size)
         return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro_batch_size, 1))

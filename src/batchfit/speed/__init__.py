@@ -30,8 +30,8 @@ from batchfit.spec import TrainingSetup, is_deepspeed
 from batchfit.speed._comm import comm_bytes_per_step as comm_bytes_per_step
 from batchfit.speed._comm import traffic
 from batchfit.speed._cpu import cpu_step_time
+from batchfit.speed._step import StepFlops, model_trainable, step_flops, traced_step_flops
 from batchfit.speed._step import StepTime as StepTime
-from batchfit.speed._step import model_trainable, step_flops
 from batchfit.workload import Workload
 
 # Utilisation of the tensor cores' dense peak that a step's matmuls reach, by generation: the
@@ -138,11 +138,18 @@ def step_time(
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     workload: Workload | None = None,
+    flops_per_sample: tuple[float, float] | None = None,
 ) -> StepTime | None:
     """The predicted time of one optimizer step on ``gpu`` (``setup`` resolved), per rank, or
-    None where the model does not apply: image models, a GPU without a peak figure, several
-    GPUs on a GPU without a link figure. A catalog CPU profile (``CpuSpec``) in place of the
-    GPU times a step on that CPU (``batchfit.speed._cpu``: fp32 steps only).
+    None where the model does not apply: an image model without ``flops_per_sample``, a GPU
+    without a peak figure, several GPUs on a GPU without a link figure. A catalog CPU profile
+    (``CpuSpec``) in place of the GPU times a step on that CPU (``batchfit.speed._cpu``: fp32
+    steps of token models only).
+
+    ``flops_per_sample``: each sample's FLOPs in a micro-step as the dry run counted them
+    (forward; backward with any recompute; the trace engine's ``extras``). An image model's
+    step is timed from them on a GPU (the formulas count token models only); a token model's
+    keeps the formulas' count, on which the coefficients were calibrated.
 
     The sizes are ``micro_batch_size`` and ``seq_len``, or a ``workload``'s; ``gpu`` names the
     hardware either way (a CPU profile is not a workload's device), so the workload's device
@@ -161,16 +168,25 @@ def step_time(
     """
     micro_batch_size, seq_len = _sizes(workload, micro_batch_size, seq_len)
     if model.arch.family == "vision":
-        return None
+        if isinstance(gpu, CpuSpec) or not flops_per_sample or not all(flops_per_sample):
+            return None
+        flops = traced_step_flops(model, setup, flops_per_sample)
+        return _gpu_step_time(model, setup, gpu, micro_batch_size, seq_len, flops)
     if isinstance(gpu, CpuSpec):
         return cpu_step_time(model, setup, gpu, micro_batch_size=micro_batch_size, seq_len=seq_len)
     return _gpu_step_time(model, setup, gpu, micro_batch_size, seq_len)
 
 
 def _gpu_step_time(
-    model: ModelInfo, setup: TrainingSetup, gpu: GpuSpec, micro_batch_size: int, seq_len: int
+    model: ModelInfo,
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    micro_batch_size: int,
+    seq_len: int,
+    traced: StepFlops | None = None,
 ) -> StepTime | None:
-    """``step_time`` on a GPU: compute, launches, the exposed collectives and offload copies."""
+    """``step_time`` on a GPU: compute, launches, the exposed collectives and offload copies;
+    from the ``traced`` FLOPs where given, else the formulas'."""
     arch = model.arch
     peak = _peak_flops(gpu, setup.precision)
     if peak is None or not gpu.bandwidth_gb_s:
@@ -178,11 +194,13 @@ def _gpu_step_time(
     link = collective_gb_s(gpu, setup.num_gpus)
     if setup.num_gpus > 1 and link is None:
         return None
-    tokens = micro_batch_size * seq_len
-    flops = step_flops(model, setup, seq_len)
+    # an image model's step counts images (``StepTime.tokens_per_micro_step``)
+    tokens = micro_batch_size * (1 if arch.family == "vision" else seq_len)
+    flops = traced or step_flops(model, setup, seq_len)
     layers, recompute_share = flops.layers, flops.recompute_share
     flops_per_token, model_flops_per_token = flops.per_token, flops.model_per_token
-    util = _utilisation(setup, gpu, arch.hidden_size, tokens)
+    rows = _matmul_rows(model, micro_batch_size, seq_len)
+    util = _utilisation(setup, gpu, arch.hidden_size, rows)
     # DeepSpeed's stages run the 16-bit module without autocast (memory/formulas/deepspeed.py), but
     # its engine's per-parameter hooks cost launches too: counted as autocast's
     amp = setup.precision in ("amp-bf16", "amp-fp16")
@@ -233,6 +251,16 @@ def _sizes(
     raise UsageError(
         "step_time needs micro_batch_size= and seq_len=, or a workload= in their place"
     )
+
+
+def _matmul_rows(model: ModelInfo, micro_batch_size: int, seq_len: int) -> int:
+    """Rows of the step's matrix multiplies: its tokens; an image model's patches (a
+    convolutional one's positions at a 4-pixel stride, where its stem cuts the image)."""
+    arch = model.arch
+    if arch.family != "vision":
+        return micro_batch_size * seq_len
+    side = seq_len // (arch.patch_size if arch.patch_size > 1 else 4)
+    return micro_batch_size * max(side, 1) ** 2
 
 
 def _utilisation(setup: TrainingSetup, gpu: GpuSpec, width: int, tokens: int) -> float:

@@ -17,7 +17,7 @@ class StepTime:
 
     micro_seconds: float
     optimizer_seconds: float
-    tokens_per_micro_step: int
+    tokens_per_micro_step: int  # an image model's: its images
     model_flops_per_token: float  # 6 x matmul params (4 under LoRA) + attention, no recompute
     peak_flops: float  # the dense peak of the step's dtype on this GPU
     # parts of the two above, for the output: communication compute does not hide (per
@@ -131,3 +131,31 @@ def model_trainable(model: ModelInfo, setup: TrainingSetup) -> float:
     if setup.method == "full":
         return float(model.total_params)
     return float(model.lora_params(setup.lora_rank, setup.lora_targets))
+
+
+def traced_step_flops(
+    model: ModelInfo, setup: TrainingSetup, flops_per_sample: tuple[float, float]
+) -> StepFlops:
+    """``step_flops`` from the FLOPs the dry run counted (each sample's forward, and its
+    backward with any recompute), per sample: an image model's "tokens" are its images.
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> vit = resolve_model("vit-base-patch16-224", task="image-classification")
+        >>> f = traced_step_flops(vit, TrainingSetup(), (35.1e9, 70.2e9))
+        >>> round(f.per_token / 1e9, 1), round(f.backward_share, 3)
+        (105.3, 0.667)
+    """
+    forward, backward = flops_per_sample
+    layers = model.arch.num_layers
+    full = setup.method == "full"
+    recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
+    return StepFlops(
+        per_token=forward + backward,
+        # model FLOPs: forward, and a backward of twice the forward (once without weight
+        # gradients), without the recompute
+        model_per_token=(3.0 if full else 2.0) * forward,
+        backward_share=backward / (forward + backward),
+        layers=layers,
+        recompute_share=recompute_share,
+    )

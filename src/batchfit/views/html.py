@@ -112,6 +112,11 @@ def _step_time(seconds: float) -> str:
     return f"{seconds:.3g}"
 
 
+def _unit(data: dict[str, Any]) -> str:
+    """What the throughput counts: an image model's images (its JSON has ``image_size``)."""
+    return "images" if "image_size" in data else "tokens"
+
+
 def _time(data: dict[str, Any]) -> str:
     if data.get("step_seconds") is None:
         return ""
@@ -120,7 +125,7 @@ def _time(data: dict[str, Any]) -> str:
     mfu = 100 * (data.get("mfu") or 0)
     return (
         f"<p>time: ~{_step_time(data['step_seconds'])} s per optimizer step, "
-        f"{data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {mfu:.0f}% "
+        f"{data['tokens_per_s_per_gpu']:,.0f} {_unit(data)}/s per GPU, MFU {mfu:.0f}% "
         f'<span class="muted">({why})</span></p>'
     )
 
@@ -212,7 +217,7 @@ def _alternatives(data: dict[str, Any]) -> str:
     per_gpu = (data.get("global_batch_size") or 0) // gpus
     head = ["techniques", "kind", "largest micro-batch", "GiB at that size"]
     if timed:
-        head += ["timed at micro x accum", "s / step", "tokens/s/GPU"]
+        head += ["timed at micro x accum", "s / step", f"{_unit(data)}/s/GPU"]
         head += ["run", "cost"] if steps and price is not None else ["run"] if steps else []
     traced = data.get("engine") == "trace" or any(
         a.get("engine") == "trace" or a.get("beyond_reach") for a in alts

@@ -152,10 +152,11 @@ def time_line(
 ) -> None:
     """The step time, when there is one: predicted (``batchfit.speed``), or corrected by a
     probe's measured steps as ``source`` says (``plan --throughput-from``). An ``image``
-    model has none yet, and says so rather than leave the line out."""
+    model's throughput counts images; where it has no time (the formulas answered: no dry run
+    counted its FLOPs) the line says so rather than leave it out."""
     if speed.get("step_seconds") is None:
         if image:
-            render.line(f"{indent}time: not predicted for image models (memory only)")
+            render.line(f"{indent}time: not predicted (an image model's FLOPs come from a dry run)")
         return
     parts = []
     if speed.get("comm_seconds"):
@@ -171,7 +172,7 @@ def time_line(
     )
     render.line(
         f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
-        f"{speed['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+        f"{speed['tokens_per_s_per_gpu']:,.0f} {'images' if image else 'tokens'}/s per GPU, MFU "
         f"{100 * (speed['mfu'] or 0):.0f}% ({why})"
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from rich.markup import escape
@@ -76,9 +77,11 @@ def _batch_lines(p: Plan, info: ModelInfo) -> None:
     fits."""
     # a task other than the config's own is part of the question (`--task` in its estimate)
     task = f" ({info.task})" if info.task != default_task(info.config) else ""
+    # LoRA and QLoRA train other parameters: said where the precision is
+    method = f", {p.setup.method} r{p.setup.lora_rank}" if p.setup.is_lora else ""
     render.line(
         f"[bold]{escape(info.name)}[/]{task} on {p.num_gpus} x [bold]{p.gpu}[/], "
-        f"{render.sample_size(p.seq_len, p.is_image)}, {p.setup.precision}"
+        f"{render.sample_size(p.seq_len, p.is_image)}, {p.setup.precision}{method}"
     )
     tokens = f" = {p.tokens_per_step:,} tokens per step" if p.tokens_per_step is not None else ""
     render.line(
@@ -157,9 +160,12 @@ def _memory_and_engine(p: Plan) -> None:
         f"asked for {gib(p.headroom_wanted_bytes)})"
     )
     task = f" --task {p.setup.task}" if p.setup.task else ""
+    flags = technique_flags(p)
+    if p.setup.method != "full" and "--method" not in flags:  # asked for, not a technique
+        flags = f" --method {p.setup.method}{flags}"
     same = (
         f"batchfit estimate ...{task} -b {p.micro_batch_size} --grad-accum {p.grad_accum_steps}"
-        + technique_flags(p)
+        + flags
     )
     if est.engine == "trace":
         render.line(f"  engine: trace (dry runs of the step; `{same}` gives these figures)")
@@ -238,7 +244,7 @@ def _alternatives_table(p: Plan, timed: bool, traced: bool) -> tuple[Table, list
         _KIND,
         Column("largest micro-batch", right=True),
         Column("GiB at that size", right=True),
-        *(_TIMED if timed else ()),
+        *((*_TIMED[:2], _throughput_column(p, _TIMED[2])) if timed else ()),
         *((_RUN,) if timed and steps else ()),
         *((_COST,) if timed and steps and price is not None else ()),
     ]
@@ -267,6 +273,11 @@ def _largest(alt: Alternative, mark: str, per_gpu: int) -> str:
     if not alt.max_micro_batch:
         return "[red]none[/]"
     return f"{mark}{alt.max_micro_batch}" + (" (batch)" if alt.max_micro_batch == per_gpu else "")
+
+
+def _throughput_column(p: Plan, column: Column) -> Column:
+    """The throughput column: an image model's counts images."""
+    return replace(column, header="images/s/GPU") if p.is_image else column
 
 
 def _timed_cells(p: Plan, alt: Alternative) -> list[str]:

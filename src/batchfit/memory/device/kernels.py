@@ -14,6 +14,8 @@ v2's fp32 ``dq_accum`` (like q) and ``softmax_d`` (fp32, b x heads x s) workspac
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,22 @@ import torch.nn.functional as F
 # The functions a mode intercepts; never reassigned, so user code always sees torch's own.
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _ORIGINAL_DROPOUT = F.dropout
+
+
+# Who counts the attention kernels' FLOPs (the dry run's tracker, while it runs): the kernels
+# below allocate what flash attention allocates, so no attention operator reaches the
+# dispatcher for torch's FLOP formulas to count.
+FLOP_SINKS: list[Callable[[float], None]] = []
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, matmuls: int) -> None:
+    """Report ``matmuls`` products of the query and key lengths over the head dimension, 2
+    FLOPs a multiply-add: forward 2 (scores, then the values), backward 5 (the scores again,
+    the values' and the probabilities' gradients, the query's and the key's)."""
+    if FLOP_SINKS and q.dim() >= 2:
+        *lead, s_q, d = q.shape
+        batch_heads = math.prod(int(n) for n in lead)
+        FLOP_SINKS[-1](2.0 * matmuls * batch_heads * int(s_q) * int(k.shape[-2]) * int(d))
 
 
 class FlashAttentionMemory(torch.autograd.Function):
@@ -46,6 +64,7 @@ class FlashAttentionMemory(torch.autograd.Function):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         # the memory-efficient kernel keeps its attention bias for backward too
         ctx.save_for_backward(q, k, v, out, lse, bias)
+        _attention_flops(q, k, 2)
         return out
 
     @staticmethod
@@ -55,6 +74,7 @@ class FlashAttentionMemory(torch.autograd.Function):
         softmax_d = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del dq_accum, softmax_d
+        _attention_flops(q, k, 5)
         return dq, dk, dv, None
 
 

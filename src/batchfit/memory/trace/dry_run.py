@@ -210,6 +210,7 @@ def run_steps(
     prime: bool = True,
     gloo_scratch: bool = False,
     replay_first_step: bool = False,
+    samples: int = 1,
 ) -> TraceResult:
     """Run ``steps`` optimizer steps of ``grad_accum_steps`` micro-steps under the tracker.
 
@@ -224,7 +225,8 @@ def run_steps(
     gloo's copy of each reduce-scatter's input; for sharded CPU ranks. ``replay_first_step``
     (with ``prime``): the result's ``events`` are the allocator's history of a whole first step
     then the measured one (:func:`_whole_first_step`), as ``prime=False`` records them, at
-    half its cost; its ``timeline`` is the primed run's.
+    half its cost; its ``timeline`` is the primed run's. ``samples``: the micro-batch size, by
+    which the result's ``flops`` (per micro-step, counted by the tracker) are divided.
     """
     start = time.perf_counter()
     tracker = AllocationTracker(gemm_scratch, gloo_scratch)
@@ -267,6 +269,10 @@ def run_steps(
         for handle in handles:
             handle.remove()
     result = _result(tracker.timeline, time.perf_counter() - start)
+    micro_steps = max(tracker.forwards, 1) * max(samples, 1)
+    flops = (tracker.flops["forward"] / micro_steps, tracker.flops["backward"] / micro_steps)
+    assert result.moments is not None
+    result = replace(result, flops=flops, moments=replace(result.moments, flops=flops))
     if replay_first_step and primed is not None:
         events, layers = _whole_first_step(tracker.timeline, primed)
         result = replace(result, events=events, layers=layers)

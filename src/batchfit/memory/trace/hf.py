@@ -492,4 +492,5 @@ def _run(
                 # CUDA: the allocator's reserve follows a whole first step, run or rebuilt
                 prime=not (emulate_cuda and whole_first_step),
                 replay_first_step=emulate_cuda and not whole_first_step,
+                samples=micro,
             )

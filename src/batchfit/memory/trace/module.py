@@ -172,6 +172,7 @@ def _dry_run(
                 gemm_scratch=not emulate_cuda and cpu_bf16_gemm_scratch(),
                 # CUDA: the allocator replays a whole first step, rebuilt from the primed one
                 replay_first_step=emulate_cuda,
+                samples=shape[0],
             )
     return _ModuleRun(result, net, params, shape)
 

@@ -103,6 +103,9 @@ class MomentLog:
     marks: tuple[tuple[int, tuple[str, ...], bool], ...]
     categories: dict[int, str]
     modules: dict[int, str]
+    # each sample's FLOPs in one micro-step (forward; backward with any recompute): the same
+    # at every micro-batch size, so a result read at another size keeps them
+    flops: tuple[float, float] = (0.0, 0.0)
 
 
 def moment_peaks(
@@ -201,6 +204,9 @@ class TraceResult:
     top_modules: tuple[tuple[str, int], ...] = ()
     events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     reserved_bytes: int = 0  # from the caching allocator simulation (CUDA runs only)
+    # each sample's FLOPs in one micro-step: forward, and backward with any recompute (the
+    # matmuls, convolutions and attention; ``MomentLog.flops``)
+    flops: tuple[float, float] = (0.0, 0.0)
     # the dry run's whole allocation history (``tracker.Timeline``), for the timeline
     # picture; only on a result fresh from a dry run (not extrapolated, not cached)
     timeline: Any = field(default=None, repr=False, compare=False)
@@ -245,8 +251,13 @@ def extrapolate(
             )
         )
     # The allocator's reserve is not a line in the depth: the caller replays it
-    # (``estimate._reserve``).
-    return TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules)
+    # (``estimate._reserve``). FLOPs are a line in the depth too.
+    low_flops, high_flops = shallow.flops, deep.flops
+    flops = (
+        low_flops[0] + scale * (high_flops[0] - low_flops[0]),
+        low_flops[1] + scale * (high_flops[1] - low_flops[1]),
+    )
+    return TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules, flops=flops)
 
 
 def result_to_json(result: TraceResult) -> dict[str, Any]:
@@ -256,6 +267,7 @@ def result_to_json(result: TraceResult) -> dict[str, Any]:
         "seconds": result.seconds,
         "top_modules": [list(m) for m in result.top_modules],
         "reserved_bytes": result.reserved_bytes,
+        "flops": list(result.flops),
     }
 
 
@@ -267,9 +279,11 @@ def result_from_json(record: dict[str, Any]) -> TraceResult:
     )
     if not phases:
         raise ValueError("a trace result without phases")
+    forward, backward = record.get("flops", (0.0, 0.0))
     return TraceResult(
         phases,
         float(record["seconds"]),
         tuple((str(name), int(size)) for name, size in record["top_modules"]),
         reserved_bytes=int(record["reserved_bytes"]),
+        flops=(float(forward), float(backward)),
     )

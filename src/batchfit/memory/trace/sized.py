@@ -231,7 +231,9 @@ def read(
     ``history`` (the same tuple where the dry run read them from its own events)."""
     phases, top = moments_of(history, log)
     moments = replace(log, events=history)
-    return TraceResult(phases, 0.0, top, events=events, layers=layers, moments=moments)
+    return TraceResult(
+        phases, 0.0, top, events=events, layers=layers, moments=moments, flops=log.flops
+    )
 
 
 def _resized(

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from batchfit.memory.device import kernels
 from batchfit.memory.trace.result import CATEGORIES, PhasePeak, live_after, moment_peaks
 
 _aten = torch.ops.aten
@@ -152,6 +153,10 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self._live_bytes = 0
         self._finalizers: dict[int, Any] = {}
         self.peak_total = 0
+        # FLOPs of the matmuls, convolutions and attention each phase ran (torch's own FLOP
+        # formulas, from the shapes), and how many micro-steps' forwards began
+        self.flops = {"forward": 0.0, "backward": 0.0}
+        self.forwards = 0
 
     # --- registration ------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, label: str | None = None) -> int | None:
@@ -227,6 +232,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         # torch/distributed/_tools/mem_tracker.py, patches it for the same reason)
         self._restore_resize = original
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        kernels.FLOP_SINKS.append(self._count_flops)  # the emulated attention kernels'
         return super().__enter__()  # type: ignore[no-untyped-call, unused-ignore]
 
     def _free(self, sid: int, key: int) -> None:
@@ -303,6 +309,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         """Enter ``phase`` at ``moments`` (one moment can stand for several, e.g. the one layer
         of a 1-layer stack is both its top and its bottom)."""
         self.phase = phase
+        self.forwards += phase == "forward"
         self._mark(checked=False)
         self._settle()
         self.timeline.phase_marks.append((len(self.timeline.events), phase))
@@ -327,7 +334,13 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         self._note_peak()
         self._free(-1, key)
 
+    def _count_flops(self, flops: float) -> None:
+        if self.phase in self.flops:
+            self.flops[self.phase] += flops
+
     def __exit__(self, *exc: Any) -> Any:
+        if self._count_flops in kernels.FLOP_SINKS:
+            kernels.FLOP_SINKS.remove(self._count_flops)
         self._settle()
         torch.UntypedStorage.resize_ = self._restore_resize  # type: ignore[method-assign]
         return super().__exit__(*exc)  # type: ignore[no-untyped-call, unused-ignore]
@@ -366,6 +379,8 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
             return _META if fake.fake_mode.in_kernel_invocation else fake.fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.phase in self.flops:
+            self._count_flops(_flops(func, args, kwargs, out))
         if self._accumulating_add(func, args, kwargs):
             self._pending = out
             return out
@@ -393,3 +408,27 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
             if scratch:
                 self.transient(scratch)
         return out
+
+
+def _flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
+    """The FLOPs of one operator call by torch's FLOP formulas (``torch.utils.flop_counter``:
+    matrix multiplies, convolutions and their backward, attention kernels); 0 for the rest,
+    whose time is their memory traffic."""
+    counter = _flop_formulas().get(getattr(func, "overloadpacket", None))
+    if counter is None:
+        return 0.0
+    try:
+        return float(counter(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not know this call's arguments counts nothing
+        return 0.0
+
+
+_FORMULAS: list[dict[Any, Any]] = []
+
+
+def _flop_formulas() -> dict[Any, Any]:
+    if not _FORMULAS:
+        from torch.utils.flop_counter import flop_registry  # lazy: imports sympy helpers
+
+        _FORMULAS.append(flop_registry)
+    return _FORMULAS[0]

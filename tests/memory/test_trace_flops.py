@@ -1,0 +1,97 @@
+"""The dry run counts the FLOPs of the step it runs (torch's FLOP formulas for matmuls and
+convolutions, the emulated attention kernels' own count), per sample: a catalog ViT-Base's
+forward is the published 17.56 GMACs; backward is twice forward, plus the recomputed forward
+under checkpointing (up to where torch's checkpoint stops it); the count is the same per
+sample at any micro-batch size, a line in the depth, and kept by the cache. An image model's
+step is timed from it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from batchfit.hardware import get_gpu
+from batchfit.memory.device import kernels
+from batchfit.memory.estimate import estimate
+from batchfit.memory.trace.result import (
+    CATEGORIES,
+    PhaseResult,
+    TraceResult,
+    extrapolate,
+    result_from_json,
+    result_to_json,
+)
+from batchfit.models import resolve_model
+from batchfit.spec import TrainingSetup
+from batchfit.speed import step_time
+
+# ViT-B/16 at 224 px: 17.56 GMACs a forward (the ViT paper's and timm's count: patch
+# embedding, 12 layers' projections and MLP over 197 tokens, and attention's two matmuls)
+VIT_B_FORWARD = 2 * 17.56e9
+
+
+@pytest.fixture(scope="module")
+def vit() -> object:
+    return resolve_model("vit-base-patch16-224", task="image-classification")
+
+
+def _flops(model: object, micro: int, **setup: object) -> tuple[float, float]:
+    est = estimate(
+        model,  # type: ignore[arg-type]
+        TrainingSetup(**setup),  # type: ignore[arg-type]
+        micro_batch_size=micro,
+        seq_len=224,
+        gpu=get_gpu("t4"),
+    )
+    forward, backward = est.extras["flops_per_sample"]
+    return forward, backward
+
+
+def test_vit_base_forward_is_its_published_count_and_backward_twice_it(vit):
+    forward, backward = _flops(vit, 2)
+    assert forward == pytest.approx(VIT_B_FORWARD, rel=0.002)
+    # input gradients and weight gradients (none for the pixels), attention's 5 matmuls to 2
+    assert backward / forward == pytest.approx(2.0, abs=0.03)
+    assert not kernels.FLOP_SINKS  # the attention kernels report to no one after the run
+
+
+def test_the_count_is_per_sample_and_checkpointing_adds_the_recomputed_forward(vit):
+    forward, backward = _flops(vit, 2)
+    assert _flops(vit, 5) == pytest.approx((forward, backward), rel=1e-9)
+    ckpt_forward, ckpt_backward = _flops(vit, 2, grad_ckpt=True)
+    assert ckpt_forward == pytest.approx(forward, rel=1e-9)
+    # the 12 layers run forward again in backward (the patch embedding and the head do not),
+    # up to the last op whose output backward needs: torch's non-reentrant checkpoint stops
+    # its recompute there, before the MLP's second matmul (its output is only added)
+    patch_embedding = 2 * 196 * 768 * 768
+    head = 2 * 768 * 1000
+    second_mlp_matmuls = 12 * 2 * 197 * 3072 * 768
+    recomputed = ckpt_backward - backward
+    expected = forward - patch_embedding - head - second_mlp_matmuls
+    assert recomputed == pytest.approx(expected, rel=0.002)
+
+
+def test_flops_are_a_line_in_the_depth_and_survive_the_cache():
+    phases = (PhaseResult("forward", dict.fromkeys(CATEGORIES, 1), "m"),)
+    low = TraceResult(phases, 0.0, flops=(10.0, 20.0))
+    high = TraceResult(phases, 0.0, flops=(13.0, 26.0))
+    assert extrapolate(low, high, 2, 3, 12).flops == (40.0, 80.0)
+    assert result_from_json(result_to_json(high)).flops == (13.0, 26.0)
+    old = result_to_json(high)
+    del old["flops"]  # a record of an older batchfit: no count, no error
+    assert result_from_json(old).flops == (0.0, 0.0)
+
+
+def test_an_image_model_is_timed_from_its_counted_flops(vit):
+    t4 = get_gpu("t4")
+    amp = replace(TrainingSetup(), precision="amp-fp16")
+    assert step_time(vit, amp, t4, micro_batch_size=32, seq_len=224) is None  # nothing counted
+    counted = (VIT_B_FORWARD, 2 * VIT_B_FORWARD)
+    at_32 = step_time(vit, amp, t4, micro_batch_size=32, seq_len=224, flops_per_sample=counted)
+    at_64 = step_time(vit, amp, t4, micro_batch_size=64, seq_len=224, flops_per_sample=counted)
+    assert at_32 is not None and at_64 is not None
+    assert at_32.tokens_per_micro_step == 32  # an image model's step counts images
+    assert at_32.step_seconds() < at_64.step_seconds() < 2 * at_32.step_seconds() + 1e-9
+    # compute at the T4's 65 TFLOP/s fp16 peak or slower
+    assert at_32.micro_seconds > 32 * 3 * VIT_B_FORWARD / 65e12
