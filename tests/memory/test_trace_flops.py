@@ -95,3 +95,21 @@ def test_an_image_model_is_timed_from_its_counted_flops(vit):
     assert at_32.step_seconds() < at_64.step_seconds() < 2 * at_32.step_seconds() + 1e-9
     # compute at the T4's 65 TFLOP/s fp16 peak or slower
     assert at_32.micro_seconds > 32 * 3 * VIT_B_FORWARD / 65e12
+
+
+def test_a_depthwise_convolution_s_backward_costs_twice_its_forward():
+    """torch's formula counts a grouped convolution's weight gradient as if every input channel
+    met every output channel (ConvNeXt's backward came out 7.7x its forward); each gradient
+    costs the forward's FLOPs."""
+    import torch
+
+    from batchfit.memory.trace.tracker import _conv_backward_flops
+
+    x = torch.empty(2, 8, 16, 16, device="meta")
+    weight = torch.empty(8, 1, 7, 7, device="meta")  # depthwise: 8 groups of one channel
+    grad_out = torch.empty(2, 8, 16, 16, device="meta")
+    forward = 2 * 2 * 8 * 1 * 7 * 7 * 16 * 16
+    common = (None, [1, 1], [3, 3], [1, 1], False, [0, 0], 8)
+    assert _conv_backward_flops(grad_out, x, weight, *common, [True, True, False]) == 2 * forward
+    # the first layer's input needs no gradient
+    assert _conv_backward_flops(grad_out, x, weight, *common, [False, True, False]) == forward

@@ -414,13 +414,40 @@ def _flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
     """The FLOPs of one operator call by torch's FLOP formulas (``torch.utils.flop_counter``:
     matrix multiplies, convolutions and their backward, attention kernels); 0 for the rest,
     whose time is their memory traffic."""
-    counter = _flop_formulas().get(getattr(func, "overloadpacket", None))
+    packet = getattr(func, "overloadpacket", None)
+    counter = _flop_formulas().get(packet)
     if counter is None:
         return 0.0
     try:
+        if packet is _aten.convolution_backward:
+            return _conv_backward_flops(*args)
         return float(counter(*args, **kwargs, out_val=out))
     except Exception:  # a formula that does not know this call's arguments counts nothing
         return 0.0
+
+
+def _conv_backward_flops(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    _bias: Any,
+    _stride: Any,
+    _padding: Any,
+    _dilation: Any,
+    transposed: bool,
+    _output_padding: Any,
+    _groups: int,
+    output_mask: Any,
+) -> float:
+    """A convolution's backward: the input's gradient and the weight's each cost its forward.
+    (torch's own formula counts the weight's gradient as if every input channel met every
+    output channel: a depthwise convolution's, ConvNeXt's 7x7, came out channels-fold.)"""
+    from torch.utils.flop_counter import conv_flop_count
+
+    forward = conv_flop_count(
+        list(x.shape), list(weight.shape), list(grad_out.shape), transposed=transposed
+    )
+    return float(forward * (bool(output_mask[0]) + bool(output_mask[1])))
 
 
 _FORMULAS: list[dict[Any, Any]] = []
