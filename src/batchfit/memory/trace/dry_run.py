@@ -268,11 +268,7 @@ def run_steps(
     finally:
         for handle in handles:
             handle.remove()
-    result = _result(tracker.timeline, time.perf_counter() - start)
-    micro_steps = max(tracker.forwards, 1) * max(samples, 1)
-    flops = (tracker.flops["forward"] / micro_steps, tracker.flops["backward"] / micro_steps)
-    assert result.moments is not None
-    result = replace(result, flops=flops, moments=replace(result.moments, flops=flops))
+    result = _result(tracker.timeline, time.perf_counter() - start, _flops(tracker, samples))
     if replay_first_step and primed is not None:
         events, layers = _whole_first_step(tracker.timeline, primed)
         result = replace(result, events=events, layers=layers)
@@ -347,17 +343,26 @@ def _label_step_tensors(
                     tracker.same_layer(value, owner)
 
 
-def _result(timeline: Timeline, seconds: float) -> TraceResult:
+def _flops(tracker: AllocationTracker, samples: int) -> tuple[float, float]:
+    """Each sample's FLOPs in one micro-step (forward; backward with any recompute)."""
+    micro_steps = max(tracker.forwards, 1) * max(samples, 1)
+    return tracker.flops["forward"] / micro_steps, tracker.flops["backward"] / micro_steps
+
+
+def _result(timeline: Timeline, seconds: float, flops: tuple[float, float]) -> TraceResult:
     events = tuple(timeline.events)
     log = MomentLog(
         events,
         tuple(timeline.moment_marks),
         {key: timeline.category(key) for key in timeline.sizes},
         dict(timeline.module_of),
+        flops,
     )
     phases, top = moments_of(events, log)
     layers = LayerLog(tuple(timeline.event_layers), timeline.key_layers, timeline.stack_depths)
-    return TraceResult(phases, seconds, top, events, timeline=timeline, layers=layers, moments=log)
+    return TraceResult(
+        phases, seconds, top, events, timeline=timeline, layers=layers, moments=log, flops=flops
+    )
 
 
 def quiet() -> contextlib.AbstractContextManager[Any]:
