@@ -81,7 +81,7 @@ def models(infos: list[ModelInfo]) -> None:
             if i.arch.model_type in _NO_HEAD_COUNT
             else f"{i.arch.num_heads}/{i.arch.num_kv_heads}",
             f"{i.arch.vocab_size:,}" if i.arch.vocab_size else "-",
-            str(i.arch.max_positions or "-"),
+            f"{i.arch.max_positions:,}" if i.arch.max_positions else "-",
         ]
         for i in infos
     ]

@@ -16,7 +16,7 @@ from batchfit.lengths import LengthsSummary
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.trace.timeline import step_timeline, traced_micro_steps
 from batchfit.memory.types import COMPONENTS, MemoryEstimate
-from batchfit.models import ModelInfo
+from batchfit.models import ATTENTION_FREE_TYPES, ModelInfo
 from batchfit.plan import DEFAULT_HEADROOM_BYTES
 from batchfit.views import timeline as tl
 
@@ -110,6 +110,11 @@ def estimate(
     render.warn(est.warnings)
 
 
+def _attention(info: ModelInfo, attention: str) -> str:
+    """The attention kernel, for a model that has attention (not a convolutional one)."""
+    return "" if info.arch.model_type in ATTENTION_FREE_TYPES else f", attention {attention}"
+
+
 def _setup_line(est: MemoryEstimate, info: ModelInfo) -> str:
     setup = est.setup
     return (
@@ -117,7 +122,7 @@ def _setup_line(est: MemoryEstimate, info: ModelInfo) -> str:
         f"({human_count(est.total_params)} params, {human_count(est.trainable_params)} "
         f"trainable, {info.task}): "
         f"micro-batch {est.micro_batch_size} x {render.sample_size(est.seq_len, est.is_image)}, "
-        f"{setup.optimizer}, {setup.method}, attention {setup.attention}"
+        f"{setup.optimizer}, {setup.method}{_attention(info, setup.attention)}"
         f"{', grad-ckpt' if setup.grad_ckpt else ''}"
         f"{f', {setup.sharding} x {setup.num_gpus}' if setup.sharding != 'none' else ''}"
         f"{f', loss {setup.loss_label}' if setup.loss != 'full' else ''}"

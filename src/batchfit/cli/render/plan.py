@@ -65,6 +65,8 @@ def plan(p: Plan, info: ModelInfo) -> None:
         _the_run(p, p.train_seconds)
     _memory_and_engine(p)
     print_breakdown(p.estimate, f"Memory per GPU at micro-batch {p.micro_batch_size}")
+    for note in p.estimate.extras.get("notes", []):  # what the dry run leaves out, as estimate says
+        render.line(f"note: {escape(note)}")
     if p.alternatives:
         _alternatives(p)
     if p.gpu_counts:

@@ -340,7 +340,7 @@ def _final_norm(
         "activations",
         f"final {norm_name.split(':')[0]} + head input",
         int(final),
-        f"{final / tokens:g} B/token x {tokens:,} tokens",
+        f"{final / tokens:,.6g} B/token x {tokens:,} tokens",
     )
     return final, line
 
@@ -398,7 +398,7 @@ def _checkpointed(
             "activations",
             "checkpointed layer inputs",
             int(ckpt),
-            f"{layers} layers x {rg.stream_bytes} B x {arch.hidden_size} x {tokens:,} tokens",
+            f"{layers} layers x {rg.stream_bytes} B x {arch.hidden_size:,} x {tokens:,} tokens",
         ),
         Line(
             "activations",
@@ -431,7 +431,7 @@ def _partly_checkpointed(
             "activations",
             f"checkpointed layer inputs (every {ordinal(every)} layer)",
             int(layer_input * n_ckpt),
-            f"{n_ckpt} layers x {rg.stream_bytes} B x {arch.hidden_size} x {tokens:,} tokens",
+            f"{n_ckpt} layers x {rg.stream_bytes} B x {arch.hidden_size:,} x {tokens:,} tokens",
         ),
         Line(
             "activations",
