@@ -3,7 +3,7 @@ convolutions, the emulated attention kernels' own count), per sample: a catalog 
 forward is the published 17.56 GMACs; backward is twice forward, plus the recomputed forward
 under checkpointing (up to where torch's checkpoint stops it); the count is the same per
 sample at any micro-batch size, a line in the depth, and kept by the cache. An image model's
-step is timed from it."""
+step is timed from it, with the bytes the other operators move."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _flops(model: object, micro: int, **setup: object) -> tuple[float, float]:
         seq_len=224,
         gpu=get_gpu("t4"),
     )
-    forward, backward = est.extras["flops_per_sample"]
+    forward, backward, moved_forward, moved_backward = est.extras["flops_per_sample"]
+    assert moved_forward > 0 and moved_backward > 0  # the other operators' bytes
     return forward, backward
 
 
@@ -74,20 +75,22 @@ def test_the_count_is_per_sample_and_checkpointing_adds_the_recomputed_forward(v
 
 def test_flops_are_a_line_in_the_depth_and_survive_the_cache():
     phases = (PhaseResult("forward", dict.fromkeys(CATEGORIES, 1), "m"),)
-    low = TraceResult(phases, 0.0, flops=(10.0, 20.0))
-    high = TraceResult(phases, 0.0, flops=(13.0, 26.0))
-    assert extrapolate(low, high, 2, 3, 12).flops == (40.0, 80.0)
-    assert result_from_json(result_to_json(high)).flops == (13.0, 26.0)
+    low = TraceResult(phases, 0.0, flops=(10.0, 20.0, 1.0, 2.0))
+    high = TraceResult(phases, 0.0, flops=(13.0, 26.0, 2.0, 4.0))
+    assert extrapolate(low, high, 2, 3, 12).flops == (40.0, 80.0, 11.0, 22.0)
+    assert result_from_json(result_to_json(high)).flops == (13.0, 26.0, 2.0, 4.0)
     old = result_to_json(high)
     del old["flops"]  # a record of an older batchfit: no count, no error
-    assert result_from_json(old).flops == (0.0, 0.0)
+    assert result_from_json(old).flops == (0.0, 0.0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        result_from_json({**old, "flops": [1.0, 2.0]})
 
 
 def test_an_image_model_is_timed_from_its_counted_flops(vit):
     t4 = get_gpu("t4")
     amp = replace(TrainingSetup(), precision="amp-fp16")
     assert step_time(vit, amp, t4, micro_batch_size=32, seq_len=224) is None  # nothing counted
-    counted = (VIT_B_FORWARD, 2 * VIT_B_FORWARD)
+    counted = (VIT_B_FORWARD, 2 * VIT_B_FORWARD, 1e9, 2e9)
     at_32 = step_time(vit, amp, t4, micro_batch_size=32, seq_len=224, flops_per_sample=counted)
     at_64 = step_time(vit, amp, t4, micro_batch_size=64, seq_len=224, flops_per_sample=counted)
     assert at_32 is not None and at_64 is not None
@@ -95,6 +98,12 @@ def test_an_image_model_is_timed_from_its_counted_flops(vit):
     assert at_32.step_seconds() < at_64.step_seconds() < 2 * at_32.step_seconds() + 1e-9
     # compute at the T4's 65 TFLOP/s fp16 peak or slower
     assert at_32.micro_seconds > 32 * 3 * VIT_B_FORWARD / 65e12
+    # the other operators' 3 GB a sample more cost their bytes over the card's bandwidth
+    more = (VIT_B_FORWARD, 2 * VIT_B_FORWARD, 2e9, 4e9)
+    heavier = step_time(vit, amp, t4, micro_batch_size=32, seq_len=224, flops_per_sample=more)
+    assert heavier is not None
+    extra = heavier.micro_seconds - at_32.micro_seconds
+    assert extra == pytest.approx(32 * 3e9 / (t4.bandwidth_gb_s * 1e9 * 0.8), rel=1e-6)
 
 
 def test_a_depthwise_convolution_s_backward_costs_twice_its_forward():

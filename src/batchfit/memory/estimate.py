@@ -327,7 +327,7 @@ def _with_step_time(result: MemoryEstimate, model: ModelInfo, workload: Workload
         return result
 
     traced = result.extras.get("flops_per_sample")
-    flops = (float(traced[0]), float(traced[1])) if traced else None
+    flops = tuple(float(f) for f in traced) if traced else None
     predicted = step_time(model, result.setup, hardware, workload=workload, flops_per_sample=flops)
     if predicted is None:
         return result

@@ -148,7 +148,7 @@ class _Target:
         # the FLOPs its dry runs counted (the same per sample at any size): an image model's
         # step is timed from them
         traced = self.sized[setup].extras.get("flops_per_sample") if setup in self.sized else None
-        flops = (float(traced[0]), float(traced[1])) if traced else None
+        flops = tuple(float(f) for f in traced) if traced else None
         t = step_time(self.model, resolved, self.gpu, workload=workload, flops_per_sample=flops)
         if t is not None and self.measured is not None:
             t = self.measured.corrected(t, resolved, micro_batch_size)

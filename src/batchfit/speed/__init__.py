@@ -138,7 +138,7 @@ def step_time(
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     workload: Workload | None = None,
-    flops_per_sample: tuple[float, float] | None = None,
+    flops_per_sample: tuple[float, ...] | None = None,
 ) -> StepTime | None:
     """The predicted time of one optimizer step on ``gpu`` (``setup`` resolved), per rank, or
     None where the model does not apply: an image model without ``flops_per_sample``, a GPU
@@ -146,10 +146,13 @@ def step_time(
     (``CpuSpec``) in place of the GPU times a step on that CPU (``batchfit.speed._cpu``: fp32
     steps of token models only).
 
-    ``flops_per_sample``: each sample's FLOPs in a micro-step as the dry run counted them
-    (forward; backward with any recompute; the trace engine's ``extras``). An image model's
-    step is timed from them on a GPU (the formulas count token models only); a token model's
-    keeps the formulas' count, on which the coefficients were calibrated.
+    ``flops_per_sample``: what the dry run counted for each sample in a micro-step (the trace
+    engine's ``extras``): forward FLOPs, backward FLOPs with any recompute, and the bytes the
+    other operators move forward and backward. An image model's step is timed from them on a
+    GPU, operator class by operator class: the matmuls, convolutions and attention at the
+    generation's utilisation ceiling, the rest as memory traffic (the formulas count token
+    models only); a token model's keeps the formulas' count, on which the coefficients were
+    calibrated.
 
     The sizes are ``micro_batch_size`` and ``seq_len``, or a ``workload``'s; ``gpu`` names the
     hardware either way (a CPU profile is not a workload's device), so the workload's device
@@ -168,7 +171,7 @@ def step_time(
     """
     micro_batch_size, seq_len = _sizes(workload, micro_batch_size, seq_len)
     if model.arch.family == "vision":
-        if isinstance(gpu, CpuSpec) or not flops_per_sample or not all(flops_per_sample):
+        if isinstance(gpu, CpuSpec) or not flops_per_sample or not all(flops_per_sample[:2]):
             return None
         flops = traced_step_flops(model, setup, flops_per_sample)
         return _gpu_step_time(model, setup, gpu, micro_batch_size, seq_len, flops)
@@ -201,12 +204,17 @@ def _gpu_step_time(
     flops_per_token, model_flops_per_token = flops.per_token, flops.model_per_token
     rows = _matmul_rows(model, micro_batch_size, seq_len)
     util = _utilisation(setup, gpu, arch.hidden_size, rows)
+    # the other operators' memory traffic, where a dry run counted it: then the matmuls run at
+    # the generation's ceiling (the width's discount stands for that traffic in the formulas)
+    moved = flops.bytes_per_token * tokens / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    if flops.bytes_per_token and setup.precision != "fp32":
+        util = U_MAX.get(gpu.architecture, 0.5)
     # DeepSpeed's stages run the 16-bit module without autocast (memory/formulas/deepspeed.py), but
     # its engine's per-parameter hooks cost launches too: counted as autocast's
     amp = setup.precision in ("amp-bf16", "amp-fp16")
     # recomputed layers launch their forward kernels again (about a third of a layer's)
     launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers * (1 + recompute_share / 3)
-    compute = flops_per_token * tokens / (peak * util)
+    compute = flops_per_token * tokens / (peak * util) + moved
     if setup.compile:
         compute /= COMPILE_SPEEDUP
     backward_share = flops.backward_share

@@ -80,6 +80,9 @@ class StepFlops:
     backward_share: float  # of per_token: backward and recompute
     layers: int
     recompute_share: float  # checkpointed layers over all layers
+    # bytes the operators other than matmuls, convolutions and attention move, per token
+    # (counted by a dry run; 0: in the utilisation, as the formulas' calibration has them)
+    bytes_per_token: float = 0.0
 
 
 def step_flops(model: ModelInfo, setup: TrainingSetup, seq_len: int) -> StepFlops:
@@ -134,19 +137,21 @@ def model_trainable(model: ModelInfo, setup: TrainingSetup) -> float:
 
 
 def traced_step_flops(
-    model: ModelInfo, setup: TrainingSetup, flops_per_sample: tuple[float, float]
+    model: ModelInfo, setup: TrainingSetup, flops_per_sample: tuple[float, ...]
 ) -> StepFlops:
-    """``step_flops`` from the FLOPs the dry run counted (each sample's forward, and its
-    backward with any recompute), per sample: an image model's "tokens" are its images.
+    """``step_flops`` from what the dry run counted (each sample's forward FLOPs, its backward
+    FLOPs with any recompute, then the bytes the other operators move forward and backward),
+    per sample: an image model's "tokens" are its images.
 
     Example:
         >>> from batchfit.models import resolve_model
         >>> vit = resolve_model("vit-base-patch16-224", task="image-classification")
-        >>> f = traced_step_flops(vit, TrainingSetup(), (35.1e9, 70.2e9))
-        >>> round(f.per_token / 1e9, 1), round(f.backward_share, 3)
-        (105.3, 0.667)
+        >>> f = traced_step_flops(vit, TrainingSetup(), (35.1e9, 70.2e9, 1e8, 2e8))
+        >>> round(f.per_token / 1e9, 1), round(f.backward_share, 3), f.bytes_per_token
+        (105.3, 0.667, 300000000.0)
     """
-    forward, backward = flops_per_sample
+    forward, backward = flops_per_sample[0], flops_per_sample[1]
+    moved = sum(flops_per_sample[2:4])
     layers = model.arch.num_layers
     full = setup.method == "full"
     recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
@@ -158,4 +163,5 @@ def traced_step_flops(
         backward_share=backward / (forward + backward),
         layers=layers,
         recompute_share=recompute_share,
+        bytes_per_token=moved,
     )

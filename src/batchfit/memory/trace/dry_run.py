@@ -343,13 +343,22 @@ def _label_step_tensors(
                     tracker.same_layer(value, owner)
 
 
-def _flops(tracker: AllocationTracker, samples: int) -> tuple[float, float]:
-    """Each sample's FLOPs in one micro-step (forward; backward with any recompute)."""
-    micro_steps = max(tracker.forwards, 1) * max(samples, 1)
-    return tracker.flops["forward"] / micro_steps, tracker.flops["backward"] / micro_steps
+def _flops(tracker: AllocationTracker, samples: int) -> tuple[float, float, float, float]:
+    """Each sample's FLOPs in one micro-step (forward; backward with any recompute), then the
+    bytes its other operators move (forward; backward)."""
+    per = max(tracker.forwards, 1) * max(samples, 1)
+    flops, traffic = tracker.flops, tracker.traffic
+    return (
+        flops["forward"] / per,
+        flops["backward"] / per,
+        traffic["forward"] / per,
+        traffic["backward"] / per,
+    )
 
 
-def _result(timeline: Timeline, seconds: float, flops: tuple[float, float]) -> TraceResult:
+def _result(
+    timeline: Timeline, seconds: float, flops: tuple[float, float, float, float]
+) -> TraceResult:
     events = tuple(timeline.events)
     log = MomentLog(
         events,

@@ -443,8 +443,9 @@ def _estimate_traced(
             "from_histories": sized.from_histories(result),
             "peak_moment": result.peak.describe(),
             "notes": notes,
-            # each sample's FLOPs in a micro-step (forward; backward with recompute), counted
-            # in the dry run: what times a step the formulas cannot (image models)
+            # each sample's FLOPs in a micro-step (forward; backward with recompute), then the
+            # bytes the other operators move (forward; backward), counted in the dry run: what
+            # times a step the formulas cannot (image models)
             "flops_per_sample": list(result.flops),
         },
     )

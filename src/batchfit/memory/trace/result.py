@@ -103,9 +103,10 @@ class MomentLog:
     marks: tuple[tuple[int, tuple[str, ...], bool], ...]
     categories: dict[int, str]
     modules: dict[int, str]
-    # each sample's FLOPs in one micro-step (forward; backward with any recompute): the same
-    # at every micro-batch size, so a result read at another size keeps them
-    flops: tuple[float, float] = (0.0, 0.0)
+    # each sample's FLOPs in one micro-step (forward; backward with any recompute), then the
+    # bytes its other operators move (forward; backward): the same at every micro-batch size,
+    # so a result read at another size keeps them
+    flops: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
 
 
 def moment_peaks(
@@ -205,8 +206,9 @@ class TraceResult:
     events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     reserved_bytes: int = 0  # from the caching allocator simulation (CUDA runs only)
     # each sample's FLOPs in one micro-step: forward, and backward with any recompute (the
-    # matmuls, convolutions and attention; ``MomentLog.flops``)
-    flops: tuple[float, float] = (0.0, 0.0)
+    # matmuls, convolutions and attention), then the bytes the other operators move, forward
+    # and backward (``MomentLog.flops``)
+    flops: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
     # the dry run's whole allocation history (``tracker.Timeline``), for the timeline
     # picture; only on a result fresh from a dry run (not extrapolated, not cached)
     timeline: Any = field(default=None, repr=False, compare=False)
@@ -252,10 +254,8 @@ def extrapolate(
         )
     # The allocator's reserve is not a line in the depth: the caller replays it
     # (``estimate._reserve``). FLOPs are a line in the depth too.
-    low_flops, high_flops = shallow.flops, deep.flops
-    flops = (
-        low_flops[0] + scale * (high_flops[0] - low_flops[0]),
-        low_flops[1] + scale * (high_flops[1] - low_flops[1]),
+    flops = tuple(
+        low + scale * (high - low) for low, high in zip(shallow.flops, deep.flops, strict=True)
     )
     return TraceResult(tuple(phases), shallow.seconds + deep.seconds, deep.top_modules, flops=flops)
 
@@ -279,11 +279,13 @@ def result_from_json(record: dict[str, Any]) -> TraceResult:
     )
     if not phases:
         raise ValueError("a trace result without phases")
-    forward, backward = record.get("flops", (0.0, 0.0))
+    flops = tuple(float(f) for f in record.get("flops", (0.0,) * 4))
+    if len(flops) != 4:
+        raise ValueError("a trace result's FLOPs and bytes are four figures")
     return TraceResult(
         phases,
         float(record["seconds"]),
         tuple((str(name), int(size)) for name, size in record["top_modules"]),
         reserved_bytes=int(record["reserved_bytes"]),
-        flops=(float(forward), float(backward)),
+        flops=flops,
     )

@@ -156,6 +156,9 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         # FLOPs of the matmuls, convolutions and attention each phase ran (torch's own FLOP
         # formulas, from the shapes), and how many micro-steps' forwards began
         self.flops = {"forward": 0.0, "backward": 0.0}
+        # bytes the other operators read and write (their tensors' sizes): their time is the
+        # memory traffic
+        self.traffic = {"forward": 0.0, "backward": 0.0}
         self.forwards = 0
 
     # --- registration ------------------------------------------------------------------------
@@ -380,7 +383,11 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.phase in self.flops:
-            self._count_flops(_flops(func, args, kwargs, out))
+            flops = _flops(func, args, kwargs, out)
+            if flops:
+                self._count_flops(flops)
+            else:
+                self.traffic[self.phase] += _traffic(func, args, out)
         if self._accumulating_add(func, args, kwargs):
             self._pending = out
             return out
@@ -408,6 +415,26 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call, unu
             if scratch:
                 self.transient(scratch)
         return out
+
+
+def _traffic(func: Any, args: Any, out: Any) -> float:
+    """Bytes an operator without FLOPs reads and writes: its tensor inputs' and outputs' sizes
+    (a broadcast input at most its storage; tensors in lists included, as the optimizer's
+    foreach operators take them); none for a view, or an allocation that is not written
+    (``empty``)."""
+    if getattr(func, "is_view", False) or _is_empty(func):
+        return 0.0
+    total = 0
+    for item in (*args, *(out if isinstance(out, (tuple, list)) else (out,))):
+        for t in item if isinstance(item, (tuple, list)) else (item,):
+            if isinstance(t, torch.Tensor):
+                total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    return float(total)
+
+
+def _is_empty(func: Any) -> bool:
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+    return name.startswith("empty") or name in ("detach", "alias", "lift_fresh", "_unsafe_view")
 
 
 def _flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
