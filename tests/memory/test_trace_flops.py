@@ -122,3 +122,19 @@ def test_a_depthwise_convolution_s_backward_costs_twice_its_forward():
     assert _conv_backward_flops(grad_out, x, weight, *common, [True, True, False]) == 2 * forward
     # the first layer's input needs no gradient
     assert _conv_backward_flops(grad_out, x, weight, *common, [False, True, False]) == forward
+
+
+def test_a_causal_attention_counts_half_the_blocks():
+    """Flash and memory-efficient kernels skip the masked half of a causal attention."""
+    import torch
+
+    said: list[float] = []
+    kernels.FLOP_SINKS.append(said.append)
+    try:
+        q = torch.zeros(1, 2, 8, 4, requires_grad=True)
+        kernels.FlashAttentionMemory.apply(q, q, q, None, False).sum().backward()
+        kernels.FlashAttentionMemory.apply(q, q, q, None, True).sum().backward()
+    finally:
+        kernels.FLOP_SINKS.remove(said.append)
+    full = 2 * 2 * 8 * 8 * 4  # a matmul's multiply-adds over the 2 heads, 2 FLOPs each
+    assert said == [2 * full, 5 * full, full, 2.5 * full]

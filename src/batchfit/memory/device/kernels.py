@@ -32,14 +32,16 @@ _ORIGINAL_DROPOUT = F.dropout
 FLOP_SINKS: list[Callable[[float], None]] = []
 
 
-def _attention_flops(q: torch.Tensor, k: torch.Tensor, matmuls: int) -> None:
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, matmuls: int, causal: bool) -> None:
     """Report ``matmuls`` products of the query and key lengths over the head dimension, 2
     FLOPs a multiply-add: forward 2 (scores, then the values), backward 5 (the scores again,
-    the values' and the probabilities' gradients, the query's and the key's)."""
+    the values' and the probabilities' gradients, the query's and the key's); half of them
+    under a causal mask, whose masked blocks the kernels skip."""
     if FLOP_SINKS and q.dim() >= 2:
         *lead, s_q, d = q.shape
         batch_heads = math.prod(int(n) for n in lead)
-        FLOP_SINKS[-1](2.0 * matmuls * batch_heads * int(s_q) * int(k.shape[-2]) * int(d))
+        full = 2.0 * matmuls * batch_heads * int(s_q) * int(k.shape[-2]) * int(d)
+        FLOP_SINKS[-1](full / 2 if causal else full)
 
 
 class FlashAttentionMemory(torch.autograd.Function):
@@ -52,7 +54,9 @@ class FlashAttentionMemory(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         bias: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
+        ctx.causal = causal
         out = torch.empty_like(q)
         if q.dim() == 4:
             # Both kernels run on (batch, seq, heads, dim) memory and hand back its transpose
@@ -64,7 +68,7 @@ class FlashAttentionMemory(torch.autograd.Function):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         # the memory-efficient kernel keeps its attention bias for backward too
         ctx.save_for_backward(q, k, v, out, lse, bias)
-        _attention_flops(q, k, 2)
+        _attention_flops(q, k, 2, causal)
         return out
 
     @staticmethod
@@ -74,8 +78,8 @@ class FlashAttentionMemory(torch.autograd.Function):
         softmax_d = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del dq_accum, softmax_d
-        _attention_flops(q, k, 5)
-        return dq, dk, dv, None
+        _attention_flops(q, k, 5, ctx.causal)
+        return dq, dk, dv, None, None
 
 
 def _attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,7 +121,7 @@ def _cuda_sdpa(
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(dtype)
     bias = None if attn_mask is None else _attention_bias(attn_mask, query.dtype)
-    result: torch.Tensor = FlashAttentionMemory.apply(query, key, value, bias)  # type: ignore[no-untyped-call, unused-ignore]
+    result: torch.Tensor = FlashAttentionMemory.apply(query, key, value, bias, is_causal)  # type: ignore[no-untyped-call, unused-ignore]
     return result
 
 
