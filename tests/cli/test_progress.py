@@ -23,15 +23,15 @@ def _shown(
     with _cache_switch(False, quiet=quiet) as stage:
         stage("the plan's choice")
         assert trace_estimate.on_dry_run is not None
-        trace_estimate.on_dry_run("gpt2 (checkpointing), 1 x 1024 tokens, 1 of 12 layers", 1)
-        trace_estimate.on_dry_run("gpt2 (checkpointing), 1 x 1024 tokens, 2 of 12 layers", 1)
+        trace_estimate.on_dry_run("gpt2, 1 x 1024 tokens, 1 of 12 layers: checkpointing", 1)
+        trace_estimate.on_dry_run("gpt2, 1 x 1024 tokens, 2 of 12 layers: checkpointing", 1)
     assert trace_estimate.on_dry_run is None  # put back when the command ends
     return text.getvalue()
 
 
 def test_each_dry_run_is_named_and_counted_on_a_terminal(monkeypatch):
     shown = _shown(monkeypatch, quiet=False)
-    expected = "the plan's choice: dry run 2, 0 s: gpt2 (checkpointing), 1 x 1024 tokens, 2 of 12"
+    expected = "the plan's choice: dry run 2, 0 s: gpt2, 1 x 1024 tokens, 2 of 12 layers: checkpoint"
     assert expected in shown
 
 
@@ -47,8 +47,8 @@ def test_a_pair_traced_side_by_side_counts_two(monkeypatch):
 
 def test_at_80_columns_the_count_shows_and_the_rest_ends_in_an_ellipsis(monkeypatch):
     shown = _shown(monkeypatch, quiet=False, width=80)
-    assert "the plan's choice: dry run 2, 0 s: gpt2 (checkpointing), 1 x 1024" in shown
-    assert "…" in shown and "2 of 12 layers" not in shown
+    assert "the plan's choice: dry run 2, 0 s: gpt2, 1 x 1024 tokens, 2 of 12 layers" in shown
+    assert "…" in shown and "checkpointing" not in shown  # the options, last, are cut
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown).replace("\r", "\n")
     assert all(len(line.rstrip()) <= 80 for line in plain.splitlines())
 
@@ -71,7 +71,7 @@ def test_a_dry_run_names_its_setup_and_tokens_or_images_by_the_model_s_task(monk
     assert said == [
         "1: gpt2, 4 x 1024 tokens, 1 of 12 layers",
         "2: gpt2, 4 x 1024 tokens, 1 and 2 of 12 layers",  # a pair, side by side
-        "1: vit-base-patch16-224 (checkpointing + adamw-8bit), 32 x 224x224 px images, all layers",
+        "1: vit-base-patch16-224, 32 x 224x224 px images, all layers: checkpointing + adamw-8bit",
     ]
 
 

@@ -62,9 +62,9 @@ def _announce(
         both = f"{beside} and {depth}" if beside else f"{depth}"
         layers = f"{both} of {model.arch.num_layers} layers" if depth else "all layers"
         size = f"{seq}x{seq} px images" if model.task == "image-classification" else f"{seq} tokens"
-        traits = setup.traits
-        apart = f" ({traits})" if traits else ""  # a plan's options read apart
-        on_dry_run(f"{model.name}{apart}, {micro} x {size}, {layers}", 2 if beside else 1)
+        # a plan's options read apart, last: a narrow terminal cuts them, not the sizes
+        apart = f": {setup.traits}" if setup.traits else ""
+        on_dry_run(f"{model.name}, {micro} x {size}, {layers}{apart}", 2 if beside else 1)
 
 
 # Depths traced for a homogeneous stack, then extrapolated per layer; stacks whose layers
