@@ -224,3 +224,18 @@ def test_the_catalog_listings_fit_the_width_keeping_the_names(
         if width != 120:  # at 120 one listing fits whole, the other not
             assert bool(_left_out(out)) == (width == 80)
         assert "GPU" not in _left_out(out)  # the full name is "full name": the name stays
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_help_wraps_between_words_never_inside_an_option_value(width, monkeypatch, capsys):
+    """click's wrapper breaks after a hyphen; --help lists option values a reader copies
+    (``sgd-momentum``, ``masked-lm``, ``amp-fp16``): they stay whole at any width."""
+    from tests._cli import run_cli
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    code, out, _ = run_cli(["plan", "--help"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert not [line for line in lines if re.search(r"[a-z0-9]-$", line.rstrip())], out
+    for value in ("sgd-momentum", "masked-lm", "amp-fp16", "image-classification"):
+        assert value in out

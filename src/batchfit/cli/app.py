@@ -12,6 +12,25 @@ import typer
 from batchfit._version import versions
 from batchfit.cli import batch_size, calibration, estimate, gpus, models, monitor, plan, probe
 
+
+def _whole_words_in_help() -> None:
+    """``--help`` wraps its text between words only: click's wrapper breaks after a hyphen by
+    default, which split option values (``sgd-`` / ``momentum``, ``masked-`` / ``lm``) that a
+    reader copies. Where the wrapper is not where this click keeps it, help wraps as before."""
+    import importlib
+
+    for name in ("typer._click._textwrap", "click._textwrap"):  # typer's own click, else click
+        try:
+            wrapper = importlib.import_module(name).TextWrapper
+        except (ImportError, AttributeError):
+            continue
+        # the pattern it splits words by when breaking on hyphens: the one it uses when not
+        wrapper.wordsep_re = wrapper.wordsep_simple_re
+        return
+
+
+_whole_words_in_help()
+
 app = typer.Typer(
     name="batchfit",
     help="What a training step needs, the micro-batch that fits, and exact accumulation plans.",

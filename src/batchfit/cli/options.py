@@ -64,7 +64,8 @@ def finite_float(text: str) -> float:
 
 
 def _choices(values: tuple[str, ...]) -> str:
-    return "|".join(values)
+    """The values an option takes, for its help: spaced, so help wraps between values."""
+    return " | ".join(values)
 
 
 # Options a --framework preset sets: None on the command line means "not given", so the preset
@@ -190,7 +191,7 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         str,
         "auto",
         "--precision",
-        help=f"auto|{_choices(PRECISIONS[1:])}; auto = "
+        help=f"auto | {_choices(PRECISIONS[1:])}; auto = "
         "amp-bf16 on a bf16 GPU, amp-fp16 on older, fp32 on CPU.",
     ),
     "optimizer": _option(str, "adamw", "--optimizer", help=_choices(OPTIMIZERS)),
