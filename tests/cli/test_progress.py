@@ -31,7 +31,9 @@ def _shown(
 
 def test_each_dry_run_is_named_and_counted_on_a_terminal(monkeypatch):
     shown = _shown(monkeypatch, quiet=False)
-    expected = "the plan's choice: dry run 2, 0 s: gpt2, 1 x 1024 tokens, 2 of 12 layers: checkpoint"
+    expected = (
+        "the plan's choice: dry run 2, 0 s: gpt2, 1 x 1024 tokens, 2 of 12 layers: checkpoint"
+    )
     assert expected in shown
 
 

@@ -138,3 +138,29 @@ def test_a_causal_attention_counts_half_the_blocks():
         kernels.FLOP_SINKS.remove(said.append)
     full = 2 * 2 * 8 * 8 * 4  # a matmul's multiply-adds over the 2 heads, 2 FLOPs each
     assert said == [2 * full, 5 * full, full, 2.5 * full]
+
+
+def test_an_own_module_s_step_is_counted_and_timed_on_a_gpu():
+    """Two linears over 64 samples: forward 2 x (1024 x 4096 + 4096 x 10) FLOPs a sample; backward
+    the weights' gradients of both and the second's input gradient (the input needs none)."""
+    import torch
+
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 10)
+        )
+
+    est = estimate(
+        make,
+        TrainingSetup(precision="amp-bf16"),
+        batch_fn=lambda: torch.randn(64, 1024),
+        loss_fn=lambda out, _batch: out.float().logsumexp(-1).mean(),
+        gpu=get_gpu("a100-80gb"),
+    )
+    forward, backward, moved_forward, moved_backward = est.extras["flops_per_sample"]
+    assert forward == 2 * (1024 * 4096 + 4096 * 10)
+    assert backward == 2 * (1024 * 4096 + 2 * 4096 * 10)
+    assert moved_forward > 0 and moved_backward > 0  # GELU, the casts, the loss
+    speed = est.speed_json()
+    assert speed["step_seconds"] and speed["tokens_per_s_per_gpu"]  # samples a second
+    assert speed["step_seconds"] > 64 * (forward + backward) / 312e12  # past the bf16 peak

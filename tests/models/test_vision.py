@@ -203,6 +203,11 @@ def test_cli_estimate_of_a_catalog_vit_and_plan_of_a_vit(tmp_path, capsys):
     data = json.loads(out)
     assert data["tokens_per_step"] is None and data["image_size"] == 64
     assert data["micro_batch_size"] * data["grad_accum_steps"] == 256
+    # each option is timed, and its throughput counts images (256 a step), not pixels
+    timed = [a for a in data["alternatives"] if a["step_seconds"]]
+    assert timed and all(
+        a["tokens_per_s_per_gpu"] == pytest.approx(256 / a["step_seconds"]) for a in timed
+    )
     code, out, _ = run_cli(["plan", vit, "--gpu", "t4", "--global-batch", "256"], capsys)
     assert code == 0 and "image 64 px" in out and "tokens per step" not in out
     # timed from the FLOPs its dry runs counted, in images a second

@@ -278,8 +278,8 @@ def test_the_report_of_a_multi_gpu_plan_with_a_run_and_its_cost(
     assert "batchfit ()" not in text
 
 
-def test_the_notebook_view_of_an_own_module_plan_has_no_time(tmp_path: Path) -> None:
-    """Your own module: no step time (nothing predicts it), so no time columns, and no row
+def test_the_notebook_view_of_an_own_module_plan_is_timed_in_samples(tmp_path: Path) -> None:
+    """Your own module: timed from what its dry runs counted, in samples a second, and no row
     or cell left empty."""
     import torch
 
@@ -298,10 +298,9 @@ def test_the_notebook_view_of_an_own_module_plan_has_no_time(tmp_path: Path) -> 
     )
     text = _text(plan._repr_html_())
     data = plan.to_json()
-    assert data["step_seconds"] is None and "time:" not in text
-    assert "s / step" not in text and "timed at" not in text
+    assert data["step_seconds"] and "time:" in text and "samples/s per GPU" in text
     head = "techniques | kind | largest micro-batch | GiB at that size |"
-    assert head + " \n" in text  # no time columns after it
+    assert head + " timed at micro x accum | s / step | samples/s/GPU |" in text
     for row in _alternative_rows(data):
         assert row in text, row
     assert "|  |" not in text  # no empty cell

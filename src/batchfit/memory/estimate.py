@@ -17,7 +17,7 @@ from batchfit.memory.trace.estimate import estimate_trace
 from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup
-from batchfit.speed import step_time
+from batchfit.speed import counted_step_time, step_time
 from batchfit.workload import Workload
 
 Engine = Literal["analytic", "trace"]
@@ -294,7 +294,7 @@ def _estimate_own_module(
     # lazy: the module engine imports torch (~1 s), which the formulas never need
     from batchfit.memory.trace.module import estimate_module
 
-    return estimate_module(
+    result = estimate_module(
         model,
         setup,
         batch_fn=batch_fn,
@@ -303,6 +303,20 @@ def _estimate_own_module(
         gpu=gpu,
         grad_accum_steps=grad_accum_steps,
     )
+    counted = result.extras.get("flops_per_sample")
+    if device != "cuda" or gpu is None or not counted:
+        return result
+    predicted = counted_step_time(
+        tuple(float(f) for f in counted),
+        result.setup,
+        gpu,
+        result.micro_batch_size,
+        result.trainable_params,
+    )
+    if predicted is None:
+        return result
+    speed = {"speed": asdict(predicted), "grad_accum_steps": grad_accum_steps}
+    return replace(result, extras={**result.extras, **speed})
 
 
 def _workload_warnings(

@@ -25,7 +25,7 @@ from batchfit.plan._own import OwnModel
 from batchfit.plan._throughput import Measured
 from batchfit.plan._value import Alternative
 from batchfit.spec import TrainingSetup
-from batchfit.speed import comm_bytes_per_step, step_time
+from batchfit.speed import comm_bytes_per_step, counted_step_time, step_time
 from batchfit.workload import Workload
 
 # TrainingSetup fields that change the activations: a setup the formulas' traced error
@@ -141,18 +141,24 @@ class _Target:
         """Predicted seconds of one optimizer step at ``micro_batch_size`` (``batchfit.speed``);
         0 where the time model does not apply (then every option ties and the fallbacks
         decide)."""
+        # what its dry runs counted (the same per sample at any size): an image model's step,
+        # and your own module's, are timed from them
+        est = self.sized.get(setup)
+        traced = est.extras.get("flops_per_sample") if est is not None else None
+        flops = tuple(float(f) for f in traced) if traced else None
+        accum = max(self.per_gpu // micro_batch_size, 1)
         if not isinstance(self.model, ModelInfo):
-            return 0.0
+            if est is None or flops is None:
+                return 0.0
+            trainable = est.trainable_params
+            own = counted_step_time(flops, est.setup, self.gpu, micro_batch_size, trainable)
+            return 0.0 if own is None else own.step_seconds(accum)
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
         workload = Workload(micro_batch_size=micro_batch_size, seq_len=self.seq_len, gpu=self.gpu)
-        # the FLOPs its dry runs counted (the same per sample at any size): an image model's
-        # step is timed from them
-        traced = self.sized[setup].extras.get("flops_per_sample") if setup in self.sized else None
-        flops = tuple(float(f) for f in traced) if traced else None
         t = step_time(self.model, resolved, self.gpu, workload=workload, flops_per_sample=flops)
         if t is not None and self.measured is not None:
             t = self.measured.corrected(t, resolved, micro_batch_size)
-        return 0.0 if t is None else t.step_seconds(max(self.per_gpu // micro_batch_size, 1))
+        return 0.0 if t is None else t.step_seconds(accum)
 
     def fits(self, setup: TrainingSetup, micro_batch_size: int) -> tuple[bool, MemoryEstimate]:
         # a size that does not divide the per-GPU batch still accumulates (memory is the
@@ -223,8 +229,9 @@ def timed(target: _Target, alt: Alternative) -> Alternative:
     micro = largest_divisor_at_most(target.per_gpu, alt.max_micro_batch)
     seconds = target.step_seconds(alt.setup, micro) or None
     tokens = None
-    if seconds is not None and isinstance(target.model, ModelInfo):
-        tokens = target.per_gpu * target.seq_len / seconds
+    if seconds is not None:  # an image model's and your own module's count samples
+        image = not isinstance(target.model, ModelInfo) or target.model.arch.family == "vision"
+        tokens = target.per_gpu * (1 if image else target.seq_len) / seconds
     measured = target.measured
     source = measured.correction(alt.setup, micro).source if measured and seconds else None
     return replace(

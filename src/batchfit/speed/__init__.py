@@ -248,6 +248,48 @@ def _gpu_step_time(
     )
 
 
+def counted_step_time(
+    flops_per_sample: tuple[float, ...],
+    setup: TrainingSetup,
+    gpu: GpuSpec,
+    micro_batch_size: int,
+    trainable_params: int,
+) -> StepTime | None:
+    """The step time of the user's own module on one GPU, from what its dry run counted
+    (``flops_per_sample`` as ``step_time`` takes it): the matmuls, convolutions and attention
+    at the generation's utilisation ceiling, the other operators' bytes over the card's
+    bandwidth, the optimizer's update as memory traffic; as an image model's step, without the
+    per-layer launch cost (an own module names no layers). None on several GPUs, with offload,
+    or where the GPU has no peak figure. Its "tokens" are its samples.
+
+    Example:
+        >>> from batchfit.hardware import get_gpu
+        >>> t = counted_step_time((2e9, 4e9, 0.0, 0.0), TrainingSetup(precision="amp-bf16"),
+        ...                       get_gpu("a100-80gb"), 100, 10**6)
+        >>> round(t.micro_seconds * 1e3, 2)  # 600 GFLOPs at 0.8 x 312 TFLOP/s
+        2.4
+    """
+    peak = _peak_flops(gpu, setup.precision)
+    if peak is None or not gpu.bandwidth_gb_s or not all(flops_per_sample[:2]):
+        return None
+    if setup.num_gpus > 1 or setup.offload != "none":
+        return None
+    forward, backward, *moved = flops_per_sample
+    bandwidth = gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY
+    util = U_FP32 if setup.precision == "fp32" else U_MAX.get(gpu.architecture, 0.5)
+    compute = (forward + backward) * micro_batch_size / (peak * util)
+    traffic = sum(moved) * micro_batch_size / bandwidth
+    element = 2 if setup.precision in ("bf16", "fp16") else 4
+    update = optimizer_accesses(setup) * element * trainable_params / bandwidth
+    return StepTime(
+        micro_seconds=compute + traffic,
+        optimizer_seconds=update,
+        tokens_per_micro_step=micro_batch_size,
+        model_flops_per_token=3.0 * forward,
+        peak_flops=peak,
+    )
+
+
 def _sizes(
     workload: Workload | None, micro_batch_size: int | None, seq_len: int | None
 ) -> tuple[int, int]:

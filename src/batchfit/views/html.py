@@ -113,8 +113,11 @@ def _step_time(seconds: float) -> str:
 
 
 def _unit(data: dict[str, Any]) -> str:
-    """What the throughput counts: an image model's images (its JSON has ``image_size``)."""
-    return "images" if "image_size" in data else "tokens"
+    """What the throughput counts: an image model's images (its JSON has ``image_size``), your
+    own module's samples (it has no sequence length), else tokens."""
+    if "image_size" in data:
+        return "images"
+    return "tokens" if data.get("seq_len") else "samples"
 
 
 def _time(data: dict[str, Any]) -> str:

@@ -196,6 +196,9 @@ def _step_memory(run: _ModuleRun) -> StepMemory:
             "trace_seconds": run.result.seconds,
             # each moment's total: the planner fits its lines through two traced sizes
             "moments": {p.key: p.total for p in run.result.phases},
+            # what the step counted, per sample: FLOPs forward and backward, then the bytes
+            # the other operators move (the step time's inputs)
+            "flops_per_sample": list(run.result.flops),
         },
     )
 
