@@ -113,11 +113,8 @@ def _step_time(seconds: float) -> str:
 
 
 def _unit(data: dict[str, Any]) -> str:
-    """What the throughput counts: an image model's images (its JSON has ``image_size``), your
-    own module's samples (it has no sequence length), else tokens."""
-    if "image_size" in data:
-        return "images"
-    return "tokens" if data.get("seq_len") else "samples"
+    """What throughput counts: images (``image_size``), your own module's samples, or tokens."""
+    return "images" if "image_size" in data else "tokens" if data.get("seq_len") else "samples"
 
 
 def _time(data: dict[str, Any]) -> str:
