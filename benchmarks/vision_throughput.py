@@ -52,79 +52,39 @@ PUBLISHED = [
 _RESNET = {"model_type": "resnet", "embedding_size": 64, "num_labels": 1000}
 _BASIC = {**_RESNET, "layer_type": "basic", "hidden_sizes": [64, 128, 256, 512]}
 _BOTTLENECK = {**_RESNET, "layer_type": "bottleneck", "hidden_sizes": [256, 512, 1024, 2048]}
-_VIT = {"model_type": "vit", "image_size": 224, "num_hidden_layers": 12, "num_labels": 1000}
-_SWIN = {"model_type": "swin", "image_size": 224, "patch_size": 4, "window_size": 7}
+
+
+def _vit(width: int, heads: int, patch: int) -> dict[str, object]:
+    return {
+        "model_type": "vit",
+        "image_size": 224,
+        "num_hidden_layers": 12,
+        "hidden_size": width,
+        "num_attention_heads": heads,
+        "intermediate_size": 4 * width,
+        "patch_size": patch,
+        "num_labels": 1000,
+    }
+
+
+def _convnext(widths: list[int]) -> dict[str, object]:
+    return {"model_type": "convnext", "depths": [3, 3, 27, 3], "hidden_sizes": widths,
+            "num_labels": 1000}  # fmt: skip
+
+
+def _swin(width: int, heads: list[int]) -> dict[str, object]:
+    return {"model_type": "swin", "image_size": 224, "patch_size": 4, "window_size": 7,
+            "embed_dim": width, "depths": [2, 2, 18, 2], "num_heads": heads,
+            "num_labels": 1000}  # fmt: skip
+
+
 EVALUATION = [
-    (
-        "vit_small_patch16_224",
-        {
-            **_VIT,
-            "hidden_size": 384,
-            "num_attention_heads": 6,
-            "intermediate_size": 1536,
-            "patch_size": 16,
-        },
-        384,
-        1052.92,
-    ),
-    (
-        "vit_base_patch32_224",
-        {
-            **_VIT,
-            "hidden_size": 768,
-            "num_attention_heads": 12,
-            "intermediate_size": 3072,
-            "patch_size": 32,
-        },
-        512,
-        1703.57,
-    ),
-    (
-        "convnext_small",
-        {
-            "model_type": "convnext",
-            "depths": [3, 3, 27, 3],
-            "hidden_sizes": [96, 192, 384, 768],
-            "num_labels": 1000,
-        },
-        192,
-        489.81,
-    ),
-    (
-        "convnext_large",
-        {
-            "model_type": "convnext",
-            "depths": [3, 3, 27, 3],
-            "hidden_sizes": [192, 384, 768, 1536],
-            "num_labels": 1000,
-        },
-        96,
-        187.01,
-    ),
-    (
-        "swin_small_patch4_window7_224",
-        {
-            **_SWIN,
-            "embed_dim": 96,
-            "depths": [2, 2, 18, 2],
-            "num_heads": [3, 6, 12, 24],
-            "num_labels": 1000,
-        },
-        192,
-        399.67,
-    ),
-    (
-        "swin_base_patch4_window7_224",
-        {
-            **_SWIN,
-            "embed_dim": 128,
-            "depths": [2, 2, 18, 2],
-            "num_heads": [4, 8, 16, 32],
-            "num_labels": 1000,
-        },
-        128,
-        279.66,
-    ),
+    ("vit_small_patch16_224", _vit(384, 6, 16), 384, 1052.92),
+    ("vit_base_patch32_224", _vit(768, 12, 32), 512, 1703.57),
+    ("convnext_small", _convnext([96, 192, 384, 768]), 192, 489.81),
+    ("convnext_large", _convnext([192, 384, 768, 1536]), 96, 187.01),
+    ("swin_small_patch4_window7_224", _swin(96, [3, 6, 12, 24]), 192, 399.67),
+    ("swin_base_patch4_window7_224", _swin(128, [4, 8, 16, 32]), 128, 279.66),
     ("resnet18", {**_BASIC, "depths": [2, 2, 2, 2]}, 512, 2764.22),
     ("resnet34", {**_BASIC, "depths": [3, 4, 6, 3]}, 512, 1622.41),
     ("resnet101", {**_BOTTLENECK, "depths": [3, 4, 23, 3]}, 256, 568.98),
