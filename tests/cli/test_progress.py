@@ -90,3 +90,33 @@ def test_the_seconds_tick_while_a_dry_run_runs(monkeypatch):
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     render.err.print(line)
     assert text.getvalue().splitlines() == ["dry run 3, 7 s: gpt2", "dry run 3, 12 s: gpt2"]
+
+
+def test_the_first_dry_run_is_named_before_torch_is_imported(tmp_path):
+    """The import of torch and transformers (seconds) runs under the first dry run's name and
+    clock, not a bare spinner (a fresh interpreter: this one has torch)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from batchfit.memory.trace import estimate as te\n"
+        "class Stop(Exception): pass\n"
+        "def said(text, runs):\n"
+        "    print('torch' in sys.modules, text)\n"
+        "    raise Stop\n"
+        "te.on_dry_run = said\n"
+        "import batchfit\n"
+        "from batchfit.models import resolve_model\n"
+        "try:\n"
+        "    batchfit.estimate(resolve_model('gpt2'), micro_batch_size=2, seq_len=128,\n"
+        "                      gpu=batchfit.get_gpu('t4'))\n"
+        "except Stop:\n"
+        "    pass\n"
+    )
+    env = {**os.environ, "BATCHFIT_CACHE_DIR": str(tmp_path), "BATCHFIT_NO_CACHE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.startswith("False gpt2, 2 x 128 tokens, 1 of 12 layers"), out
