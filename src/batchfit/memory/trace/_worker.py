@@ -28,10 +28,19 @@ import sys
 import time
 from typing import IO, Any
 
-__all__ = ["Helper", "helper", "jobs"]
+__all__ = ["Helper", "helper", "jobs", "trace_here"]
 
 JOBS_ENV = "BATCHFIT_TRACE_JOBS"
 _LENGTH = struct.Struct("<Q")
+
+
+def trace_here(model: Any, setup: Any, **kw: Any) -> Any:
+    """``hf.trace_once`` in this process, imported on first use: torch and transformers (~5 s)
+    only when no cached result answers, and after the dry run is announced (the live line's
+    clock runs through the import)."""
+    from batchfit.memory.trace import hf
+
+    return hf.trace_once(model, setup, **kw)
 
 
 def jobs() -> int:

@@ -273,32 +273,23 @@ def _dry_runs(
     kw: dict[str, Any] = {**asdict(sizes), "reserve": False}
     if depths is None:
         _announce(model, setup, sizes.micro, sizes.seq, None)
-        return (_trace_once(model, setup, depth=None, **kw),)
+        return (_worker.trace_here(model, setup, depth=None, **kw),)
     low, high = depths
     if helper is None or not helper.submit((model, setup, {**kw, "depth": low})):
         runs = []
         for depth in depths:
             _announce(model, setup, sizes.micro, sizes.seq, depth)
-            runs.append(_trace_once(model, setup, depth=depth, **kw))
+            runs.append(_worker.trace_here(model, setup, depth=depth, **kw))
         return tuple(runs)
     _announce(model, setup, sizes.micro, sizes.seq, high, low)
     start = time.monotonic()
-    deep = _trace_once(model, setup, depth=high, **kw)
+    deep = _worker.trace_here(model, setup, depth=high, **kw)
     # the shallower dry run takes less than the deeper one: a helper that has not answered
     # long after is stuck, and this process traces it
     shallow = helper.result(timeout=60 + 10 * (time.monotonic() - start))
     if not isinstance(shallow, TraceResult):  # the helper failed it: here, as it would
-        shallow = _trace_once(model, setup, depth=low, **kw)
+        shallow = _worker.trace_here(model, setup, depth=low, **kw)
     return shallow, deep
-
-
-def _trace_once(model: ModelInfo, setup: TrainingSetup, **kw: Any) -> TraceResult:
-    """``hf.trace_once``, imported on first use: torch and transformers (~5 s) only when no
-    cached result answers, and after the dry run is announced (the live line's clock runs
-    through the import)."""
-    from batchfit.memory.trace import hf
-
-    return hf.trace_once(model, setup, **kw)
 
 
 def _combine(
