@@ -187,11 +187,13 @@ def _alternatives(p: Plan) -> None:
     steps = p.train_steps
     if any(t.kind != "exact" for a in p.alternatives for t in a.techniques):
         render.line("* changes what is learned; the others are exact")
-    if timed:
+    if timed:  # which row is the plan's, then what the time columns say: two lines
         marked = any(a.techniques == p.techniques for a in p.alternatives)
         render.line(
-            ("(plan): the plan's setup" if marked else "the plan is the setup as given (no row)")
-            + "; each row is timed at the largest micro-batch that divides the per-GPU batch"
+            "(plan): the plan's setup" if marked else "the plan is the setup as given (no row)"
+        )
+        render.line(
+            "each row is timed at the largest micro-batch that divides the per-GPU batch"
             + ("" if "timed at" in left_out else " (timed at)")
             + ("; run and cost for the whole run" if steps else "")
         )
