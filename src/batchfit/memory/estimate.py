@@ -303,15 +303,11 @@ def _estimate_own_module(
         gpu=gpu,
         grad_accum_steps=grad_accum_steps,
     )
-    counted = result.extras.get("flops_per_sample")
-    if device != "cuda" or gpu is None or not counted:
+    counted = result.counted
+    if device != "cuda" or gpu is None or counted is None:
         return result
     predicted = counted_step_time(
-        tuple(float(f) for f in counted),
-        result.setup,
-        gpu,
-        result.micro_batch_size,
-        result.trainable_params,
+        counted, result.setup, gpu, result.micro_batch_size, result.trainable_params
     )
     if predicted is None:
         return result
@@ -340,9 +336,9 @@ def _with_step_time(result: MemoryEstimate, model: ModelInfo, workload: Workload
     if hardware is None:
         return result
 
-    traced = result.extras.get("flops_per_sample")
-    flops = tuple(float(f) for f in traced) if traced else None
-    predicted = step_time(model, result.setup, hardware, workload=workload, flops_per_sample=flops)
+    predicted = step_time(
+        model, result.setup, hardware, workload=workload, flops_per_sample=result.counted
+    )
     if predicted is None:
         return result
     # the optimizer step's time counts every micro-step of it (--grad-accum)

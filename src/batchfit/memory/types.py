@@ -52,6 +52,14 @@ class MemoryEstimate:
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def counted(self) -> tuple[float, ...] | None:
+        """What its dry run counted for each sample in a micro-step (FLOPs forward and
+        backward, then the other operators' bytes forward and backward): the step time's
+        inputs for an image model or your own module; None where no dry run counted."""
+        figures = self.extras.get("flops_per_sample")
+        return tuple(float(f) for f in figures) if figures else None
+
+    @property
     def is_image(self) -> bool:
         """An image model's step: ``seq_len`` holds the image side in pixels."""
         return self.setup.task == "image-classification"

@@ -144,8 +144,7 @@ class _Target:
         # what its dry runs counted (the same per sample at any size): an image model's step,
         # and your own module's, are timed from them
         est = self.sized.get(setup)
-        traced = est.extras.get("flops_per_sample") if est is not None else None
-        flops = tuple(float(f) for f in traced) if traced else None
+        flops = est.counted if est is not None else None
         accum = max(self.per_gpu // micro_batch_size, 1)
         if not isinstance(self.model, ModelInfo):
             if est is None or flops is None:

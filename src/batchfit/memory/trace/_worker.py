@@ -64,25 +64,13 @@ def _send(stream: IO[bytes], obj: Any) -> None:
     stream.flush()
 
 
-def _receive(stream: IO[bytes]) -> Any:
-    """The next object on ``stream``; EOFError where it ended."""
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        raise EOFError
-    size = _LENGTH.unpack(head)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError
-    return pickle.loads(data)
-
-
-def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
+def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
     """``size`` bytes from ``fd``; EOFError where it ends, TimeoutError past ``deadline``
-    (``time.monotonic()``)."""
+    (``time.monotonic()``; None waits as long as it takes)."""
     chunks, left = [], size
     while left:
-        wait = deadline - time.monotonic()
-        if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and (wait <= 0 or not select.select([fd], [], [], wait)[0]):
             raise TimeoutError
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
@@ -90,6 +78,13 @@ def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def _receive(fd: int, deadline: float | None = None) -> Any:
+    """The next object on ``fd`` (its length, then its pickle); EOFError where the pipe ended,
+    TimeoutError past ``deadline``."""
+    size = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size, deadline))[0]
+    return pickle.loads(_read_exactly(fd, size, deadline))
 
 
 class Helper:
@@ -125,10 +120,8 @@ class Helper:
         answer within ``timeout`` seconds (then it is stopped)."""
         assert self._proc.stdout is not None and self._pending
         self._pending = False
-        fd, deadline = self._proc.stdout.fileno(), time.monotonic() + timeout
         try:
-            size = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size, deadline))[0]
-            status, value = pickle.loads(_read_exactly(fd, size, deadline))
+            status, value = _receive(self._proc.stdout.fileno(), time.monotonic() + timeout)
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
             self.close()  # TimeoutError is an OSError
             return None
@@ -181,7 +174,7 @@ def _serve() -> None:
         if os.getppid() != parent:
             os._exit(0)
     answers = os.fdopen(os.dup(1), "wb")
-    requests = sys.stdin.buffer
+    requests = sys.stdin.fileno()
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)  # nothing the libraries print may corrupt the answers
     from batchfit.memory.trace.hf import trace_once
