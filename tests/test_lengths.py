@@ -101,6 +101,52 @@ def test_plan_and_estimate_use_the_worst_micro_batch(files, capsys):
     assert est["peak_bytes"] == json.loads(out)["peak_bytes"]
 
 
+def test_time_follows_each_micro_batch_s_longest_sample(files):
+    short, long = files
+    mixed = workload([short, long], "longest", None)
+    # one sample a micro-batch computes the mean; more take the expected longest of them,
+    # which grows towards the longest sample and never passes it
+    assert mixed.timed_length(1) == pytest.approx(mixed.mean)
+    grown = [mixed.timed_length(n) for n in (1, 2, 8, 64, 4096)]
+    assert grown == sorted(grown) and grown[-1] == pytest.approx(700)
+    # by hand: 64, 96, 128 (half the mass), 200 x 10/11 and 700 x 1/11 (the other half)
+    below = {64: 1 / 6, 96: 2 / 6, 128: 3 / 6, 200: 3 / 6 + 5 / 11, 700: 1.0}
+    cdf = [0.0, *below.values()]
+    by_hand = sum(n * (cdf[i + 1] ** 2 - cdf[i] ** 2) for i, n in enumerate(below))
+    assert mixed.timed_length(2) == pytest.approx(by_hand)
+    # truncated at --seq-len, the longest is the cut
+    assert workload([short, long], "longest", 150).timed_length(4096) == pytest.approx(150)
+    # packed and padded rows are always --seq-len long
+    assert workload([short, long], "packed", 1024).timed_length(8) == 1024.0
+    assert workload([short, long], "max", 512).timed_length(8) == 512.0
+
+
+def test_step_time_reads_the_lengths_a_micro_batch_computes(files, capsys):
+    short, long = files
+    base = ["gpt2", "--gpu", "a100-80gb", "--engine", "analytic", "--json"]
+    lengths = ["--lengths", short, "--lengths", long]
+    code, out, err = run_cli(["estimate", *base, "-b", "4", *lengths], capsys)
+    assert code == 0, err
+    dynamic = json.loads(out)
+    timed = dynamic["lengths"]["timed_tokens_per_sample"]
+    assert 96 < timed < 700
+    # the same step as a fixed length of that many tokens (memory stays at the worst, 700)
+    code, out, err = run_cli(["estimate", *base, "-b", "4", "-s", str(round(timed))], capsys)
+    fixed = json.loads(out)
+    assert dynamic["step_seconds"] == pytest.approx(fixed["step_seconds"])
+    code, out, err = run_cli(["estimate", *base, "-b", "4", "-s", "700"], capsys)
+    assert dynamic["peak_bytes"] == json.loads(out)["peak_bytes"]
+    assert dynamic["step_seconds"] < json.loads(out)["step_seconds"]
+    # a plan's alternatives are timed the same way: fewer seconds than at the worst length
+    code, out, err = run_cli(["plan", *base, "--global-batch", "32", *lengths], capsys)
+    plan = json.loads(out)
+    code, out, err = run_cli(["plan", *base, "--global-batch", "32", "-s", "700"], capsys)
+    worst = json.loads(out)
+    assert plan["micro_batch_size"] == worst["micro_batch_size"]
+    assert plan["step_seconds"] < worst["step_seconds"]
+    assert plan["lengths"]["timed_tokens_per_sample"] < 700
+
+
 def test_a_token_target_needs_fixed_tokens_per_sample(files, capsys):
     short, _ = files
     args = ["plan", "gpt2", "--gpu", "t4", "--global-batch-tokens", "65536", "-s", "1024"]

@@ -9,7 +9,14 @@ worst micro-batch, which is what memory must be planned for:
 - ``max`` (``padding="max_length"``): every sample is padded to ``--seq-len``;
 - ``packed``: samples are concatenated into rows of exactly ``--seq-len`` tokens.
 
-The mean length (weighted over a multi-task mixture) is what throughput sees. Memory does not
+Time follows the tokens a micro-batch computes: ``packed`` and ``max`` rows are always
+``--seq-len`` long, and a ``longest`` micro-batch is as long as its longest sample, whose
+expected length over random micro-batches of ``n`` samples is
+
+    E[max] = sum over lengths L of L x (F(L)^n - F(L-)^n)
+
+with F the mixture's distribution of (truncated) lengths: the mean at one sample a
+micro-batch, the longest sample as micro-batches grow. Memory does not
 depend on how many datasets are mixed, only on the longest sample any of them can put in a
 micro-batch (seed 002's "multi-task needs more memory" is a statement about lengths).
 """
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -56,8 +63,31 @@ class LengthsSummary:
     mean: float  # weighted over the mixture, after truncation
     samples: int
     files: tuple[str, ...]
+    # the mixture's (truncated) lengths and their probabilities, ascending; empty: every
+    # micro-batch is ``seq_len`` long (what the step time reads, ``timed_length``)
+    distribution: tuple[tuple[int, float], ...] = field(default=(), repr=False)
 
-    def describe(self) -> str:
+    def timed_length(self, micro_batch_size: int) -> float:
+        """Tokens a sample of a micro-batch of ``micro_batch_size`` computes, on average: the
+        expected longest of that many random samples under ``longest`` padding, ``seq_len``
+        for packed and padded rows.
+
+        Example:
+            >>> s = LengthsSummary(400, "longest", 400, 250.0, 2, ("f",), ((100, 0.5), (400, 0.5)))
+            >>> s.timed_length(1), s.timed_length(2)  # max of two: 400 unless both are 100
+            (250.0, 325.0)
+        """
+        if self.padding != "longest" or not self.distribution:
+            return float(self.seq_len)
+        expected, below = 0.0, 0.0
+        last = len(self.distribution) - 1
+        for i, (length, p) in enumerate(self.distribution):
+            upto = 1.0 if i == last else min(below + p, 1.0)  # no rounding left at the top
+            expected += length * (upto**micro_batch_size - below**micro_batch_size)
+            below = upto
+        return expected
+
+    def describe(self, micro_batch_size: int | None = None) -> str:
         how = {
             "longest": f"padded to the longest sample ({self.longest:,} tokens"
             + (", truncated" if self.seq_len < self.longest else "")
@@ -69,11 +99,30 @@ class LengthsSummary:
             f"lengths: {self.samples:,} sample{'s' * (self.samples != 1)} in {len(self.files)} "
             f"file{'s' * (len(self.files) != 1)}, longest "
             f"{self.longest:,}, mean {self.mean:,.0f}; memory is planned for the worst "
-            f"micro-batch, {how}: {self.seq_len:,} tokens per sample; throughput sees the mean"
+            f"micro-batch, {how}: {self.seq_len:,} tokens per sample; time follows "
+            + (
+                "each micro-batch's longest sample" + self._timed(micro_batch_size)
+                if self.padding == "longest"
+                else "the rows' length"
+            )
         )
 
-    def to_json(self) -> dict[str, object]:
+    def _timed(self, micro_batch_size: int | None) -> str:
+        """``, X tokens at micro-batch N``: what the step time reads, where a size is given."""
+        if micro_batch_size is None:
+            return ""
+        tokens = self.timed_length(micro_batch_size)
+        return (
+            f" ({tokens:,.0f} tokens a sample on average at micro-batch {micro_batch_size}, "
+            "padding included)"
+        )
+
+    def to_json(self, micro_batch_size: int | None = None) -> dict[str, object]:
+        timed = {}
+        if micro_batch_size is not None:
+            timed = {"timed_tokens_per_sample": self.timed_length(micro_batch_size)}
         return {
+            **timed,
             "padding": self.padding,
             "seq_len_for_memory": self.seq_len,
             "longest": self.longest,
@@ -220,4 +269,18 @@ def workload(specs: list[str], padding: str, seq_len: int | None) -> LengthsSumm
         mean=mean,
         samples=sum(sum(f.counts.values()) for f in files),
         files=tuple(f.path for f in files),
+        distribution=_distribution(files, seq_len) if padding == "longest" else (),
     )
+
+
+def _distribution(files: list[LengthFile], cap: int | None) -> tuple[tuple[int, float], ...]:
+    """The mixture's lengths truncated at ``cap``, each with its probability: a file's samples
+    weigh its mixture weight over its sample count."""
+    total_weight = sum(f.weight for f in files)
+    mass: dict[int, float] = {}
+    for f in files:
+        share = f.weight / total_weight / sum(f.counts.values())
+        for length, count in f.counts.items():
+            kept = min(length, cap or length)
+            mass[kept] = mass.get(kept, 0.0) + share * count
+    return tuple(sorted(mass.items()))

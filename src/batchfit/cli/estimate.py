@@ -35,6 +35,7 @@ from batchfit.memory.types import MemoryEstimate
 from batchfit.models import ModelInfo
 from batchfit.spec import TrainingSetup, check_choice
 from batchfit.views import plots as _plots
+from batchfit.workload import Workload
 
 MicroBatchO = Annotated[
     int,
@@ -119,12 +120,15 @@ def estimate(
         result = run_estimate(
             info,
             setup,
-            micro_batch_size=micro_batch,
-            seq_len=seq,
-            device="cpu" if device == "cpu" else "cuda",
-            gpu=gpu_spec,
+            workload=Workload(
+                micro_batch,
+                seq,
+                "cpu" if device == "cpu" else "cuda",
+                gpu_spec,
+                grad_accum,
+                lengths_seen,
+            ),
             engine=engine_name,
-            grad_accum_steps=grad_accum,
         )
     if result.engine == "trace" and not result.is_image:  # the formulas model token models
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
@@ -139,7 +143,7 @@ def estimate(
         _emit_json(show.estimate_json(result, gpu_spec, lengths_seen))
     else:
         if lengths_seen is not None:
-            render.note(lengths_seen.describe())
+            render.note(lengths_seen.describe(micro_batch))
         show.estimate(result, info, gpu_spec, explain=explain)
     if (
         check

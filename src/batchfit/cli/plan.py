@@ -320,7 +320,9 @@ def _answer(
         result = replace(result, warnings=(*result.warnings, *caveats))
     lengths = inputs.lengths
     if as_json:
-        extra = {"lengths": lengths.to_json()} if lengths is not None else {}
+        extra = {}
+        if lengths is not None:
+            extra = {"lengths": lengths.to_json(result.micro_batch_size)}
         _emit_json({**result.to_json(), "exports": {**exports, "launch": launch}, **extra})
         return
     # an export without --out is stdout's only text (`--export deepspeed > ds.json`):
@@ -328,7 +330,7 @@ def _answer(
     alone = export_kind is not None and out is None
     with render.on_stderr() if alone else contextlib.nullcontext():
         if lengths is not None:
-            render.note(lengths.describe())
+            render.note(lengths.describe(result.micro_batch_size))
         show.plan(result, inputs.info)
         render.note(f"launch: {launch}")
     if alone:

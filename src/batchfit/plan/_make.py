@@ -210,7 +210,17 @@ def _plan(request: PlanRequest) -> Plan:
     measured, probe_note = bind(request.throughput_from, model, gpu, setup, seq)
     engine, engine_note = usable_engine(request.engine)
     per_gpu = request.per_gpu_samples
-    target = _Target(model, gpu, seq, per_gpu, headroom, engine, measured, request.alternatives)
+    target = _Target(
+        model,
+        gpu,
+        seq,
+        per_gpu,
+        headroom,
+        engine,
+        measured,
+        request.alternatives,
+        lengths=request.lengths,
+    )
     # sizes between traced ones from their histories (exact where they line up), the plan's
     # own figure included; the chosen setup's largest micro-batch and the size after it are
     # traced (``traced_fit``)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from batchfit._units import BYTES_IN_GIB
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
+from batchfit.lengths import LengthsSummary
 from batchfit.memory.device.totals import fits_on_card
 from batchfit.memory.estimate import estimate, interpolated_sizes
 from batchfit.memory.fit import FitResult, fit_micro_batch, largest_passing, seeded_fit
@@ -34,13 +35,14 @@ def fits(
     accum: int,
     headroom: int,
     engine: str = "analytic",
+    lengths: LengthsSummary | None = None,
 ) -> tuple[bool, MemoryEstimate]:
     """Whether ``micro_batch_size`` leaves ``headroom`` bytes free on ``gpu``; the estimate
-    that says so."""
+    that says so (timed at the ``lengths`` a micro-batch computes, where given)."""
     if isinstance(model, OwnModel):  # its sizes come from its batch_fn: no seq_len
         own = model.estimate(setup, gpu, micro_batch_size, accum)
         return fits_on_card(own.device_total_bytes, gpu.memory_bytes, headroom), own
-    workload = Workload(micro_batch_size, seq_len, "cuda", gpu, grad_accum_steps=accum)
+    workload = Workload(micro_batch_size, seq_len, "cuda", gpu, accum, lengths)
     est = estimate(model, setup, workload=workload, engine=engine)  # type: ignore[arg-type]
     return fits_on_card(est.device_total_bytes, gpu.memory_bytes, headroom), est
 

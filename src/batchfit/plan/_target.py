@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from batchfit.hardware import GpuSpec
+from batchfit.lengths import LengthsSummary
 from batchfit.memory.fit import FitResult
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
@@ -60,6 +61,8 @@ class _Target:
     # "lines": an alternative's size from the peak moments' lines, traced only when chosen;
     # "traced": each alternative searched and confirmed as the plan's own choice is
     alternatives: str = "lines"
+    # --lengths: a micro-batch's tokens with dynamic padding follow them (time only)
+    lengths: LengthsSummary | None = None
     # an estimate of each setup at some size: what its communication needs (the resolved
     # setup, its parameter counts) does not depend on the size
     sized: dict[TrainingSetup, MemoryEstimate] = field(default_factory=dict, compare=False)
@@ -68,6 +71,13 @@ class _Target:
     errors: dict[TrainingSetup, tuple[tuple[int, int], ...]] = field(
         default_factory=dict, compare=False
     )
+
+    def sample_tokens(self, micro_batch_size: int) -> float:
+        """Tokens a sample computes at ``micro_batch_size``: ``seq_len``, or with dynamic
+        padding the expected longest sample of a micro-batch (``--lengths``)."""
+        if self.lengths is None:
+            return float(self.seq_len)
+        return self.lengths.timed_length(micro_batch_size)
 
     def timed_micro(self, max_micro: int, wanted: int | None) -> int:
         """The micro-batch an option is timed at: the one asked for, else the largest that
@@ -153,7 +163,7 @@ class _Target:
             own = counted_step_time(flops, est.setup, self.gpu, micro_batch_size, trainable)
             return 0.0 if own is None else own.step_seconds(accum)
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
-        workload = Workload(micro_batch_size=micro_batch_size, seq_len=self.seq_len, gpu=self.gpu)
+        workload = Workload(micro_batch_size, self.seq_len, gpu=self.gpu, lengths=self.lengths)
         t = step_time(self.model, resolved, self.gpu, workload=workload, flops_per_sample=flops)
         if t is not None and self.measured is not None:
             t = self.measured.corrected(t, resolved, micro_batch_size)
@@ -165,7 +175,15 @@ class _Target:
         size, per_gpu = micro_batch_size, self.per_gpu
         accum = 1 if size >= per_gpu else max(2, per_gpu // size)
         ok, est = fits(
-            self.model, setup, self.gpu, size, self.seq_len, accum, self.headroom, self.engine
+            self.model,
+            setup,
+            self.gpu,
+            size,
+            self.seq_len,
+            accum,
+            self.headroom,
+            self.engine,
+            self.lengths,
         )
         self.sized.setdefault(setup, est)
         return ok, est
@@ -230,7 +248,7 @@ def timed(target: _Target, alt: Alternative) -> Alternative:
     tokens = None
     if seconds is not None:  # an image model's and your own module's count samples
         image = not isinstance(target.model, ModelInfo) or target.model.arch.family == "vision"
-        tokens = target.per_gpu * (1 if image else target.seq_len) / seconds
+        tokens = target.per_gpu * (1 if image else target.sample_tokens(micro)) / seconds
     measured = target.measured
     source = measured.correction(alt.setup, micro).source if measured and seconds else None
     return replace(

@@ -156,7 +156,9 @@ def step_time(
 
     The sizes are ``micro_batch_size`` and ``seq_len``, or a ``workload``'s; ``gpu`` names the
     hardware either way (a CPU profile is not a workload's device), so the workload's device
-    and GPU are not read.
+    and GPU are not read. A workload's ``--lengths`` set the tokens a micro-batch computes:
+    with dynamic padding, the expected longest sample of a micro-batch
+    (``LengthsSummary.timed_length``), not the longest sample of the dataset.
 
     Example:
         >>> from batchfit.hardware import get_gpu
@@ -170,6 +172,8 @@ def step_time(
         UsageError: both a ``workload`` and sizes, or neither.
     """
     micro_batch_size, seq_len = _sizes(workload, micro_batch_size, seq_len)
+    if workload is not None and workload.lengths is not None:
+        seq_len = max(1, round(workload.lengths.timed_length(micro_batch_size)))
     if model.arch.family == "vision":
         if isinstance(gpu, CpuSpec) or not flops_per_sample or not all(flops_per_sample[:2]):
             return None

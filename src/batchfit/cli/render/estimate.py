@@ -229,7 +229,7 @@ def estimate_json(
         data["headroom_bytes"] = gpu.memory_bytes - est.device_total_bytes
         data["fits"] = fits_on_card(est.device_total_bytes, gpu.memory_bytes)
     if lengths is not None:
-        data["lengths"] = lengths.to_json()
+        data["lengths"] = lengths.to_json(est.micro_batch_size)
     return data
 
 
