@@ -17,6 +17,11 @@ The time model does not depend on the memory engine (the same step_seconds from 
 `analytic`), so `--engine analytic` is the default here: the whole table takes seconds.
 
     python benchmarks/throughput_published.py [--engine analytic|trace] [--no-write] [--json OUT]
+                                              [--set published|classes]
+
+`--set classes` runs the second set (benchmarks/data/published_throughput_classes.json, split
+with its own seed) and adds a table per class and per pair of methods (full vs LoRA, LoRA vs
+QLoRA on one model and GPU: the published ratio against the predicted one).
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from _report import write_section  # noqa: E402
 
 DATA = HERE / "data" / "published_throughput.json"
 SECTION = "throughput-published"
+# the second set: runs by class (LoRA, QLoRA, MoE, small models, long sequences, ...), with
+# pairs of methods on one model and GPU; its own split and section
+CLASSES = HERE / "data" / "published_throughput_classes.json"
+CLASSES_SECTION = "throughput-classes"
 # the targets, per half
 TARGET_MEDIAN = 0.15
 TARGET_WORST = 0.35
@@ -233,27 +242,86 @@ def misses(
     return lines
 
 
-def report(doc: dict[str, Any], results: dict[str, dict[str, Any]], engine: str) -> str:
+def _error(run: dict[str, Any], results: dict[str, dict[str, Any]]) -> float | None:
+    pred = results[run["id"]]["predicted"]
+    return None if pred is None else pred / run["published_tokens_per_s_per_gpu"] - 1
+
+
+def by_class(runs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[str]:
+    """Median and worst |error| per class and half."""
+    lines = [
+        "| class | half | runs predicted | median abs error | worst |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name in sorted({r["class"] for r in runs}):
+        for half in ("calibration", "evaluation", "both"):
+            members = [r for r in runs if r["class"] == name and half in (r["split"], "both")]
+            errors = [e for e in (_error(r, results) for r in members) if e is not None]
+            if not errors:
+                continue
+            median = statistics.median(abs(e) for e in errors)
+            worst = max(errors, key=abs)
+            lines.append(
+                f"| {name} | {half} | {len(errors)} of {len(members)} | {median * 100:.0f}% | "
+                f"{_pct(worst)} |"
+            )
+    return lines
+
+
+def pairs(runs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each pair of methods on one model and GPU: the published throughput ratio against the
+    predicted one (the second run over the first, in the file's order)."""
+    lines = [
+        "| pair | runs | published ratio | predicted ratio | predicted / published |",
+        "|---|---|---:|---:|---:|",
+    ]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        if run.get("pair"):
+            groups.setdefault(run["pair"], []).append(run)
+    for name, members in groups.items():
+        first = members[0]
+        for other in members[1:]:
+            pub = other["published_tokens_per_s_per_gpu"] / first["published_tokens_per_s_per_gpu"]
+            a, b = results[first["id"]]["predicted"], results[other["id"]]["predicted"]
+            if a is None or b is None:
+                continue
+            lines.append(
+                f"| {name} | {other['id']} / {first['id']} | {pub:.2f} | {b / a:.2f} | "
+                f"{_pct(b / a / pub - 1)} |"
+            )
+    return lines
+
+
+def report(
+    doc: dict[str, Any], results: dict[str, dict[str, Any]], engine: str, classes: bool = False
+) -> str:
     runs = doc["runs"]
     comparable = [r for r in runs if r["comparable"]]
     apart = [r for r in runs if not r["comparable"]]
     sources = sorted({_source(r).split("]")[0] for r in runs})
+    data = (CLASSES if classes else DATA).relative_to(ROOT)
     out = [
-        "## Throughput: predicted vs published",
+        "## Throughput by class: predicted vs published"
+        if classes
+        else "## Throughput: predicted vs published",
         "",
-        f"`python benchmarks/throughput_published.py` — {len(runs)} published runs from "
-        f"{len(sources)} sources (`benchmarks/data/published_throughput.json`: each run's quote, "
+        f"`python benchmarks/throughput_published.py{' --set classes' if classes else ''}` — "
+        f"{len(runs)} published runs from {len(sources)} sources (`{data}`: each run's quote, "
         "setup, the config that produced it and what did not map onto batchfit's options). "
         f"Predicted with `batchfit estimate --engine {engine} --json` (`tokens_per_s_per_gpu`; "
         "the time model is the same under either engine). Error = predicted / published − 1. "
-        "The halves were drawn with `random.Random(20261126)` before any error was seen: the "
-        "time model may be calibrated on the first, and is checked on the second.",
+        f"The halves were drawn with `random.Random({doc['split_seed']})` before any error was "
+        "seen: the time model may be calibrated on the first, and is checked on the second.",
         "",
     ]
     for half in ("calibration", "evaluation"):
         members = [r for r in comparable if r["split"] == half]
         out += [f"### {half.capitalize()} half", "", summary(half, members, results), ""]
         out += [*table(members, results), ""]
+    if classes:
+        out += ["### By class", "", *by_class(comparable, results), ""]
+        out += ["### Pairs of methods on one model and GPU", "", *pairs(comparable, results), ""]
     missed = misses(comparable, results, doc.get("misses", {}))
     if missed:
         out += [
@@ -293,20 +361,22 @@ def main() -> None:
     parser.add_argument("--engine", default="analytic", choices=("analytic", "trace"))
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
     parser.add_argument("--json", type=Path, help="also write every prediction to this file")
+    parser.add_argument("--set", default="published", choices=("published", "classes"))
     args = parser.parse_args()
+    classes = args.set == "classes"
 
-    doc = json.loads(DATA.read_text())
+    doc = json.loads((CLASSES if classes else DATA).read_text())
     check_split(doc["runs"], doc["split_seed"])
     known = known_options()
     with ThreadPoolExecutor(max_workers=2) as pool:
         predictions = list(pool.map(lambda r: predict(r, known, args.engine), doc["runs"]))
     results = {p["id"]: p for p in predictions}
-    text = report(doc, results, args.engine)
+    text = report(doc, results, args.engine, classes)
     print(text)
     if args.json:
         args.json.write_text(json.dumps(predictions, indent=1, allow_nan=False) + "\n")
     if not args.no_write:
-        write_section(SECTION, text)
+        write_section(CLASSES_SECTION if classes else SECTION, text)
 
 
 if __name__ == "__main__":

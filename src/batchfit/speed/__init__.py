@@ -218,6 +218,10 @@ def _gpu_step_time(
     amp = setup.precision in ("amp-bf16", "amp-fp16")
     # recomputed layers launch their forward kernels again (about a third of a layer's)
     launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers * (1 + recompute_share / 3)
+    launch *= flops.launch_scale
+    # LoRA's adapters and QLoRA's dequantisation stream memory beside the matmuls
+    method = flops.adapter_bytes_per_token * tokens + flops.dequant_bytes
+    moved += method / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     compute = flops_per_token * tokens / (peak * util) + moved
     if setup.compile:
         compute /= COMPILE_SPEEDUP

@@ -83,6 +83,12 @@ class StepFlops:
     # bytes the operators other than matmuls, convolutions and attention move, per token
     # (counted by a dry run; 0: in the utilisation, as the formulas' calibration has them)
     bytes_per_token: float = 0.0
+    # what the method adds to a full fine-tune's step (``method_costs``): kernels launched,
+    # as a multiple of a full fine-tune's; LoRA adapters' memory traffic a token; QLoRA's
+    # dequantisation traffic a micro-step
+    launch_scale: float = 1.0
+    adapter_bytes_per_token: float = 0.0
+    dequant_bytes: float = 0.0
 
 
 def step_flops(model: ModelInfo, setup: TrainingSetup, seq_len: int) -> StepFlops:
@@ -113,12 +119,115 @@ def step_flops(model: ModelInfo, setup: TrainingSetup, seq_len: int) -> StepFlop
     recompute_share = setup.checkpointed_layers(layers) / max(layers, 1)
     recompute = (forward - 2.0 * _head_params(model)) * recompute_share
     per_token = forward + backward + recompute
+    costs = method_costs(model, setup, recompute_share)
     return StepFlops(
         per_token=per_token,
         model_per_token=(6.0 if full else 4.0) * mm_params + 3 * attn,
         backward_share=(backward + recompute) / per_token,
         layers=layers,
         recompute_share=recompute_share,
+        launch_scale=costs.launch_scale,
+        adapter_bytes_per_token=costs.adapter_bytes_per_token,
+        dequant_bytes=costs.dequant_bytes,
+    )
+
+
+# Kernels one decoder layer launches in a micro-step, forward and backward: aten operators
+# other than views, counted in a dry run of a llama-3.2-1b layer (transformers 5.24, peft
+# 0.21.2, torch 2.13, autocast bf16): 137 in a full fine-tune. peft's LoRA ``Linear.forward``
+# (tuners/lora/layer.py) runs ``result + lora_B(lora_A(dropout(x))) * scaling`` beside the
+# base layer: 18 more kernels an adapted module forward and backward, 4 more with dropout; a
+# frozen linear computes no weight gradient, and a 16-bit one is not cast under autocast: 5
+# fewer (3 for an fp32 one). The layer counted 136 with q,v adapters on a bf16 base, 226
+# with all seven linears adapted, 254 with dropout; on an fp32 base 151 and 235. Each 4-bit
+# linear dequantises its weight in forward and again for backward's input gradient
+# (bitsandbytes ``MatMul4Bit``: ``dequantize_4bit`` in both): 2 more. A fused-expert MoE
+# layer (transformers 5's grouped GEMMs: a mixtral layer counted 169) 32 more.
+LAYER_OPS = 137
+LORA_OPS = 18
+LORA_DROPOUT_OPS = 4
+FROZEN_OPS = {"cast": 5, "plain": 3}
+DEQUANT_OPS = 2
+MOE_GROUPED_OPS = 32
+# bitsandbytes' ``dequantize_4bit`` reads the packed NF4 weight (half a byte a parameter) and
+# writes it in the 16-bit compute dtype (2 bytes), once in forward, once for backward's input
+# gradient, and again in a recomputed forward
+DEQUANT_BYTES_PER_PARAM = 2.5
+
+
+@dataclass(frozen=True)
+class MethodCosts:
+    """What a method adds to a full fine-tune's micro-step (``StepFlops``' fields)."""
+
+    launch_scale: float = 1.0
+    adapter_bytes_per_token: float = 0.0
+    dequant_bytes: float = 0.0
+
+
+def method_costs(model: ModelInfo, setup: TrainingSetup, recompute_share: float) -> MethodCosts:
+    """The kernels and memory traffic LoRA's adapters, QLoRA's dequantisation and a fused MoE
+    layer add to a micro-step (per token for the adapters, per micro-step for dequantisation;
+    a recomputed forward runs its share again).
+
+    An adapted module of ``in`` inputs and ``out`` outputs moves, a token, at ``e`` bytes an
+    activation element (2 in 16-bit, 4 in fp32) and with dropout ``d`` (0 or 1, its mask a
+    byte an element): forward ``in x e x (1 + 2d) + d x in + 6 x out x e`` (dropout reads and
+    writes its input, A reads it; B writes its output, the scaling reads and writes it, the
+    sum reads two and writes one), backward ``in x e x (5 + 2d) + d x in + 4 x out x e`` (the
+    scaling's and B's gradients, A's input gradient and its weight gradient's read of x, the
+    dropout's backward, and the sum of the base layer's and the adapter's input gradients).
+    The rank's terms are left out (r is small against in and out). A module inside the
+    experts of an MoE layer sees the routed share of the tokens.
+
+    Example:
+        >>> from batchfit.models import resolve_model
+        >>> m = resolve_model("mistral-7b")
+        >>> c = method_costs(m, TrainingSetup(method="lora", precision="amp-bf16",
+        ...     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+        ...                   "down_proj"), lora_dropout=0.05), 0.0)
+        >>> round(c.adapter_bytes_per_token / 1e6, 1), round(c.launch_scale, 2)  # counted 1.85
+        (54.9, 1.87)
+    """
+    if not setup.is_lora:
+        extra_ops = MOE_GROUPED_OPS if model.fused_expert_params() else 0
+        return MethodCosts(launch_scale=1 + extra_ops / LAYER_OPS)
+    arch = model.arch
+    layers = max(arch.num_layers + arch.num_decoder_layers, 1)
+    e = 4 if setup.precision == "fp32" else 2
+    d = 1 if setup.lora_dropout > 0 else 0
+    adapter_bytes = 0.0
+    adapted = 0
+    for group in model.lora_groups(setup.lora_targets):
+        out_dim, in_dim = group.shape[:2]
+        routed = 1.0
+        if group.kind == "experts" and arch.num_experts:
+            routed = arch.experts_per_token / arch.num_experts
+        forward = in_dim * e * (1 + 2 * d) + d * in_dim + 6 * out_dim * e
+        backward = in_dim * e * (5 + 2 * d) + d * in_dim + 4 * out_dim * e
+        adapter_bytes += (forward * (1 + recompute_share) + backward) * routed * group.count
+        adapted += group.count
+    linears = sum(
+        g.count
+        for g in model.params
+        if g.module in ("Linear", "Conv1D") and g.pattern.endswith("weight") and g.kind != "head"
+    )
+    # a 16-bit frozen base under autocast is not cast (``--frozen-dtype``, auto: the 16-bit
+    # dtype a 16-bit precision loads it in)
+    amp = setup.precision in ("amp-bf16", "amp-fp16")
+    sixteen = setup.frozen_dtype in ("bf16", "fp16") or setup.frozen_dtype == "auto"
+    frozen = FROZEN_OPS["cast" if amp and sixteen else "plain"]
+    ops = adapted * (LORA_OPS + d * LORA_DROPOUT_OPS) - linears * frozen
+    dequant = 0.0
+    if setup.method == "qlora":
+        quantized = model.quantizable_params()
+        ops += DEQUANT_OPS * linears
+        dequant = DEQUANT_BYTES_PER_PARAM * quantized * (2 + recompute_share)
+    if model.fused_expert_params():
+        ops += MOE_GROUPED_OPS * layers
+    return MethodCosts(
+        launch_scale=max(1 + ops / (LAYER_OPS * layers), 0.5),
+        adapter_bytes_per_token=adapter_bytes,
+        dequant_bytes=dequant,
     )
 
 
