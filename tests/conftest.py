@@ -22,6 +22,12 @@ if "BATCHFIT_CACHE_DIR" not in os.environ:
 
     os.environ["BATCHFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="batchfit-test-cache-")
 
+# Calibration records (plan and estimate scale their time by them): never the user's
+if "BATCHFIT_DATA_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["BATCHFIT_DATA_DIR"] = tempfile.mkdtemp(prefix="batchfit-test-data-")
+
 
 # --- a step's timeline, shared by the tests of its data (memory/) and of its picture (views/) ---
 

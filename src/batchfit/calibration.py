@@ -3,6 +3,10 @@
 local file; ``batchfit calibration`` shows the errors, and ``plan --headroom auto`` takes its
 headroom from them.
 
+Where the run timed its steps beside a plan's predicted step time, the record keeps both
+(``estimated_seconds``, ``measured_seconds``), and ``plan`` and ``estimate`` scale the time
+model by what the runs on that GPU measured (:func:`time_factor`).
+
 The file is JSON lines in the user's data dir (``platformdirs.user_data_dir("batchfit")``,
 ``BATCHFIT_DATA_DIR`` to move it): one record per measurement, never rewritten. A file that
 cannot be read is set aside (renamed ``*.corrupt-<time>``) with one warning, and a new one
@@ -46,6 +50,9 @@ class Record:
     torch: str = ""
     batchfit: str = ""
     time: float = 0.0
+    # one optimizer step: the time model's seconds for the setup, and the run's median
+    estimated_seconds: float | None = None
+    measured_seconds: float | None = None
 
     @property
     def error(self) -> float:
@@ -174,7 +181,60 @@ def _record(data: Any) -> Record:
         raise ValueError("bad estimate")
     if not isinstance(record.measured_bytes, int) or record.measured_bytes < 0:
         raise ValueError("bad measurement")
+    for seconds in (record.estimated_seconds, record.measured_seconds):
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
+            raise ValueError("bad step time")
     return record
+
+
+@dataclass(frozen=True)
+class TimeFactor:
+    """Measured over predicted step time, from the runs recorded on one GPU."""
+
+    factor: float
+    runs: int
+    model: str | None  # the model the runs trained, where all were this model's
+
+    def describe(self) -> str:
+        """``model x 0.91, from 3 runs of gpt2 on this GPU``."""
+        of = f" of {self.model}" if self.model else ""
+        runs = f"{self.runs} run{'s' * (self.runs != 1)}"
+        return f"model x {self.factor:.2f}, from {runs}{of} on this GPU"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"factor": self.factor, "runs": self.runs, "model": self.model}
+
+
+def time_factor(records: Iterable[Record], device: str, model: str) -> TimeFactor | None:
+    """How the time model's step times compare with the steps runs measured on ``device``:
+    the median of measured over predicted, over the runs of ``model`` there where it has
+    any, else over every run there; None without a timed record on that GPU.
+
+    Example:
+        >>> r = [Record("hf-callback", m, "s", "a100-80gb", 1, 1, estimated_seconds=2.0,
+        ...             measured_seconds=s) for m, s in (("gpt2", 1.8), ("gpt2", 1.9),
+        ...                                               ("llama", 3.0))]
+        >>> time_factor(r, "a100-80gb", "gpt2").describe()
+        'model x 0.93, from 2 runs of gpt2 on this GPU'
+        >>> time_factor(r, "a100-80gb", "bert").factor  # no run of bert: every run there
+        0.95
+        >>> time_factor(r, "t4", "gpt2") is None
+        True
+    """
+    timed = [
+        r for r in records if r.device == device and r.estimated_seconds and r.measured_seconds
+    ]
+    mine = [r for r in timed if r.model == model]
+    chosen = mine or timed
+    if not chosen:
+        return None
+    ratios = [(r.measured_seconds or 0) / (r.estimated_seconds or 1) for r in chosen]
+    return TimeFactor(round(percentile(ratios, 50), 4), len(chosen), model if mine else None)
 
 
 def percentile(values: list[float], q: float) -> float:

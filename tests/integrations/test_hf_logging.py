@@ -53,8 +53,11 @@ def test_a_cuda_run_with_a_plan_becomes_a_calibration_record(
     assert calibration.load() == []
     callback._cuda = True  # what on_train_begin sets on a GPU
     callback.history += [
-        StepMemory(1, plan.estimate.peak_bytes + 10, 1.0, 8.0),
-        StepMemory(2, plan.estimate.peak_bytes + 99, 1.0, 8.0),
+        StepMemory(1, plan.estimate.peak_bytes + 10, 9.0, 8.0),  # warm-up: not timed
+        StepMemory(2, plan.estimate.peak_bytes + 99, 5.0, 8.0),
+        StepMemory(3, plan.estimate.peak_bytes, 1.25, 8.0),
+        StepMemory(4, plan.estimate.peak_bytes, 1.75, 8.0),
+        StepMemory(5, plan.estimate.peak_bytes, 1.5, 8.0),
     ]
     callback.on_train_end(anything, SimpleNamespace(is_world_process_zero=False), anything)
     assert calibration.load() == []  # another rank's callback: rank 0 records the run
@@ -62,6 +65,9 @@ def test_a_cuda_run_with_a_plan_becomes_a_calibration_record(
     (record,) = calibration.load()
     assert record.source == "hf-callback" and record.device == "t4"
     assert record.measured_bytes - record.estimated_bytes == 99
+    # its step time beside the plan's: the median after the warm-up steps
+    assert record.measured_seconds == 1.5
+    assert record.estimated_seconds == pytest.approx(plan.step_seconds)
 
 
 def _trainer(model: Any, callback: PeakMemoryCallback, tmp_path: Path) -> Any:

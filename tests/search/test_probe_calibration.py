@@ -34,6 +34,28 @@ def test_no_size_that_fitted_gives_no_record() -> None:
     assert _probe.calibration_record(result, info, setup, SEQ, "cpu", "cpu") is None
 
 
+def test_a_cuda_probe_records_its_step_time_beside_the_models(tmp_path: Path) -> None:
+    from batchfit.hardware import get_gpu
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    info = resolve_model(str(config))
+    setup = TrainingSetup(task="causal-lm", precision="amp-bf16")
+    # sizes 2 and 4 ran, 4 at 16 samples a second: one step of 4 took 0.25 s
+    trials = (_trial(2, True, 10**6), Trial(4, True, 2 * 10**6, 16.0, 1.0, 4))
+    result = SearchResult(4, 4, trials, 1.0, "max")
+    a100 = get_gpu("a100-80gb")
+    record = _probe.calibration_record(result, info, setup, SEQ, "cuda", "a100-80gb", a100)
+    assert record is not None and record.measured_seconds == 0.25
+    predicted = estimate(
+        info, setup, micro_batch_size=4, seq_len=SEQ, gpu=a100, engine="trace"
+    ).speed_json()["step_seconds"]
+    assert record.estimated_seconds == pytest.approx(predicted)
+    # a GPU the catalog does not know: no time model, no step time kept
+    other = _probe.calibration_record(result, info, setup, SEQ, "cuda", "some gpu")
+    assert other is not None and other.measured_seconds is other.estimated_seconds is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU probe reads /proc")
 def test_a_real_probe_becomes_a_record_on_cuda_only(

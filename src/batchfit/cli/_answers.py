@@ -10,7 +10,7 @@ The key is everything the printed answer depends on:
 - the environment that changes what is resolved or printed (``BATCHFIT_*``, the Hugging Face
   variables, ``COLUMNS``, ``NO_COLOR``, ``TERM`` ...), whether stdout and stderr are terminals
   and their size, the CPUs this process may use (``--device cpu``), the calibration file
-  (``--headroom auto``);
+  (``--headroom auto``, the learned step time);
 - through ``batchfit._cache``, the versions of batchfit, its sources, torch and transformers.
 
 Not kept, so always computed: other commands; ``--help``; ``--no-cache`` and ``--verbose``;
@@ -76,7 +76,8 @@ def _terminal(stream: TextIO) -> list[int] | None:
 
 
 def _calibration_file() -> list[Any] | None:
-    """The stamp of the calibration records (``--headroom auto`` reads them)."""
+    """The stamp of the calibration records (``--headroom auto`` and the learned time read
+    them)."""
     import platformdirs
 
     folder = os.environ.get("BATCHFIT_DATA_DIR") or platformdirs.user_data_dir("batchfit")

@@ -18,6 +18,7 @@ from batchfit.cli.options import (
     EngineO,
     GpuO,
     JsonO,
+    LearnedTimeO,
     LengthsO,
     ModelArg,
     NoCacheO,
@@ -97,6 +98,7 @@ def estimate(
     engine: EngineO = "trace",
     no_cache: NoCacheO = False,
     verbose: VerboseO = False,
+    learned_time: LearnedTimeO = True,
     explain: ExplainO = False,
     timeline: TimelineO = None,
     snapshot: SnapshotO = None,
@@ -132,6 +134,8 @@ def estimate(
         )
     if result.engine == "trace" and not result.is_image:  # the formulas model token models
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
+    if learned_time and gpu_spec is not None:
+        result = _learned(result, info.name, gpu_spec.name)
     if timeline is not None or snapshot is not None:
         if result.engine != "trace":
             raise UsageError(
@@ -151,6 +155,20 @@ def estimate(
         and not fits_on_card(result.device_total_bytes, gpu_spec.memory_bytes)
     ):
         raise typer.Exit(1)
+
+
+def _learned(result: MemoryEstimate, model: str, gpu: str) -> MemoryEstimate:
+    """``result`` with its step time scaled by the runs recorded on ``gpu``
+    (``calibration.time_factor``), where it has a time and there are such runs."""
+    from batchfit import calibration
+
+    if result.speed_json()["step_seconds"] is None:
+        return result
+    records = calibration.load(warn=lambda m: typer.echo(f"batchfit: warning: {m}", err=True))
+    learned = calibration.time_factor(records, gpu, model)
+    if learned is None:
+        return result
+    return replace(result, extras={**result.extras, "time_factor": learned.to_json()})
 
 
 def _checked(

@@ -413,6 +413,15 @@ NoCacheO = Annotated[
         help="Trace again instead of reading dry-run results cached on disk (user cache dir).",
     ),
 ]
+LearnedTimeO = Annotated[
+    bool,
+    typer.Option(
+        "--learned-time/--no-learned-time",
+        help="Scale the predicted step time by what your runs measured on this GPU (the "
+        "training callbacks and probe record it: `batchfit calibration`); the time line "
+        "says by how much. --no-learned-time: the time model alone.",
+    ),
+]
 VerboseO = Annotated[
     bool,
     typer.Option(

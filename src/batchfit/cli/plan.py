@@ -20,6 +20,7 @@ from batchfit.cli.options import (
     EngineO,
     Headroom,
     JsonO,
+    LearnedTimeO,
     LengthsO,
     ModelArg,
     NoCacheO,
@@ -186,6 +187,7 @@ def plan(
     dataset_size: DatasetSizeO = None,
     gpu_hour_price: GpuHourPriceO = None,
     throughput_from: ThroughputFromO = None,
+    learned_time: LearnedTimeO = True,
     max_gpus: MaxGpusO = DEFAULT_MAX_GPUS,
     report: ReportO = None,
     alternatives: AlternativesO = None,
@@ -223,6 +225,7 @@ def plan(
         dataset_size=dataset_size,
         gpu_hour_price=gpu_hour_price,
         throughput_from=read_probe(throughput_from) if throughput_from is not None else None,
+        learned_time=learned_time,
     )
     with _cache_switch(no_cache, verbose, quiet=as_json) as stage:
         result = make_plan(request, progress=stage, warn=_warn)

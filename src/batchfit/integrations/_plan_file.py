@@ -29,6 +29,8 @@ class PlanFigures:
             its model cannot be resolved here (then the model is not checked).
         setup_key: The setup, micro-batch and sequence length, as a calibration record keys
             them (``calibration.setup_key``).
+        step_seconds: The time model's seconds of one optimizer step (before any measured
+            correction); None where the plan has no step time.
     """
 
     model: str
@@ -36,6 +38,7 @@ class PlanFigures:
     peak_bytes: int
     total_params: int | None
     setup_key: str
+    step_seconds: float | None = None
 
 
 def plan_figures(plan: Plan | str | os.PathLike[str]) -> PlanFigures:
@@ -61,7 +64,12 @@ def plan_figures(plan: Plan | str | os.PathLike[str]) -> PlanFigures:
     if isinstance(plan, Plan):
         est = plan.estimate
         return PlanFigures(
-            plan.model, plan.gpu, est.peak_bytes, est.total_params, calibration.setup_key(est)
+            plan.model,
+            plan.gpu,
+            est.peak_bytes,
+            est.total_params,
+            calibration.setup_key(est),
+            plan.model_step_seconds,
         )
     if isinstance(plan, (str, os.PathLike)):
         return read_plan_file(Path(plan))
@@ -100,7 +108,11 @@ def read_plan_file(path: Path) -> PlanFigures:
     model = str(data["model"])
     params = data.get("total_params")  # an estimate's JSON has it; a plan's may
     total = int(params) if isinstance(params, int) and params > 0 else _resolved_params(model)
-    return PlanFigures(model, str(data["gpu"]), peak, total, key)
+    # the time model's own step time (a file from before it was written: the plan's)
+    seconds = data.get("model_step_seconds", data.get("step_seconds"))
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+        seconds = None
+    return PlanFigures(model, str(data["gpu"]), peak, total, key, seconds)
 
 
 def _whole(data: dict[str, Any], key: str, path: Path, fix: str) -> int:

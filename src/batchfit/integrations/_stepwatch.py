@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 # are far smaller: LoRA adapters are in the plan's count, resized vocabularies add a few rows.
 # Near neighbours differ by more: Mistral-7B vs Llama-2-7B 7%, gpt2 vs distilgpt2 34%.
 MODEL_MISMATCH_FRACTION = 0.05
+# steps left out of a run's measured step time: the first ones warm up (the allocator grows,
+# kernels are chosen, a compiled model compiles)
+WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,10 @@ class StepWatch:
             return False
         largest = max(self.history, key=lambda r: r.peak_bytes)
         reserved = [r.reserved_bytes for r in self.history if r.reserved_bytes is not None]
+        # the step time beside the plan's: the median step after the first two (warm-up,
+        # the allocator growing, compilation), all of them in a shorter run
+        timed = self.history[WARMUP_STEPS:] or self.history
+        measured = statistics.median(r.seconds for r in timed)
         recorded = calibration.append(
             calibration.Record(
                 source=self.calibration_source,
@@ -205,6 +213,8 @@ class StepWatch:
                 estimated_bytes=planned.peak_bytes,
                 measured_bytes=largest.peak_bytes,
                 reserved_bytes=max(reserved) if reserved else None,
+                estimated_seconds=planned.step_seconds,
+                measured_seconds=measured if planned.step_seconds and measured > 0 else None,
             )
         )
         if recorded:

@@ -119,4 +119,12 @@ class MemoryEstimate:
 
         if grad_accum_steps is None:
             grad_accum_steps = int(self.extras.get("grad_accum_steps", 1))
-        return dict(StepTime(**speed).to_json(grad_accum_steps))
+        out: dict[str, float | None] = dict(StepTime(**speed).to_json(grad_accum_steps))
+        learned = self.extras.get("time_factor")
+        if learned:  # scaled by what runs measured on this GPU (``calibration.time_factor``)
+            factor = float(learned["factor"])
+            out["model_step_seconds"] = out["step_seconds"]
+            out["step_seconds"] = (out["step_seconds"] or 0) * factor
+            out["tokens_per_s_per_gpu"] = (out["tokens_per_s_per_gpu"] or 0) / factor
+            out["mfu"] = (out["mfu"] or 0) / factor
+        return out

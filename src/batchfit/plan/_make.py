@@ -127,14 +127,15 @@ def make_plan(
     else:
         request = _from_keywords(model, gpu, setup, options)
     request, headroom_note = _with_headroom(request, warn)
+    learned = _learned_time(request, warn)
     if request.num_gpus == "auto":
         plan = choose(
-            lambda n: _plan(replace(request, num_gpus=n, max_gpus=None)),
+            lambda n: _plan(replace(request, num_gpus=n, max_gpus=None), learned),
             DEFAULT_MAX_GPUS if request.max_gpus is None else request.max_gpus,
             progress,
         )
     else:
-        plan = _plan(request)
+        plan = _plan(request, learned)
     if headroom_note is None:
         return plan
     return replace(plan, warnings=(headroom_note, *plan.warnings))
@@ -200,7 +201,20 @@ def _with_headroom(
     return replace(request, headroom_bytes=headroom_bytes), note
 
 
-def _plan(request: PlanRequest) -> Plan:
+def _learned_time(
+    request: PlanRequest, warn: Callable[[str], None] | None
+) -> calibration.TimeFactor | None:
+    """``learned_time``: what the runs recorded on the request's GPU measured against the time
+    model (``calibration.time_factor``); None when not asked, with ``throughput_from`` (a
+    probe's file corrects the time instead), or without a timed record on that GPU."""
+    if not request.learned_time or request.throughput_from is not None:
+        return None
+    model = request.model
+    name = model.name if isinstance(model, ModelInfo) else getattr(model, "__name__", "")
+    return calibration.time_factor(calibration.load(warn=warn), request.gpu.name, name)
+
+
+def _plan(request: PlanRequest, learned: calibration.TimeFactor | None = None) -> Plan:
     """One plan on the request's GPU count: the ladder's choice, the micro-batch that divides
     the per-GPU batch, its estimate, the LR, the warnings."""
     headroom = request.headroom_wanted_bytes
@@ -220,6 +234,7 @@ def _plan(request: PlanRequest) -> Plan:
         measured,
         request.alternatives,
         lengths=request.lengths,
+        time_factor=learned.factor if learned else 1.0,
     )
     # sizes between traced ones from their histories (exact where they line up), the plan's
     # own figure included; the chosen setup's largest micro-batch and the size after it are
@@ -232,7 +247,9 @@ def _plan(request: PlanRequest) -> Plan:
         check_accumulation(request.global_samples, per_gpu // micro, micro)
         _, est = target.fits(fit.setup, micro)
     notes = [note for note in (engine_note, probe_note) if note]
-    plan = _assemble(request, target, fit, micro, est, notes)
+    if learned is not None:
+        est = replace(est, extras={**est.extras, "time_factor": learned.to_json()})
+    plan = replace(_assemble(request, target, fit, micro, est, notes), learned_time=learned)
     check_run_length(plan.train_steps, plan.step_seconds, plan.num_gpus)
     return plan
 

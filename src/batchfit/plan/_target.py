@@ -63,6 +63,8 @@ class _Target:
     alternatives: str = "lines"
     # --lengths: a micro-batch's tokens with dynamic padding follow them (time only)
     lengths: LengthsSummary | None = None
+    # --learned-time: measured over predicted on this GPU (``calibration.time_factor``)
+    time_factor: float = 1.0
     # an estimate of each setup at some size: what its communication needs (the resolved
     # setup, its parameter counts) does not depend on the size
     sized: dict[TrainingSetup, MemoryEstimate] = field(default_factory=dict, compare=False)
@@ -161,13 +163,13 @@ class _Target:
                 return 0.0
             trainable = est.trainable_params
             own = counted_step_time(flops, est.setup, self.gpu, micro_batch_size, trainable)
-            return 0.0 if own is None else own.step_seconds(accum)
+            return 0.0 if own is None else own.step_seconds(accum) * self.time_factor
         resolved = resolve_setup(self.model, setup, "cuda", self.gpu)
         workload = Workload(micro_batch_size, self.seq_len, gpu=self.gpu, lengths=self.lengths)
         t = step_time(self.model, resolved, self.gpu, workload=workload, flops_per_sample=flops)
         if t is not None and self.measured is not None:
             t = self.measured.corrected(t, resolved, micro_batch_size)
-        return 0.0 if t is None else t.step_seconds(accum)
+        return 0.0 if t is None else t.step_seconds(accum) * self.time_factor
 
     def fits(self, setup: TrainingSetup, micro_batch_size: int) -> tuple[bool, MemoryEstimate]:
         # a size that does not divide the per-GPU batch still accumulates (memory is the

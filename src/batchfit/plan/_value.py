@@ -7,6 +7,7 @@ from typing import Any
 
 from batchfit._display import html
 from batchfit._units import gib
+from batchfit.calibration import TimeFactor
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._estimate_args import estimate_args
 from batchfit.plan._ladder import Combo
@@ -133,6 +134,8 @@ class Plan:
     # --num-gpus auto: every count tried (this plan's among them) and why this one
     gpu_counts: tuple[GpuCount, ...] = ()
     gpu_count_rule: str | None = None
+    # --learned-time: the time model scaled by the runs recorded on this GPU
+    learned_time: TimeFactor | None = None
 
     def speed_json(self) -> dict[str, Any]:
         """The step's time (``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu``, ...): the
@@ -145,6 +148,13 @@ class Plan:
     def per_gpu_batch(self) -> int:
         """The samples each GPU takes per optimizer step (micro-batch x accumulation)."""
         return self.global_batch_size // self.num_gpus
+
+    @property
+    def model_step_seconds(self) -> float | None:
+        """The time model's step time, before ``--throughput-from`` or ``--learned-time``."""
+        speed = self.estimate.speed_json(self.grad_accum_steps)
+        own: float | None = speed.get("model_step_seconds") or speed["step_seconds"]
+        return own
 
     @property
     def step_seconds(self) -> float | None:
@@ -331,6 +341,10 @@ class Plan:
             "warnings": list(self.warnings),
             **self.speed_json(),
             "throughput_source": self.throughput.source if self.throughput else None,
+            "learned_time": self.learned_time.to_json() if self.learned_time else None,
+            # the time model's own step time, before any measured correction: what a run's
+            # calibration record compares its steps with
+            "model_step_seconds": self.model_step_seconds,
             "train_steps": self.train_steps,
             "train_seconds": self.train_seconds,
             "gpu_hour_price": self.gpu_hour_price,

@@ -79,6 +79,10 @@ class PlanRequest:
         gpu_hour_price: Dollars per GPU-hour (default: the catalog's list price).
         throughput_from: ``probe --json``'s file (or its parsed ``ProbeFile``) for this
             model, setup, sequence length and GPU: its measured steps correct the time model.
+        learned_time: Scale the time model by the step times runs recorded on this GPU
+            (``batchfit.calibration.time_factor``: the training callbacks and ``probe`` record
+            them); off unless asked, so a plan does not depend on this machine's records.
+            ``throughput_from`` wins where both are given.
         batch_fn: Your module's inputs of ``n`` samples, ``batch_fn(n)``.
         loss_fn: Your module's loss, ``loss_fn(out, batch)`` (default ``out.loss``).
 
@@ -122,6 +126,7 @@ class PlanRequest:
     dataset_size: int | None = None
     gpu_hour_price: float | None = None
     throughput_from: ProbeFile | str | os.PathLike[str] | None = None
+    learned_time: bool = False
     batch_fn: Callable[[int], Any] | None = None
     loss_fn: Callable[[Any, Any], Any] | None = None
 

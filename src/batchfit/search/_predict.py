@@ -13,7 +13,7 @@ import torch
 from batchfit import calibration
 from batchfit._units import human_bytes
 from batchfit.errors import UsageError
-from batchfit.hardware import catalog_gpu
+from batchfit.hardware import GpuSpec, catalog_gpu, get_gpu
 from batchfit.memory import estimate as _estimate
 from batchfit.memory.trace import dry_run as trace
 from batchfit.memory.trace import hf as _hf_trace
@@ -43,10 +43,17 @@ def run_setup(info: ModelInfo, asked: TrainingSetup, device_type: str) -> Traini
 
 
 def calibration_record(
-    result: SearchResult, info: Any, setup: Any, seq_len: int, device_type: str, device_kind: str
+    result: SearchResult,
+    info: Any,
+    setup: Any,
+    seq_len: int,
+    device_type: str,
+    device_kind: str,
+    gpu: GpuSpec | None = None,
 ) -> calibration.Record | None:
     """The largest measured peak of ``result`` beside the trace engine's estimate for the same
-    setup and micro-batch, as a calibration record; None when no size fitted.
+    setup and micro-batch, as a calibration record; None when no size fitted. On a catalog
+    ``gpu`` the record also keeps that size's measured step beside the time model's.
 
     The estimate is the one the probe's prediction makes (``device_type`` says which kernels
     it emulates); on the CPU this builds the record all the same, for the tests: the probe
@@ -57,8 +64,14 @@ def calibration_record(
         return None
     largest = max(measured, key=lambda t: (t.micro_batch_size, t.peak_bytes or 0))
     device: Device = "cpu" if device_type == "cpu" else "cuda"
-    workload = Workload(largest.micro_batch_size, seq_len, device)
+    workload = Workload(
+        largest.micro_batch_size, seq_len, device, gpu if device == "cuda" else None
+    )
     est = _estimate.estimate(info, setup, workload=workload, engine="trace")
+    predicted = est.speed_json()["step_seconds"]
+    measured_seconds = None
+    if predicted and largest.samples_per_s:  # a step of one micro-batch, no accumulation
+        measured_seconds = largest.micro_batch_size / largest.samples_per_s
     return calibration.Record(
         source="probe",
         model=info.name,
@@ -66,6 +79,8 @@ def calibration_record(
         device=device_kind,
         estimated_bytes=est.peak_bytes,
         measured_bytes=int(largest.peak_bytes or 0),
+        estimated_seconds=predicted if measured_seconds else None,
+        measured_seconds=measured_seconds,
     )
 
 
@@ -76,9 +91,10 @@ def record_calibration(
     the note that says so."""
     name = torch.cuda.get_device_name(device)
     # the catalog's name joins the records of plans made for this GPU (plan --headroom auto)
-    kind = catalog_gpu(name, torch.cuda.get_device_properties(device).total_memory)
-    kind = kind or name.lower()
-    record = calibration_record(result, info, setup, seq_len, "cuda", kind)
+    known = catalog_gpu(name, torch.cuda.get_device_properties(device).total_memory)
+    kind = known or name.lower()
+    spec = get_gpu(known) if known else None  # the time model's figures are the catalog's
+    record = calibration_record(result, info, setup, seq_len, "cuda", kind, spec)
     if record is None or not calibration.append(record):
         return []
     return [

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from rich.markup import escape
 
 from batchfit._units import BYTES_IN_GIB, BYTES_IN_MIB, gib, gib_figure, human_count
+from batchfit.calibration import TimeFactor
 from batchfit.cli import render
 from batchfit.cli.render.layout import Column, fitted_table, print_table
 from batchfit.hardware import GpuSpec
@@ -106,8 +107,15 @@ def estimate(
         _explain(est)
     if gpu is not None:
         render.line(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
-        time_line(est.speed_json(), image=est.is_image)
+        learned = est.extras.get("time_factor")
+        source = learned_source(TimeFactor(**learned)) if learned else None
+        time_line(est.speed_json(), source=source, image=est.is_image)
     render.warn(est.warnings)
+
+
+def learned_source(learned: TimeFactor) -> str:
+    """Where a time scaled by the user's runs comes from, for the time line."""
+    return f"{learned.describe()}: the calibration file; --no-learned-time for the model alone"
 
 
 def _attention(info: ModelInfo, attention: str) -> str:
@@ -155,8 +163,9 @@ def time_line(
     *,
     image: bool = False,
 ) -> None:
-    """The step time, when there is one: predicted (``batchfit.speed``), or corrected by a
-    probe's measured steps as ``source`` says (``plan --throughput-from``). An ``image``
+    """The step time, when there is one: predicted (``batchfit.speed``), or corrected by
+    measured steps as ``source`` says (``plan --throughput-from``, ``--learned-time``). An
+    ``image``
     model's throughput counts images; where it has no time (the formulas answered: no dry run
     counted its FLOPs) the line says so rather than leave it out."""
     if speed.get("step_seconds") is None:
@@ -170,7 +179,7 @@ def time_line(
         parts.append(f"{speed['offload_seconds']:.2g} s of CPU offload")
     within = f" (of which {' and '.join(parts)})" if parts else ""
     why = (
-        f"--throughput-from: {escape(source)}"
+        escape(source)
         if source
         else "predicted from the dry run's operators; 9% off at the median on published "
         "image-model runs"

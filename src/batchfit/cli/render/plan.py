@@ -14,7 +14,7 @@ from rich.table import Table
 
 from batchfit._units import gib, gib_figure, human_count, human_duration, ordinal, usd
 from batchfit.cli import render
-from batchfit.cli.render.estimate import print_breakdown, time_line
+from batchfit.cli.render.estimate import learned_source, print_breakdown, time_line
 from batchfit.cli.render.layout import Column, fitted_table, print_table
 from batchfit.errors import UsageError
 from batchfit.hardware import GpuSpec
@@ -60,7 +60,12 @@ def plan(p: Plan, info: ModelInfo) -> None:
     _to_fit(p)
     if p.num_gpus > 1 and p.setup.sharding in ("none", "ddp"):
         render.line("  sharding: none (DDP: every GPU holds the whole model and optimizer)")
-    time_line(p.speed_json(), "  ", p.throughput.source if p.throughput else None, image=p.is_image)
+    source = None
+    if p.throughput is not None:
+        source = f"--throughput-from: {p.throughput.source}"
+    elif p.learned_time is not None:
+        source = learned_source(p.learned_time)
+    time_line(p.speed_json(), "  ", source, image=p.is_image)
     if p.train_seconds is not None:
         _the_run(p, p.train_seconds)
     _memory_and_engine(p)
