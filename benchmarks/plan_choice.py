@@ -294,6 +294,15 @@ def _fastest(found: list[Found], like: TrainingSetup) -> Found:
     return min(ties, key=lambda f: order((best[0], *f[1:])))
 
 
+def _needs_code(model: ModelInfo, base: TrainingSetup, setup: TrainingSetup) -> bool:
+    """Whether ``setup`` holds a technique the planner offers but never chooses: a lean loss
+    or every K-th layer's checkpointing that the framework's config cannot switch on."""
+    lean = lean_loss(model, base)
+    if lean is not None and lean.needs and setup.loss == lean(base).loss != base.loss:
+        return True
+    return bool(setup.grad_ckpt_every) and not base.conventions.selects_ckpt_layers
+
+
 def _policy_best(found: list[Found], like: TrainingSetup) -> Found | None:
     """The best by the planner's stated preferences: no ZeRO/FSDP on one GPU without offload
     (not in its vocabulary), and CPU offload only where it beats the best option without it by
@@ -439,10 +448,14 @@ def evaluate(case: Case) -> dict[str, Any]:
     tried = _tried(plan, model, gpu)
     in_ladder = [f for f in found if _key(f[2]) in tried]
     tried_best = _fastest(in_ladder, chosen_setup) if in_ladder else None
-    policy = _policy_best(found, chosen_setup)
+    # an option that needs code the framework's config cannot switch on (a lean loss or
+    # every K-th layer's checkpointing under a loop that cannot select layers) is offered,
+    # never chosen: the planner's policy, like offload's margin
+    switchable = [f for f in found if not _needs_code(model, setup, f[2])]
+    policy = _policy_best(switchable, chosen_setup)
     # the same policy over what the ladder holds: chosen -> this is the planner's selection,
     # this -> ``policy`` what the ladder never builds, ``policy`` -> ``best`` the policy itself
-    ladder_policy = _policy_best(in_ladder, chosen_setup)
+    ladder_policy = _policy_best([f for f in in_ladder if f in switchable], chosen_setup)
     ratio = (lambda f: chosen[0] / f[0] - 1) if exact else (lambda f: None)
     row.update(
         best=_option(best, per_gpu).to_json(),
@@ -475,7 +488,9 @@ def evaluate(case: Case) -> dict[str, Any]:
             why.append(f"never tried {_pct(voc)}: " + _vocabulary(case, policy[2], chosen_setup))
         if policy is not None and pol is not None and pol > SHOWN:
             kind = (
-                "ZeRO/FSDP on one GPU without offload, outside the ladder's vocabulary"
+                "code the framework's config cannot switch on (offered, never chosen)"
+                if _needs_code(model, setup, best[2])
+                else "ZeRO/FSDP on one GPU without offload, outside the ladder's vocabulary"
                 if _nominal(best[2])
                 else f"offload, faster by under {OFFLOAD_MARGIN:.0%} than the best without it "
                 "(OFFLOAD_MARGIN)"
