@@ -184,8 +184,8 @@ def time_line(
         else "predicted from the dry run's operators; 9% off at the median on published "
         "image-model runs"
         if image
-        else "predicted; compute calibrated on an H100, about 15-25% off on measured steps; "
-        "communication and offload not yet checked on real runs"
+        else "predicted; 8-16% off at the median on published runs it was not fitted on, "
+        "up to 30-40% on some; CPU offload not yet checked on real runs"
     )
     render.line(
         f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
