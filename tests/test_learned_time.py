@@ -49,7 +49,7 @@ def test_records_from_runs_scale_the_plans_time(tmp_path: Path, monkeypatch, cap
     _record("gpt2", "t4", 1.0, 0.1)
     code, out, err = run_cli([*PLAN, *FAST, "--json"], capsys)
     learned = json.loads(out)
-    assert learned["learned_time"] == {"factor": 1.3, "runs": 2, "model": "gpt2"}
+    assert learned["learned_time"] == {"factor": 1.3, "runs": 2, "model": "gpt2", "others": []}
     assert learned["model_step_seconds"] == pytest.approx(model["step_seconds"])
     assert learned["step_seconds"] == pytest.approx(1.3 * model["step_seconds"])
     assert learned["tokens_per_s_per_gpu"] == pytest.approx(model["tokens_per_s_per_gpu"] / 1.3)
@@ -69,12 +69,18 @@ def test_records_from_runs_scale_the_plans_time(tmp_path: Path, monkeypatch, cap
     alone = json.loads(out)
     assert scaled["step_seconds"] == pytest.approx(1.3 * alone["step_seconds"])
     assert scaled["model_step_seconds"] == pytest.approx(alone["step_seconds"])
-    # bert's own run, and a model no run trained takes every run on the GPU (1.25, 1.35, 9)
+    assert scaled["learned_time"]["factor"] == 1.3 and alone["learned_time"] is None
+    # bert's own run (9x the model: beyond 4x, another setup than planned) does not count;
+    # a model no run trained takes the runs of others once there are three
     code, out, err = run_cli([*ESTIMATE[:1], "bert-base-uncased", *ESTIMATE[2:], *FAST], capsys)
-    assert "model x 9.00, from 1 run of bert-base-uncased" in " ".join(out.split())
+    assert "model x" not in out
+    code, out, err = run_cli([*ESTIMATE[:1], "gpt2-medium", *ESTIMATE[2:], *FAST], capsys)
+    assert "model x" not in out  # two runs of another model: not enough
+    _record("bert-base-uncased", "a100-80gb", 1.0, 1.5)
     code, out, err = run_cli([*ESTIMATE[:1], "gpt2-medium", *ESTIMATE[2:], *FAST], capsys)
     assert code == 0, err
-    assert "model x 1.35, from 3 runs on this GPU" in " ".join(out.split())
+    said = " ".join(out.split())
+    assert "model x 1.35, from 3 runs of other models on this GPU (bert-base-uncased, gpt2)" in said
 
 
 def test_a_plan_records_the_models_own_time(tmp_path: Path, monkeypatch) -> None:
@@ -98,15 +104,23 @@ def test_a_plan_records_the_models_own_time(tmp_path: Path, monkeypatch) -> None
     assert plan_figures(str(path)).step_seconds == pytest.approx(plain.step_seconds)
 
 
-def test_a_bad_step_time_in_a_record_is_set_aside(tmp_path: Path, monkeypatch) -> None:
+def test_a_bad_record_is_set_aside_and_a_newer_one_kept(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path))
     _record("gpt2", "t4", 1.0, 2.0)
+    good = {"source": "x", "model": "m", "setup": "s", "device": "t4"}
+    sizes = {"estimated_bytes": 1, "measured_bytes": 1}
+    bad = [
+        {**good, **sizes, "measured_seconds": -1.0},
+        {**good, **sizes, "estimated_seconds": 1e-300, "measured_seconds": 1e300},
+        {**good, **sizes, "device": None},
+        {**good, **sizes, "torch": None},
+        {**good, **sizes, "device": ["t4"]},
+    ]
     with open(calibration.path(), "a") as f:
-        bad = {"source": "x", "model": "m", "setup": "s", "device": "t4"}
-        f.write(
-            json.dumps({**bad, "estimated_bytes": 1, "measured_bytes": 1, "measured_seconds": -1.0})
-            + "\n"
-        )
+        for record in bad:
+            f.write(json.dumps(record) + "\n")
+        # a field a newer batchfit writes is left out, the record kept
+        f.write(json.dumps({**good, **sizes, "gpu_count": 1}) + "\n")
     warnings: list[str] = []
     records = calibration.load(warn=warnings.append)
-    assert len(records) == 1 and len(warnings) == 1
+    assert len(records) == 2 and len(warnings) == 1 and "5 lines" in warnings[0]

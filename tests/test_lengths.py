@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -32,7 +33,9 @@ def test_memory_follows_the_longest_sample_not_the_number_of_datasets(files):
     assert workload([short, long], "longest", 512).seq_len == 512  # truncation
     assert workload([short], "max", 512).seq_len == 512
     packed = workload([short, long], "packed", 1024)
-    assert (packed.seq_len, packed.mean) == (1024, 1024.0)
+    # every packed row is full: a step takes --seq-len tokens a row; the mean is the data's
+    assert (packed.seq_len, packed.tokens_per_sample) == (1024, 1024.0)
+    assert packed.mean == pytest.approx((96 + 2700 / 11) / 2)
 
 
 def test_mixture_weights_move_the_mean(files):
@@ -145,6 +148,20 @@ def test_step_time_reads_the_lengths_a_micro_batch_computes(files, capsys):
     assert plan["micro_batch_size"] == worst["micro_batch_size"]
     assert plan["step_seconds"] < worst["step_seconds"]
     assert plan["lengths"]["timed_tokens_per_sample"] < 700
+    # the dataset's tokens a step takes are the samples' mean (padding not counted), and the
+    # plan's estimate arguments carry the lengths, so the estimate times the same step
+    mean = plan["lengths"]["mean"]
+    assert plan["tokens_per_step"] == round(32 * mean)
+    args = plan["candidates"][0]["estimate_args"]
+    assert args[args.index("--padding") + 1] == "longest" and args.count("--lengths") == 2
+    code, out, err = run_cli(["estimate", *args, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["step_seconds"] == pytest.approx(plan["step_seconds"])
+    # --train-tokens counts the dataset's tokens: a step takes 32 x the mean
+    run = ["plan", *base, "--global-batch", "32", *lengths, "--train-tokens", "1000000"]
+    code, out, err = run_cli(run, capsys)
+    assert code == 0, err
+    assert json.loads(out)["train_steps"] == math.ceil(1_000_000 / (32 * mean))
 
 
 def test_a_token_target_needs_fixed_tokens_per_sample(files, capsys):

@@ -21,7 +21,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,14 @@ FILE_NAME = "calibration.jsonl"
 DEFAULT_HEADROOM_FRACTION = 0.05
 HEADROOM_FLOOR_FRACTION = 0.02
 MIN_RECORDS = 5  # fewer records than this: the default, and the output says why
+# A step time a record may hold (a microsecond to four months), and how far a run may be from
+# the time model to count: beyond 4x either way the run measured another setup than the one
+# planned, and scaling every plan by it would mislead
+MIN_STEP_SECONDS = 1e-6
+MAX_STEP_SECONDS = 1e7
+MAX_TIME_RATIO = 4.0
+# runs of other models on a GPU scale a model's time only when there are this many
+MIN_OTHER_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -173,10 +181,19 @@ def load(warn: Callable[[str], None] | None = None) -> list[Record]:
     return records
 
 
+_FIELDS = {f.name for f in fields(Record)}
+
+
 def _record(data: Any) -> Record:
     if not isinstance(data, dict):
         raise ValueError("not a record")
-    record = Record(**data)
+    # a field a newer batchfit added is left out, not the record
+    record = Record(**{k: v for k, v in data.items() if k in _FIELDS})
+    for text in (record.source, record.model, record.setup, record.device, record.torch):
+        if not isinstance(text, str):
+            raise ValueError("not a record")
+    if not isinstance(record.batchfit, str) or not isinstance(record.time, int | float):
+        raise ValueError("not a record")
     if not isinstance(record.estimated_bytes, int) or record.estimated_bytes <= 0:
         raise ValueError("bad estimate")
     if not isinstance(record.measured_bytes, int) or record.measured_bytes < 0:
@@ -185,8 +202,7 @@ def _record(data: Any) -> Record:
         if seconds is not None and (
             isinstance(seconds, bool)
             or not isinstance(seconds, int | float)
-            or not math.isfinite(seconds)
-            or seconds <= 0
+            or not MIN_STEP_SECONDS <= seconds <= MAX_STEP_SECONDS
         ):
             raise ValueError("bad step time")
     return record
@@ -199,42 +215,67 @@ class TimeFactor:
     factor: float
     runs: int
     model: str | None  # the model the runs trained, where all were this model's
+    others: tuple[str, ...] = ()  # else the models they trained
 
     def describe(self) -> str:
         """``model x 0.91, from 3 runs of gpt2 on this GPU``."""
-        of = f" of {self.model}" if self.model else ""
         runs = f"{self.runs} run{'s' * (self.runs != 1)}"
-        return f"model x {self.factor:.2f}, from {runs}{of} on this GPU"
+        if self.model:
+            return f"model x {self.factor:.2f}, from {runs} of {self.model} on this GPU"
+        named = ", ".join(self.others[:3]) + (", ..." if len(self.others) > 3 else "")
+        return f"model x {self.factor:.2f}, from {runs} of other models on this GPU ({named})"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TimeFactor:
+        """The value ``to_json`` wrote."""
+        others = tuple(data.get("others", ()))
+        return cls(float(data["factor"]), int(data["runs"]), data.get("model"), others)
 
     def to_json(self) -> dict[str, Any]:
-        return {"factor": self.factor, "runs": self.runs, "model": self.model}
+        return {
+            "factor": self.factor,
+            "runs": self.runs,
+            "model": self.model,
+            "others": list(self.others),
+        }
 
 
 def time_factor(records: Iterable[Record], device: str, model: str) -> TimeFactor | None:
     """How the time model's step times compare with the steps runs measured on ``device``:
     the median of measured over predicted, over the runs of ``model`` there where it has
-    any, else over every run there; None without a timed record on that GPU.
+    any, else over the runs of other models there when there are ``MIN_OTHER_RUNS``; None
+    otherwise. A run more than ``MAX_TIME_RATIO`` off the model either way is not counted.
 
     Example:
         >>> r = [Record("hf-callback", m, "s", "a100-80gb", 1, 1, estimated_seconds=2.0,
         ...             measured_seconds=s) for m, s in (("gpt2", 1.8), ("gpt2", 1.9),
-        ...                                               ("llama", 3.0))]
+        ...                                               ("llama", 3.0), ("opt", 90.0))]
         >>> time_factor(r, "a100-80gb", "gpt2").describe()
         'model x 0.93, from 2 runs of gpt2 on this GPU'
-        >>> time_factor(r, "a100-80gb", "bert").factor  # no run of bert: every run there
-        0.95
+        >>> time_factor(r + r[:1], "a100-80gb", "bert").describe()  # no run of bert
+        'model x 0.93, from 4 runs of other models on this GPU (gpt2, llama)'
+        >>> time_factor(r[2:], "a100-80gb", "bert") is None  # opt's 45x is not counted
+        True
         >>> time_factor(r, "t4", "gpt2") is None
         True
     """
     timed = [
-        r for r in records if r.device == device and r.estimated_seconds and r.measured_seconds
+        r
+        for r in records
+        if r.device == device
+        and r.estimated_seconds
+        and r.measured_seconds
+        and 1 / MAX_TIME_RATIO <= r.measured_seconds / r.estimated_seconds <= MAX_TIME_RATIO
     ]
     mine = [r for r in timed if r.model == model]
-    chosen = mine or timed
+    chosen = mine or (timed if len(timed) >= MIN_OTHER_RUNS else [])
     if not chosen:
         return None
     ratios = [(r.measured_seconds or 0) / (r.estimated_seconds or 1) for r in chosen]
-    return TimeFactor(round(percentile(ratios, 50), 4), len(chosen), model if mine else None)
+    factor = round(percentile(ratios, 50), 4)
+    if mine:
+        return TimeFactor(factor, len(chosen), model)
+    return TimeFactor(factor, len(chosen), None, tuple(sorted({r.model for r in chosen})))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -34,6 +34,7 @@ from batchfit.errors import UsageError
 Padding = Literal["longest", "max", "packed"]
 PADDINGS: tuple[str, ...] = get_args(Padding)
 MAX_FILE_BYTES = 256 * 2**20
+MAX_LENGTH = 1 << 24  # 16.8M tokens: past any model's context
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,14 @@ class LengthsSummary:
     # the mixture's (truncated) lengths and their probabilities, ascending; empty: every
     # micro-batch is ``seq_len`` long (what the step time reads, ``timed_length``)
     distribution: tuple[tuple[int, float], ...] = field(default=(), repr=False)
+    specs: tuple[str, ...] = ()  # the --lengths arguments as given (FILE[:WEIGHT])
+
+    @property
+    def tokens_per_sample(self) -> float:
+        """The dataset's tokens a sample brings, padding not counted: the mean under dynamic
+        padding; a packed row's or a padded sample's ``seq_len`` (what ``--train-tokens`` and
+        ``--global-batch-tokens`` count)."""
+        return self.mean if self.padding == "longest" else float(self.seq_len)
 
     def timed_length(self, micro_batch_size: int) -> float:
         """Tokens a sample of a micro-batch of ``micro_batch_size`` computes, on average: the
@@ -181,8 +190,10 @@ def _positive(value: object, where: str) -> int:
     number = int(text)
     if number <= 0:
         raise UsageError(f"{where}: a length must be positive, got {number}")
-    if number > 1 << 40:
-        raise UsageError(f"{where}: {number} tokens in one sample is not a length batchfit plans")
+    if number > MAX_LENGTH:
+        raise UsageError(
+            f"{where}: {number:,} tokens in one sample is more than batchfit plans ({MAX_LENGTH:,})"
+        )
     return number
 
 
@@ -260,8 +271,6 @@ def workload(specs: list[str], padding: str, seq_len: int | None) -> LengthsSumm
         worst = seq_len
     total_weight = sum(f.weight for f in files)
     mean = sum(f.weight * f.mean(seq_len) for f in files) / total_weight
-    if padding == "packed":
-        mean = float(worst)  # every packed row is full
     return LengthsSummary(
         seq_len=worst,
         padding=padding,  # type: ignore[arg-type]
@@ -270,6 +279,7 @@ def workload(specs: list[str], padding: str, seq_len: int | None) -> LengthsSumm
         samples=sum(sum(f.counts.values()) for f in files),
         files=tuple(f.path for f in files),
         distribution=_distribution(files, seq_len) if padding == "longest" else (),
+        specs=tuple(specs),
     )
 
 

@@ -101,6 +101,8 @@ class MemoryEstimate:
             ],
             "notes": list(self.extras.get("notes", [])),
             **self.speed_json(),
+            # --learned-time: what the runs on this GPU measured against the time model
+            "learned_time": self.extras.get("time_factor"),
         }
 
     def _repr_html_(self) -> str:
@@ -114,16 +116,23 @@ class MemoryEstimate:
         speed = self.extras.get("speed")
         if not speed:
             return dict.fromkeys(
-                ("step_seconds", "tokens_per_s_per_gpu", "mfu", "comm_seconds", "offload_seconds")
+                (
+                    "step_seconds",
+                    "tokens_per_s_per_gpu",
+                    "mfu",
+                    "comm_seconds",
+                    "offload_seconds",
+                    "model_step_seconds",
+                )
             )
 
         if grad_accum_steps is None:
             grad_accum_steps = int(self.extras.get("grad_accum_steps", 1))
         out: dict[str, float | None] = dict(StepTime(**speed).to_json(grad_accum_steps))
+        out["model_step_seconds"] = out["step_seconds"]  # the time model's own figure
         learned = self.extras.get("time_factor")
         if learned:  # scaled by what runs measured on this GPU (``calibration.time_factor``)
             factor = float(learned["factor"])
-            out["model_step_seconds"] = out["step_seconds"]
             out["step_seconds"] = (out["step_seconds"] or 0) * factor
             out["tokens_per_s_per_gpu"] = (out["tokens_per_s_per_gpu"] or 0) / factor
             out["mfu"] = (out["mfu"] or 0) / factor

@@ -249,7 +249,8 @@ def _plan(request: PlanRequest, learned: calibration.TimeFactor | None = None) -
     notes = [note for note in (engine_note, probe_note) if note]
     if learned is not None:
         est = replace(est, extras={**est.extras, "time_factor": learned.to_json()})
-    plan = replace(_assemble(request, target, fit, micro, est, notes), learned_time=learned)
+    plan = _assemble(request, target, fit, micro, est, notes)
+    plan = replace(plan, learned_time=learned, lengths=request.lengths)
     check_run_length(plan.train_steps, plan.step_seconds, plan.num_gpus)
     return plan
 

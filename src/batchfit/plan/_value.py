@@ -8,6 +8,7 @@ from typing import Any
 from batchfit._display import html
 from batchfit._units import gib
 from batchfit.calibration import TimeFactor
+from batchfit.lengths import LengthsSummary
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._estimate_args import estimate_args
 from batchfit.plan._ladder import Combo
@@ -136,6 +137,8 @@ class Plan:
     gpu_count_rule: str | None = None
     # --learned-time: the time model scaled by the runs recorded on this GPU
     learned_time: TimeFactor | None = None
+    # --lengths: the dataset's lengths (tokens per step, the run's steps, what is timed)
+    lengths: LengthsSummary | None = None
 
     def speed_json(self) -> dict[str, Any]:
         """The step's time (``step_seconds``, ``tokens_per_s_per_gpu``, ``mfu``, ...): the
@@ -152,8 +155,7 @@ class Plan:
     @property
     def model_step_seconds(self) -> float | None:
         """The time model's step time, before ``--throughput-from`` or ``--learned-time``."""
-        speed = self.estimate.speed_json(self.grad_accum_steps)
-        own: float | None = speed.get("model_step_seconds") or speed["step_seconds"]
+        own: float | None = self.estimate.speed_json(self.grad_accum_steps)["model_step_seconds"]
         return own
 
     @property
@@ -191,7 +193,7 @@ class Plan:
                 "device_total_bytes": self.device_total_bytes,
                 "chosen": True,
                 "estimate_args": self.estimate_args(None),
-                **self._timed(self.step_seconds),
+                **self._timed(self.step_seconds, self.micro_batch_size),
                 "throughput_source": self.throughput.source if self.throughput else None,
             }
         ]
@@ -212,7 +214,7 @@ class Plan:
                     "device_total_bytes": a.device_total_bytes,
                     "chosen": False,
                     "estimate_args": self.estimate_args(a),
-                    **self._timed(a.step_seconds),
+                    **self._timed(a.step_seconds, a.micro_batch_size),
                     "throughput_source": a.throughput_source,
                 }
             )
@@ -230,10 +232,17 @@ class Plan:
             per_gpu = self.per_gpu_batch
             accum = 1 if micro >= per_gpu else max(2, per_gpu // micro)
         args = (self.model, self.gpu, self.seq_len, setup, micro, accum, engine)
-        return estimate_args(*args)
+        if self.lengths is None:
+            return estimate_args(*args)
+        # the same lengths, so that the step time is the plan's too
+        given = [a for spec in self.lengths.specs for a in ("--lengths", spec)]
+        return [*estimate_args(*args), *given, "--padding", self.lengths.padding]
 
-    def _timed(self, step: float | None) -> dict[str, float | None]:
-        tokens = self.tokens_per_step
+    def _timed(self, step: float | None, micro: int) -> dict[str, float | None]:
+        # the tokens the step computes (with dynamic padding, each micro-batch's longest)
+        tokens: float | None = None if self.is_image else self.global_batch_size * self.seq_len
+        if tokens is not None and self.lengths is not None:
+            tokens = self.global_batch_size * self.lengths.timed_length(micro)
         train = None if step is None or self.train_steps is None else step * self.train_steps
         cost = None
         if train is not None and self.gpu_hour_price is not None:
@@ -254,8 +263,13 @@ class Plan:
 
     @property
     def tokens_per_step(self) -> int | None:
-        """Tokens per optimizer step (None for an image model: it sees pixels)."""
-        return None if self.is_image else self.global_batch_size * self.seq_len
+        """The dataset's tokens an optimizer step takes (None for an image model: it sees
+        pixels); under dynamic padding the samples' mean length, padding not counted."""
+        if self.is_image:
+            return None
+        if self.lengths is not None:
+            return round(self.global_batch_size * self.lengths.tokens_per_sample)
+        return self.global_batch_size * self.seq_len
 
     @property
     def peak_bytes(self) -> int:

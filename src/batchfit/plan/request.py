@@ -79,10 +79,8 @@ class PlanRequest:
         gpu_hour_price: Dollars per GPU-hour (default: the catalog's list price).
         throughput_from: ``probe --json``'s file (or its parsed ``ProbeFile``) for this
             model, setup, sequence length and GPU: its measured steps correct the time model.
-        learned_time: Scale the time model by the step times runs recorded on this GPU
-            (``batchfit.calibration.time_factor``: the training callbacks and ``probe`` record
-            them); off unless asked, so a plan does not depend on this machine's records.
-            ``throughput_from`` wins where both are given.
+        learned_time: Scale the time by the runs recorded on this GPU (off unless asked;
+            ``calibration.time_factor``); ``throughput_from`` wins over it.
         batch_fn: Your module's inputs of ``n`` samples, ``batch_fn(n)``.
         loss_fn: Your module's loss, ``loss_fn(out, batch)`` (default ``out.loss``).
 
@@ -379,7 +377,9 @@ class PlanRequest:
     def train_steps(self) -> int | None:
         """Optimizer steps of the run: its tokens (or samples) over the global batch."""
         if self.train_tokens is not None:
-            return -(-self.train_tokens // (self.global_samples * (self.sample_size or 1)))
+            # the dataset's tokens: under dynamic padding a sample brings the mean length
+            per_sample = self.lengths.tokens_per_sample if self.lengths else self.sample_size
+            return math.ceil(self.train_tokens / (self.global_samples * (per_sample or 1)))
         if self.run_samples is not None:
             return -(-self.run_samples // self.global_samples)
         return None

@@ -153,6 +153,8 @@ MOE_GROUPED_OPS = 32
 # writes it in the 16-bit compute dtype (2 bytes), once in forward, once for backward's input
 # gradient, and again in a recomputed forward
 DEQUANT_BYTES_PER_PARAM = 2.5
+# autocast's cast of an fp32 weight: 4 bytes read, 2 written
+CAST_BYTES_PER_PARAM = 6
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,15 @@ def method_costs(model: ModelInfo, setup: TrainingSetup, recompute_share: float)
         quantized = model.quantizable_params()
         ops += DEQUANT_OPS * linears
         dequant = DEQUANT_BYTES_PER_PARAM * quantized * (2 + recompute_share)
+    # an fp32 frozen weight under autocast is cast to 16 bits in every forward (backward
+    # reuses the copy it saved): a LoRA base kept in fp32, and what peft's
+    # prepare_model_for_kbit_training upcasts around a 4-bit base (the output head, and the
+    # fused MoE experts bitsandbytes leaves unquantised: most of an MoE's weights)
+    if amp and setup.method == "lora" and setup.frozen_dtype == "fp32":
+        dequant += CAST_BYTES_PER_PARAM * _matmul_params(model) * (1 + recompute_share)
+    elif amp and setup.kbit_upcast:
+        upcast = model.fused_expert_params() + _head_params(model)
+        dequant += CAST_BYTES_PER_PARAM * upcast * (1 + recompute_share)
     if model.fused_expert_params():
         ops += MOE_GROUPED_OPS * layers
     return MethodCosts(

@@ -108,7 +108,7 @@ def estimate(
     if gpu is not None:
         render.line(f"{gpu.full_name}: {gib(gpu.memory_bytes)} -> {fit_verdict(est, gpu)}")
         learned = est.extras.get("time_factor")
-        source = learned_source(TimeFactor(**learned)) if learned else None
+        source = learned_source(TimeFactor.from_json(learned)) if learned else None
         time_line(est.speed_json(), source=source, image=est.is_image)
     render.warn(est.warnings)
 

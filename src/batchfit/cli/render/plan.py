@@ -91,6 +91,9 @@ def _batch_lines(p: Plan, info: ModelInfo) -> None:
         f"{render.sample_size(p.seq_len, p.is_image)}, {p.setup.precision}{method}"
     )
     tokens = f" = {p.tokens_per_step:,} tokens per step" if p.tokens_per_step is not None else ""
+    if p.lengths is not None and p.lengths.padding == "longest" and p.tokens_per_step:
+        mean = f"{p.tokens_per_step:,} tokens per step"
+        tokens = f" ~ {mean} (the samples' mean, padding not counted)"
     render.line(
         f"  micro-batch [bold]{p.micro_batch_size}[/] x accumulation "
         f"[bold]{p.grad_accum_steps}[/] x GPUs [bold]{p.num_gpus}[/] = global batch "
