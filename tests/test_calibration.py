@@ -91,6 +91,27 @@ def test_calibration_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0.02 <= data["headroom_auto"] <= 0.05
     code, out, _ = run_cli(["calibration"], capsys)
     assert code == 0 and "plan --headroom auto" in out
+    assert data["step_time"] == [] and "step time" not in out
+    # runs that timed their steps: what plan and estimate scale their time by
+    for measured in (1.1, 1.3, 9.0):
+        calibration.append(
+            calibration.Record(
+                "hf-callback",
+                "gpt2",
+                "s",
+                "t4",
+                1,
+                1,
+                estimated_seconds=1.0,
+                measured_seconds=measured,
+            )
+        )
+    code, out, _ = run_cli(["calibration", "--json"], capsys)
+    (row,) = json.loads(out)["step_time"]
+    assert (row["device"], row["model"], row["runs"], row["counted"]) == ("t4", "gpt2", 3, 2)
+    assert row["median"] == pytest.approx(1.3)
+    code, out, _ = run_cli(["calibration"], capsys)
+    assert "step time: measured / predicted" in out and "x 1.30" in out
 
 
 class _FakeNvml:

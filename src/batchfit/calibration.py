@@ -331,6 +331,26 @@ def auto_headroom(records: Iterable[Record], device: str | None = None) -> Headr
     )
 
 
+def time_summary(records: Iterable[Record]) -> list[dict[str, Any]]:
+    """The runs that timed their steps, by device and model: how many, and the median of
+    measured over predicted step time (rows for ``batchfit calibration``)."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        if r.estimated_seconds and r.measured_seconds:
+            ratio = r.measured_seconds / r.estimated_seconds
+            groups.setdefault((r.device, r.model), []).append(ratio)
+    return [
+        {
+            "device": device,
+            "model": model,
+            "runs": len(ratios),
+            "median": percentile(ratios, 50),
+            "counted": sum(1 / MAX_TIME_RATIO <= x <= MAX_TIME_RATIO for x in ratios),
+        }
+        for (device, model), ratios in sorted(groups.items())
+    ]
+
+
 def summary(records: Iterable[Record]) -> list[dict[str, Any]]:
     """Error statistics by (device, torch version): rows for ``batchfit calibration``."""
     groups: dict[tuple[str, str], list[float]] = {}

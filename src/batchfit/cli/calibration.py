@@ -15,7 +15,8 @@ def calibration(as_json: JsonO = False) -> None:
     Records come from `monitor --plan` (on a GPU against a plan; on the CPU against an
     `estimate --device cpu --json`, RSS with the Python runtime added), the probe and the
     training callbacks with a plan; `plan --headroom auto` uses their 99th percentile for
-    the plan's GPU (CPU records never count for a GPU).
+    the plan's GPU (CPU records never count for a GPU). The runs that timed their steps are
+    listed too: `plan` and `estimate` scale their time on that GPU by them.
     """
     # the records and rich's tables load when the command runs, not for `batchfit --help`
     from batchfit import calibration as cal
@@ -23,6 +24,7 @@ def calibration(as_json: JsonO = False) -> None:
 
     records = cal.load(warn=lambda message: typer.echo(f"batchfit: warning: {message}", err=True))
     rows = cal.summary(records)
+    timed = cal.time_summary(records)
     headroom = cal.auto_headroom(records)
     if as_json:
         _emit_json(
@@ -32,7 +34,9 @@ def calibration(as_json: JsonO = False) -> None:
                 "by_device": rows,
                 "headroom_auto": headroom.fraction,
                 "headroom_why": headroom.why,
+                "step_time": timed,
             }
         )
         return
     show.calibration(cal.path(), len(records), rows, headroom)
+    show.step_time(timed)
