@@ -220,7 +220,8 @@ _SHARED: dict[str, tuple[Any, Any]] = {
         str | None,
         None,
         "--lora-targets",
-        help="Comma-separated module names; default: peft's for the model type.",
+        help="Comma-separated module names, or all-linear (every linear module but the "
+        "output head); default: peft's for the model type.",
     ),
     "grad_ckpt": _option(bool, False, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing."),
     "grad_ckpt_every": _option(

@@ -251,6 +251,30 @@ class ModelInfo:
         """
         return sum(rank * sum(g.shape[:2]) * g.count for g in self.lora_groups(targets))
 
+    def lora_target_names(self, targets: Iterable[str] | None = None) -> tuple[str, ...]:
+        """The modules LoRA wraps: ``targets``, the defaults for None, and for ``all-linear``
+        (peft's shorthand) every linear module's name but the output head's.
+
+        Example:
+            >>> resolve_model("gpt2").lora_target_names(["all-linear"])
+            ('c_attn', 'c_fc', 'c_proj')
+        """
+        wanted = tuple(targets) if targets is not None else self.default_lora_targets()
+        if wanted != ("all-linear",):
+            return wanted
+        return tuple(
+            sorted(
+                {
+                    g.leaf
+                    for g in self.params
+                    if g.pattern.endswith("weight")
+                    and g.module in ("Linear", "Conv1D")
+                    and len(g.shape) == 2
+                    and g.kind != "head"
+                }
+            )
+        )
+
     def lora_groups(self, targets: Iterable[str] | None = None) -> list[ParamGroup]:
         """The weights peft wraps for ``targets``: a LoRA-capable module's 2-D weight whose
         path is a target or ends with ``.target`` (peft's ``check_target_module_exists``).
@@ -258,7 +282,7 @@ class ModelInfo:
         Raises:
             UsageError: a target matches no module (the default targets when None).
         """
-        wanted = tuple(targets) if targets is not None else self.default_lora_targets()
+        wanted = self.lora_target_names(targets)
         groups = []
         matched = set()
         for group in self.params:

@@ -336,4 +336,4 @@ def _lora_targets(model: ModelInfo | OwnModel, setup: TrainingSetup) -> tuple[st
         return ()
     if isinstance(model, OwnModel):
         return setup.lora_targets or ()
-    return setup.lora_targets or model.default_lora_targets()
+    return model.lora_target_names(setup.lora_targets)

@@ -176,7 +176,7 @@ def _build(
         # lazy: peft (~1 s) only for LoRA setups
         from peft import LoraConfig, get_peft_model
 
-        targets = list(setup.lora_targets or model.default_lora_targets())
+        targets = list(model.lora_target_names(setup.lora_targets))
         net = get_peft_model(
             net,
             LoraConfig(
