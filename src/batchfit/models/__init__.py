@@ -33,6 +33,7 @@ from batchfit.models._arch import (
 )
 from batchfit.models._config import LAYER_KEYS, existing_path, hub_cache_config, read_config_file
 from batchfit.models._generic import generic_decoder_config, generic_rows
+from batchfit.models._lora import all_linear, wrapped
 from batchfit.models._meta import auto_class, make_config
 from batchfit.models._torchvision import build as build_torchvision
 from batchfit.spec import Attention, Task
@@ -84,7 +85,6 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "convnextv2": ("pwconv1", "pwconv2"),
 }
 _PEFT_GUESSED = frozenset({"distilbert", "phi3", "modernbert", "olmo2", "qwen3_moe"} | VISION_TYPES)
-_LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
 KIND_ORDER = ("embedding", "attention", "mlp", "experts", "norm", "head", "other")
 
@@ -260,20 +260,7 @@ class ModelInfo:
             ('c_attn', 'c_fc', 'c_proj')
         """
         wanted = tuple(targets) if targets is not None else self.default_lora_targets()
-        if wanted != ("all-linear",):
-            return wanted
-        return tuple(
-            sorted(
-                {
-                    g.leaf
-                    for g in self.params
-                    if g.pattern.endswith("weight")
-                    and g.module in ("Linear", "Conv1D")
-                    and len(g.shape) == 2
-                    and g.kind != "head"
-                }
-            )
-        )
+        return all_linear(self.params) if wanted == ("all-linear",) else wanted
 
     def lora_groups(self, targets: Iterable[str] | None = None) -> list[ParamGroup]:
         """The weights peft wraps for ``targets``: a LoRA-capable module's 2-D weight whose
@@ -282,38 +269,7 @@ class ModelInfo:
         Raises:
             UsageError: a target matches no module (the default targets when None).
         """
-        wanted = self.lora_target_names(targets)
-        groups = []
-        matched = set()
-        for group in self.params:
-            if not group.pattern.endswith("weight") or group.module not in _LORA_MODULES:
-                continue
-            if len(group.shape) != 2:
-                continue
-            path = group.pattern.rsplit(".", 1)[0]
-            for target in wanted:
-                if path == target or path.endswith("." + target):
-                    groups.append(group)
-                    matched.add(target)
-                    break
-        missing = [t for t in wanted if t not in matched]
-        if missing:
-            leaves = sorted({g.leaf for g in self.params if g.is_matrix_weight} - {"*", ""})
-            modules = (
-                f"its linear modules are: {', '.join(leaves)}"
-                if leaves
-                else "it has no linear module LoRA could wrap"
-            )
-            if targets is None:
-                raise UsageError(
-                    f"{self.name} has no module matching LoRA's default targets "
-                    f"({','.join(missing)}): name them with --lora-targets; {modules}"
-                )
-            raise UsageError(
-                f"--lora-targets {','.join(missing)} match no linear module of {self.name}; "
-                f"{modules}"
-            )
-        return groups
+        return wrapped(self.name, self.params, self.lora_target_names(targets), targets is None)
 
     def quantizable_params(self, head: bool = False) -> int:
         """Parameters bitsandbytes quantises for QLoRA: Linear weights, not the output head
