@@ -124,3 +124,15 @@ def test_a_bad_record_is_set_aside_and_a_newer_one_kept(tmp_path: Path, monkeypa
     warnings: list[str] = []
     records = calibration.load(warn=warnings.append)
     assert len(records) == 2 and len(warnings) == 1 and "5 lines" in warnings[0]
+
+
+def test_under_json_a_set_aside_line_is_in_the_warnings(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setenv("BATCHFIT_DATA_DIR", str(tmp_path))
+    for command in (ESTIMATE, PLAN):
+        _record("gpt2", "a100-80gb", 1.0, 1.1)
+        with open(calibration.path(), "a") as f:
+            f.write('{"source": "cut off\n')
+        code, out, err = run_cli([*command, *FAST, "--json"], capsys)
+        assert code == 0 and "batchfit: warning" not in err
+        (said,) = [w for w in json.loads(out)["warnings"] if "calibration file" in w]
+        assert "could not be read" in said

@@ -135,7 +135,7 @@ def estimate(
     if result.engine == "trace" and not result.is_image:  # the formulas model token models
         result = _compare_engines(result, info, setup, gpu_spec, grad_accum)
     if learned_time and gpu_spec is not None:
-        result = _learned(result, info.name, gpu_spec.name)
+        result = _learned(result, info.name, gpu_spec.name, as_json)
     if timeline is not None or snapshot is not None:
         if result.engine != "trace":
             raise UsageError(
@@ -157,14 +157,19 @@ def estimate(
         raise typer.Exit(1)
 
 
-def _learned(result: MemoryEstimate, model: str, gpu: str) -> MemoryEstimate:
+def _learned(result: MemoryEstimate, model: str, gpu: str, as_json: bool) -> MemoryEstimate:
     """``result`` with its step time scaled by the runs recorded on ``gpu``
-    (``calibration.time_factor``), where it has a time and there are such runs."""
+    (``calibration.time_factor``), where it has a time and there are such runs; a calibration
+    file set aside is one warning (in the JSON's ``warnings`` under ``--json``)."""
     from batchfit import calibration
 
     if result.speed_json()["step_seconds"] is None:
         return result
-    records = calibration.load(warn=lambda m: typer.echo(f"batchfit: warning: {m}", err=True))
+    heard: list[str] = []
+    records = calibration.load(
+        warn=heard.append if as_json else lambda m: typer.echo(f"batchfit: warning: {m}", err=True)
+    )
+    result = replace(result, warnings=(*heard, *result.warnings))
     learned = calibration.time_factor(records, gpu, model)
     if learned is None:
         return result

@@ -227,8 +227,12 @@ def plan(
         throughput_from=read_probe(throughput_from) if throughput_from is not None else None,
         learned_time=learned_time,
     )
+    # under --json a calibration file set aside is said in the JSON's warnings, as the rest
+    heard: list[str] = []
     with _cache_switch(no_cache, verbose, quiet=as_json) as stage:
-        result = make_plan(request, progress=stage, warn=_warn)
+        result = make_plan(request, progress=stage, warn=heard.append if as_json else _warn)
+    if heard:
+        result = replace(result, warnings=(*heard, *result.warnings))
     _answer(result, looked_up, export_kind, out, report, as_json)
 
 
