@@ -184,8 +184,9 @@ def time_line(
         else "predicted from the dry run's operators; 9% off at the median on published "
         "image-model runs"
         if image
-        else "predicted; 8-16% off at the median on published runs it was not fitted on, "
-        "up to 30-40% on some; CPU offload not yet checked on real runs"
+        else "predicted for the step alone, without data loading, evaluation or logging; "
+        "8-16% off at the median on published runs it was not fitted on, up to 30-40% on "
+        "some; CPU offload not yet checked on real runs"
     )
     render.line(
         f"{indent}time: ~{speed['step_seconds']:.3g} s per optimizer step{within}, "
