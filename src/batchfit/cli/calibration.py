@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import typer
-
-from batchfit.cli.common import _emit_json
+from batchfit.cli.common import _emit_json, _warn
 from batchfit.cli.options import JsonO
 
 
@@ -22,7 +20,7 @@ def calibration(as_json: JsonO = False) -> None:
     from batchfit import calibration as cal
     from batchfit.cli.render import calibration as show
 
-    records = cal.load(warn=lambda message: typer.echo(f"batchfit: warning: {message}", err=True))
+    records = cal.load(warn=_warn)
     rows = cal.summary(records)
     timed = cal.time_summary(records)
     headroom = cal.auto_headroom(records)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import typer
+
 from batchfit._version import versions
 from batchfit.errors import UsageError
 
@@ -62,6 +64,11 @@ def _cache_switch(
         _trace_estimate.on_dry_run = named
         stack.callback(setattr, _trace_estimate, "on_dry_run", previous)
         yield set_stage
+
+
+def _warn(message: str) -> None:
+    """One warning line on stderr (a calibration file set aside while it is read)."""
+    typer.echo(f"batchfit: warning: {message}", err=True)
 
 
 def _emit_json(obj: dict[str, Any]) -> None:

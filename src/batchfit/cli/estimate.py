@@ -12,7 +12,7 @@ import typer
 from batchfit import models
 from batchfit._units import human_bytes
 from batchfit.cli._workload import ImageSizeO, sample_size
-from batchfit.cli.common import _cache_switch, _check_output, _emit_json
+from batchfit.cli.common import _cache_switch, _check_output, _emit_json, _warn
 from batchfit.cli.options import (
     Engine,
     EngineO,
@@ -166,9 +166,7 @@ def _learned(result: MemoryEstimate, model: str, gpu: str, as_json: bool) -> Mem
     if result.speed_json()["step_seconds"] is None:
         return result
     heard: list[str] = []
-    records = calibration.load(
-        warn=heard.append if as_json else lambda m: typer.echo(f"batchfit: warning: {m}", err=True)
-    )
+    records = calibration.load(warn=heard.append if as_json else _warn)
     result = replace(result, warnings=(*heard, *result.warnings))
     learned = calibration.time_factor(records, gpu, model)
     if learned is None:

@@ -14,7 +14,7 @@ import typer
 from batchfit import models
 from batchfit.cli._workload import ImageSizeO, sample_size
 from batchfit.cli.batch_size import parse_tokens
-from batchfit.cli.common import _cache_switch, _check_output, _emit_json
+from batchfit.cli.common import _cache_switch, _check_output, _emit_json, _warn
 from batchfit.cli.options import (
     Engine,
     EngineO,
@@ -297,11 +297,6 @@ def _look_up(model: str, gpu: str, setup: TrainingSetup, engine: str, sample: _S
         padding=sample.padding,
     )
     return _LookedUp(info, gpu_spec, engine_name, lengths_seen)
-
-
-def _warn(message: str) -> None:
-    """A calibration file set aside while ``--headroom auto`` reads the records."""
-    typer.echo(f"batchfit: warning: {message}", err=True)
 
 
 def _answer(
