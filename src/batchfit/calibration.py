@@ -63,6 +63,13 @@ class Record:
     measured_seconds: float | None = None
 
     @property
+    def time_ratio(self) -> float | None:
+        """Measured over predicted step time; None where the run did not time its steps."""
+        if not self.estimated_seconds or not self.measured_seconds:
+            return None
+        return self.measured_seconds / self.estimated_seconds
+
+    @property
     def error(self) -> float:
         """Measured over estimated, minus one: above zero the estimate was short."""
         return self.measured_bytes / self.estimated_bytes - 1
@@ -260,22 +267,24 @@ def time_factor(records: Iterable[Record], device: str, model: str) -> TimeFacto
         True
     """
     timed = [
-        r
+        (r, x)
         for r in records
-        if r.device == device
-        and r.estimated_seconds
-        and r.measured_seconds
-        and 1 / MAX_TIME_RATIO <= r.measured_seconds / r.estimated_seconds <= MAX_TIME_RATIO
+        if r.device == device and (x := r.time_ratio) is not None and _counted(x)
     ]
-    mine = [r for r in timed if r.model == model]
+    mine = [(r, x) for r, x in timed if r.model == model]
     chosen = mine or (timed if len(timed) >= MIN_OTHER_RUNS else [])
     if not chosen:
         return None
-    ratios = [(r.measured_seconds or 0) / (r.estimated_seconds or 1) for r in chosen]
-    factor = round(percentile(ratios, 50), 4)
+    factor = round(percentile([x for _, x in chosen], 50), 4)
     if mine:
         return TimeFactor(factor, len(chosen), model)
-    return TimeFactor(factor, len(chosen), None, tuple(sorted({r.model for r in chosen})))
+    return TimeFactor(factor, len(chosen), None, tuple(sorted({r.model for r, _ in chosen})))
+
+
+def _counted(ratio: float) -> bool:
+    """Whether a run's measured-over-predicted step time counts: within ``MAX_TIME_RATIO``
+    of the model either way."""
+    return 1 / MAX_TIME_RATIO <= ratio <= MAX_TIME_RATIO
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -336,8 +345,7 @@ def time_summary(records: Iterable[Record]) -> list[dict[str, Any]]:
     measured over predicted step time (rows for ``batchfit calibration``)."""
     groups: dict[tuple[str, str], list[float]] = {}
     for r in records:
-        if r.estimated_seconds and r.measured_seconds:
-            ratio = r.measured_seconds / r.estimated_seconds
+        if (ratio := r.time_ratio) is not None:
             groups.setdefault((r.device, r.model), []).append(ratio)
     return [
         {
@@ -345,7 +353,7 @@ def time_summary(records: Iterable[Record]) -> list[dict[str, Any]]:
             "model": model,
             "runs": len(ratios),
             "median": percentile(ratios, 50),
-            "counted": sum(1 / MAX_TIME_RATIO <= x <= MAX_TIME_RATIO for x in ratios),
+            "counted": sum(map(_counted, ratios)),
         }
         for (device, model), ratios in sorted(groups.items())
     ]

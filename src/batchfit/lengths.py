@@ -283,6 +283,13 @@ def workload(specs: list[str], padding: str, seq_len: int | None) -> LengthsSumm
     )
 
 
+def sample_tokens(lengths: LengthsSummary | None, seq_len: int, micro_batch_size: int) -> float:
+    """Tokens a sample of a micro-batch computes: ``seq_len``, or with ``--lengths`` what
+    ``LengthsSummary.timed_length`` says (the expected longest sample under dynamic padding).
+    """
+    return float(seq_len) if lengths is None else lengths.timed_length(micro_batch_size)
+
+
 def _distribution(files: list[LengthFile], cap: int | None) -> tuple[tuple[int, float], ...]:
     """The mixture's lengths truncated at ``cap``, each with its probability: a file's samples
     weigh its mixture weight over its sample count."""

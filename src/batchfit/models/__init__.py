@@ -33,7 +33,7 @@ from batchfit.models._arch import (
 )
 from batchfit.models._config import LAYER_KEYS, existing_path, hub_cache_config, read_config_file
 from batchfit.models._generic import generic_decoder_config, generic_rows
-from batchfit.models._lora import all_linear, wrapped
+from batchfit.models._lora import all_linear, linear_weights, wrapped
 from batchfit.models._meta import auto_class, make_config
 from batchfit.models._torchvision import build as build_torchvision
 from batchfit.spec import Attention, Task
@@ -261,6 +261,10 @@ class ModelInfo:
         """
         wanted = tuple(targets) if targets is not None else self.default_lora_targets()
         return all_linear(self.params) if wanted == ("all-linear",) else wanted
+
+    def linear_weights(self) -> list[ParamGroup]:
+        """The linear modules' weights but the output head's (peft's ``all-linear``)."""
+        return linear_weights(self.params)
 
     def lora_groups(self, targets: Iterable[str] | None = None) -> list[ParamGroup]:
         """The weights peft wraps for ``targets``: a LoRA-capable module's 2-D weight whose

@@ -33,20 +33,22 @@ ParamGroup = TypeVar("ParamGroup", bound=_Weight)
 LORA_MODULES = frozenset({"Linear", "Conv1D", "Embedding", "Linear8bitLt", "Linear4bit"})
 
 
+def linear_weights(params: Sequence[ParamGroup]) -> list[ParamGroup]:
+    """The weights of the linear modules (``nn.Linear``, GPT-2's ``Conv1D``) but the output
+    head's: what peft's ``all-linear`` wraps."""
+    return [
+        g
+        for g in params
+        if g.pattern.endswith("weight")
+        and g.module in ("Linear", "Conv1D")
+        and len(g.shape) == 2
+        and g.kind != "head"
+    ]
+
+
 def all_linear(params: Sequence[_Weight]) -> tuple[str, ...]:
     """peft's ``all-linear``: every linear module's name but the output head's."""
-    return tuple(
-        sorted(
-            {
-                g.leaf
-                for g in params
-                if g.pattern.endswith("weight")
-                and g.module in ("Linear", "Conv1D")
-                and len(g.shape) == 2
-                and g.kind != "head"
-            }
-        )
-    )
+    return tuple(sorted({g.leaf for g in linear_weights(params)}))
 
 
 def wrapped(

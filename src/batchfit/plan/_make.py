@@ -126,8 +126,11 @@ def make_plan(
         request = model
     else:
         request = _from_keywords(model, gpu, setup, options)
-    request, headroom_note = _with_headroom(request, warn)
-    learned = _learned_time(request, warn)
+    # the calibration records, read once for the headroom and the learned time
+    wants_time = request.learned_time and request.throughput_from is None
+    records = calibration.load(warn=warn) if request.headroom_auto or wants_time else []
+    request, headroom_note = _with_headroom(request, records)
+    learned = _learned_time(request, records) if wants_time else None
     if request.num_gpus == "auto":
         plan = choose(
             lambda n: _plan(replace(request, num_gpus=n, max_gpus=None), learned),
@@ -185,14 +188,14 @@ def _from_keywords(
 
 
 def _with_headroom(
-    request: PlanRequest, warn: Callable[[str], None] | None
+    request: PlanRequest, records: list[calibration.Record]
 ) -> tuple[PlanRequest, str | None]:
     """``headroom_bytes="auto"`` resolved from the calibration records, and the note that says
     how; the request as it is otherwise."""
     if not request.headroom_auto:
         return request, None
     gpu = request.gpu
-    auto = calibration.auto_headroom(calibration.load(warn=warn), gpu.name)
+    auto = calibration.auto_headroom(records, gpu.name)
     headroom_bytes = int(auto.fraction * gpu.memory_bytes)
     note = (
         f"--headroom auto: {auto.fraction:.1%} of {gib(gpu.memory_bytes)} = "
@@ -202,16 +205,14 @@ def _with_headroom(
 
 
 def _learned_time(
-    request: PlanRequest, warn: Callable[[str], None] | None
+    request: PlanRequest, records: list[calibration.Record]
 ) -> calibration.TimeFactor | None:
     """``learned_time``: what the runs recorded on the request's GPU measured against the time
-    model (``calibration.time_factor``); None when not asked, with ``throughput_from`` (a
-    probe's file corrects the time instead), or without a timed record on that GPU."""
-    if not request.learned_time or request.throughput_from is not None:
-        return None
+    model (``calibration.time_factor``); None without a timed record on that GPU. Not asked
+    with ``throughput_from``: a probe's file corrects the time instead."""
     model = request.model
     name = model.name if isinstance(model, ModelInfo) else getattr(model, "__name__", "")
-    return calibration.time_factor(calibration.load(warn=warn), request.gpu.name, name)
+    return calibration.time_factor(records, request.gpu.name, name)
 
 
 def _plan(request: PlanRequest, learned: calibration.TimeFactor | None = None) -> Plan:

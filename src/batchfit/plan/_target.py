@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from batchfit.hardware import GpuSpec
-from batchfit.lengths import LengthsSummary
+from batchfit.lengths import LengthsSummary, sample_tokens
 from batchfit.memory.fit import FitResult
 from batchfit.memory.formulas.analytic import resolve_setup
 from batchfit.memory.types import MemoryEstimate
@@ -73,13 +73,6 @@ class _Target:
     errors: dict[TrainingSetup, tuple[tuple[int, int], ...]] = field(
         default_factory=dict, compare=False
     )
-
-    def sample_tokens(self, micro_batch_size: int) -> float:
-        """Tokens a sample computes at ``micro_batch_size``: ``seq_len``, or with dynamic
-        padding the expected longest sample of a micro-batch (``--lengths``)."""
-        if self.lengths is None:
-            return float(self.seq_len)
-        return self.lengths.timed_length(micro_batch_size)
 
     def timed_micro(self, max_micro: int, wanted: int | None) -> int:
         """The micro-batch an option is timed at: the one asked for, else the largest that
@@ -250,7 +243,8 @@ def timed(target: _Target, alt: Alternative) -> Alternative:
     tokens = None
     if seconds is not None:  # an image model's and your own module's count samples
         image = not isinstance(target.model, ModelInfo) or target.model.arch.family == "vision"
-        tokens = target.per_gpu * (1 if image else target.sample_tokens(micro)) / seconds
+        sample = 1.0 if image else sample_tokens(target.lengths, target.seq_len, micro)
+        tokens = target.per_gpu * sample / seconds
     measured = target.measured
     source = measured.correction(alt.setup, micro).source if measured and seconds else None
     return replace(

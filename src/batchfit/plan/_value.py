@@ -8,7 +8,7 @@ from typing import Any
 from batchfit._display import html
 from batchfit._units import gib
 from batchfit.calibration import TimeFactor
-from batchfit.lengths import LengthsSummary
+from batchfit.lengths import LengthsSummary, sample_tokens
 from batchfit.memory.types import MemoryEstimate
 from batchfit.plan._estimate_args import estimate_args
 from batchfit.plan._ladder import Combo
@@ -240,9 +240,9 @@ class Plan:
 
     def _timed(self, step: float | None, micro: int) -> dict[str, float | None]:
         # the tokens the step computes (with dynamic padding, each micro-batch's longest)
-        tokens: float | None = None if self.is_image else self.global_batch_size * self.seq_len
-        if tokens is not None and self.lengths is not None:
-            tokens = self.global_batch_size * self.lengths.timed_length(micro)
+        tokens = None
+        if not self.is_image:
+            tokens = self.global_batch_size * sample_tokens(self.lengths, self.seq_len, micro)
         train = None if step is None or self.train_steps is None else step * self.train_steps
         cost = None
         if train is not None and self.gpu_hour_price is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from batchfit.errors import UsageError
 from batchfit.hardware import CpuSpec, GpuSpec
+from batchfit.lengths import sample_tokens
 from batchfit.models import ModelInfo
 from batchfit.optimizers import get_optimizer
 from batchfit.spec import TrainingSetup, is_deepspeed
@@ -172,8 +173,8 @@ def step_time(
         UsageError: both a ``workload`` and sizes, or neither.
     """
     micro_batch_size, seq_len = _sizes(workload, micro_batch_size, seq_len)
-    if workload is not None and workload.lengths is not None:
-        seq_len = max(1, round(workload.lengths.timed_length(micro_batch_size)))
+    if workload is not None:
+        seq_len = max(1, round(sample_tokens(workload.lengths, seq_len, micro_batch_size)))
     if model.arch.family == "vision":
         if isinstance(gpu, CpuSpec) or not flops_per_sample or not all(flops_per_sample[:2]):
             return None
@@ -208,9 +209,12 @@ def _gpu_step_time(
     flops_per_token, model_flops_per_token = flops.per_token, flops.model_per_token
     rows = _matmul_rows(model, micro_batch_size, seq_len)
     util = _utilisation(setup, gpu, arch.hidden_size, rows)
+    bandwidth = gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY
     # the other operators' memory traffic, where a dry run counted it: then the matmuls run at
-    # the generation's ceiling (the width's discount stands for that traffic in the formulas)
-    moved = flops.bytes_per_token * tokens / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    # the generation's ceiling (the width's discount stands for that traffic in the formulas);
+    # LoRA's adapters and QLoRA's dequantisation stream memory beside the matmuls
+    moved = (flops.bytes_per_token + flops.adapter_bytes_per_token) * tokens
+    moved = (moved + flops.dequant_bytes) / bandwidth
     if flops.bytes_per_token and setup.precision != "fp32":
         util = U_MAX.get(gpu.architecture, 0.5)
     # DeepSpeed's stages run the 16-bit module without autocast (memory/formulas/deepspeed.py), but
@@ -219,9 +223,6 @@ def _gpu_step_time(
     # recomputed layers launch their forward kernels again (about a third of a layer's)
     launch = LAUNCH_S_PER_LAYER["amp" if amp else "plain"] * layers * (1 + recompute_share / 3)
     launch *= flops.launch_scale
-    # LoRA's adapters and QLoRA's dequantisation stream memory beside the matmuls
-    method = flops.adapter_bytes_per_token * tokens + flops.dequant_bytes
-    moved += method / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     compute = flops_per_token * tokens / (peak * util) + moved
     if setup.compile:
         compute /= COMPILE_SPEEDUP
@@ -231,7 +232,7 @@ def _gpu_step_time(
     shard = setup.num_gpus if is_deepspeed(setup) or setup.sharding == "fsdp" else 1
     element = 2 if setup.precision in ("bf16", "fp16") else 4
     opt_bytes = optimizer_accesses(setup) * element * trainable / shard
-    update = opt_bytes / (gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    update = opt_bytes / bandwidth
     comm_micro = comm_step = 0.0
     if link is not None:
         comm_micro, comm_step = _comm_seconds(

@@ -208,16 +208,11 @@ def method_costs(model: ModelInfo, setup: TrainingSetup, recompute_share: float)
         backward = in_dim * e * (5 + 2 * d) + d * in_dim + 4 * out_dim * e
         adapter_bytes += (forward * (1 + recompute_share) + backward) * routed * group.count
         adapted += group.count
-    linears = sum(
-        g.count
-        for g in model.params
-        if g.module in ("Linear", "Conv1D") and g.pattern.endswith("weight") and g.kind != "head"
-    )
+    linears = sum(g.count for g in model.linear_weights())
     # a 16-bit frozen base under autocast is not cast (``--frozen-dtype``, auto: the 16-bit
     # dtype a 16-bit precision loads it in)
     amp = setup.precision in ("amp-bf16", "amp-fp16")
-    sixteen = setup.frozen_dtype in ("bf16", "fp16") or setup.frozen_dtype == "auto"
-    frozen = FROZEN_OPS["cast" if amp and sixteen else "plain"]
+    frozen = FROZEN_OPS["cast" if amp and setup.frozen_dtype != "fp32" else "plain"]
     ops = adapted * (LORA_OPS + d * LORA_DROPOUT_OPS) - linears * frozen
     dequant = 0.0
     if setup.method == "qlora":
